@@ -1,0 +1,79 @@
+"""String enums shared by the API, the operator and the worker's algorithm functions.
+
+Each value is what users write in YAML; the worker selects algorithm functions by them.
+"""
+from enum import Enum
+
+
+class StrEnum(str, Enum):
+    def __str__(self) -> str:  # so f-strings and YAML dumps show the bare value
+        return self.value
+
+
+class AlgorithmName(StrEnum):
+    GRPO = "grpo"
+
+
+class AdvantageEstimator(StrEnum):
+    GRPO = "grpo"  # group mean baseline, optional std normalisation
+    RLOO = "rloo"  # leave-one-out group mean baseline
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"  # batch-normalised returns, no group baseline
+
+
+class KLEstimator(StrEnum):
+    K1 = "k1"  # log(pi/ref)
+    K2 = "k2"  # 0.5 * log(pi/ref)^2
+    K3 = "k3"  # ref/pi - log(ref/pi) - 1 (Schulman's unbiased, non-negative)
+    LOW_VAR_KL = "low_var_kl"  # k3 clamped to [-10, 10], as verl
+
+
+class KLPlacement(StrEnum):
+    LOSS = "loss"  # add coef * KL to the policy loss (GRPO paper)
+    REWARD = "reward"  # subtract coef * KL from token rewards (PPO-style)
+
+
+class LossAggregation(StrEnum):
+    TOKEN_MEAN = "token-mean"  # mean over all response tokens of the batch (DAPO)
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # per-sequence mean, then mean over sequences (GRPO paper)
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # per-sequence sum / max length (Dr.GRPO)
+
+
+class ImportanceLevel(StrEnum):
+    TOKEN = "token"  # PPO / GRPO token-level ratio
+    SEQUENCE = "sequence"  # GSPO: length-normalised sequence-level ratio
+
+
+class RolloutEngine(StrEnum):
+    VLLM = "vllm"
+    HF = "hf"
+    AUTO = "auto"  # vllm when importable on a GPU, else hf
+
+
+class ResumeMode(StrEnum):
+    AUTO = "auto"
+    DISABLE = "disable"
+    URI = "uri"  # resume from checkpoint.resumeFrom
+
+
+class RecomputeGranularity(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class RecomputeMethod(StrEnum):
+    UNIFORM = "uniform"
+    BLOCK = "block"
+
+
+class ModelDType(StrEnum):
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+class PromptOverflow(StrEnum):
+    FILTER = "filter"  # drop prompts longer than data.maxPromptLength (counted and reported)
+    TRUNCATE_LEFT = "truncate-left"
+    TRUNCATE_RIGHT = "truncate-right"
+    ERROR = "error"
