@@ -1,0 +1,435 @@
+"""RLJob v1alpha1: the pydantic models behind the CRD, the operator and the worker.
+
+Python uses snake_case; YAML/JSON use camelCase (aliases). Every field carries a
+description, which the generated CRD keeps so `kubectl explain rlj.spec...` helps.
+Defaults follow the seed recipes (verl / siiRL / Trinity-RFT Megatron GRPO) where
+they have one; the seed's own key is named in the description as "(verl: ...)".
+
+Cross-field rules live in `rljob_api.validation`; `parse_rljob` there is the one
+entry point that turns a dict into a validated `RLJob`.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from rljob_api.enums import (
+    AdvantageEstimator,
+    AlgorithmName,
+    ImportanceLevel,
+    KLEstimator,
+    KLPlacement,
+    LossAggregation,
+    ModelDType,
+    PromptOverflow,
+    RecomputeGranularity,
+    RecomputeMethod,
+    ResumeMode,
+    RolloutEngine,
+)
+
+GROUP = "rljob.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLJob"
+PLURAL = "rljobs"
+SINGULAR = "rljob"
+SHORT_NAMES = ["rlj"]
+CATEGORIES = ["ml"]
+
+# A storage URI: s3://bucket[/prefix], file:///abs/path or an absolute path on a mounted volume.
+STORAGE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*)$"
+# A model source additionally accepts builtin://NAME (a tiny model rljob builds from a shipped config).
+MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*|builtin://[a-z0-9\-]+)$"
+# module.path:function
+REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
+
+
+class ApiModel(BaseModel):
+    """Base: camelCase aliases, unknown fields rejected, assignment validated."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+        use_enum_values=False,
+    )
+
+
+def _f(default: Any = ..., description: str = "", **kw: Any) -> Any:
+    """Field with a mandatory description (the CRD and README reference show it)."""
+    assert description, "every field needs a description"
+    return Field(default, description=description, **kw)
+
+
+# --------------------------------------------------------------------------- model and data
+
+
+class ModelSpec(ApiModel):
+    path: str = _f(
+        description=(
+            "Hugging Face checkpoint folder of the policy (config.json, tokenizer, safetensors): "
+            "s3://bucket/prefix (downloaded once per node), file:///path or /path on a mounted volume, "
+            "or builtin://tiny-qwen2 (a tiny random-init Qwen2 model with a character tokenizer, for "
+            "smoke tests and the quickstart). (verl: actor_rollout_ref.model.path)"
+        ),
+        pattern=MODEL_URI_PATTERN,
+        max_length=1024,
+    )
+    dtype: ModelDType = _f(ModelDType.BFLOAT16, "Parameter dtype for training and rollout; optimizer master weights stay fp32.")
+    gradient_checkpointing: bool = _f(
+        False,
+        "Shorthand for megatron full uniform recompute of 1 layer per chunk when megatron.recomputeGranularity "
+        "is none. (verl: actor_rollout_ref.model.enable_gradient_checkpointing)",
+    )
+    trust_remote_code: bool = _f(False, "Allow custom modelling code from the checkpoint folder (tokenizer only).")
+    tokenizer_path: str | None = _f(
+        None, "Tokenizer folder if it differs from model.path.", pattern=MODEL_URI_PATTERN, max_length=1024
+    )
+
+
+class SyntheticDataSpec(ApiModel):
+    task: Literal["target-token", "digit-sum"] = _f(
+        description=(
+            "Generated task: target-token (reward = fraction of generated tokens equal to a target character) "
+            "or digit-sum ('a+b=' answered by (a+b) mod 10 as the first generated token)."
+        )
+    )
+    num_prompts: int = _f(256, "Number of distinct prompts generated for the training set.", ge=1, le=1_000_000)
+    num_val_prompts: int = _f(64, "Number of prompts generated for validation.", ge=0, le=1_000_000)
+
+
+class DataSpec(ApiModel):
+    train_files: list[str] = _f(
+        default_factory=list,
+        description="Training parquet files (verl format: prompt, data_source, reward_model.ground_truth, "
+        "extra_info), as s3:// or file:// URIs or absolute paths. (verl: data.train_files)",
+        max_length=1024,
+    )
+    val_files: list[str] = _f(
+        default_factory=list, description="Validation parquet files, same format. (verl: data.val_files)", max_length=1024
+    )
+    synthetic: SyntheticDataSpec | None = _f(
+        None, "Generate a synthetic task instead of reading parquet files (quickstart, tests)."
+    )
+    prompt_key: str = _f("prompt", "Column holding the prompt (chat message list or string). (verl: data.prompt_key)", min_length=1)
+    max_prompt_length: int = _f(1024, "Maximum prompt tokens. (verl: data.max_prompt_length)", ge=1, le=1_048_576)
+    max_response_length: int = _f(2048, "Maximum generated tokens. (verl: data.max_response_length)", ge=1, le=1_048_576)
+    prompt_overflow: PromptOverflow = _f(
+        PromptOverflow.FILTER,
+        "What to do with prompts longer than maxPromptLength: filter (dropped and counted), truncate-left, "
+        "truncate-right, or error. (verl: data.filter_overlong_prompts / data.truncation)",
+    )
+    apply_chat_template: bool = _f(True, "Render chat-message prompts with the tokenizer's chat template when it has one.")
+    shuffle: bool = _f(True, "Shuffle the training set each epoch (deterministically from training.seed).")
+
+
+# --------------------------------------------------------------------------- algorithm
+
+
+class OverlongBufferSpec(ApiModel):
+    enable: bool = _f(False, "Penalise responses that reach into the last `length` tokens before maxResponseLength (DAPO).")
+    length: int = _f(256, "Size of the soft-penalty zone in tokens.", ge=1)
+    penalty_factor: float = _f(1.0, "Penalty at maxResponseLength; grows linearly from 0 over the zone.", ge=0)
+
+
+class AlgorithmSpec(ApiModel):
+    name: AlgorithmName = _f(AlgorithmName.GRPO, "Training algorithm.")
+    advantage_estimator: AdvantageEstimator = _f(
+        AdvantageEstimator.GRPO, "Outcome advantage: grpo (group mean), rloo (leave-one-out), reinforce_plus_plus. (verl: algorithm.adv_estimator)"
+    )
+    norm_adv_by_std: bool = _f(
+        True, "Divide group-centred rewards by the group std; false gives Dr.GRPO. (verl: algorithm.norm_adv_by_std_in_grpo)"
+    )
+    clip_ratio_low: float = _f(0.2, "PPO clip range below 1. (verl: actor.clip_ratio_low)", ge=0, le=1)
+    clip_ratio_high: float = _f(0.2, "PPO clip range above 1; DAPO's clip-higher uses 0.28. (verl: actor.clip_ratio_high)", ge=0, le=10)
+    dual_clip_c: float | None = _f(
+        None, "Dual-clip bound for negative advantages (> 1, typically 3); unset disables. (verl: actor.clip_ratio_c)", gt=1
+    )
+    importance_level: ImportanceLevel = _f(
+        ImportanceLevel.TOKEN, "Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."
+    )
+    kl_coef: float = _f(
+        0.001, "KL coefficient; 0 disables the reference model. (verl: actor.kl_loss_coef / algorithm.kl_ctrl.kl_coef)", ge=0
+    )
+    kl_estimator: KLEstimator = _f(
+        KLEstimator.LOW_VAR_KL, "KL estimator: k1, k2, k3, low_var_kl (clamped k3). (verl: actor.kl_loss_type)"
+    )
+    kl_placement: KLPlacement = _f(
+        KLPlacement.LOSS, "Add the KL term to the loss (GRPO) or subtract it from the reward. (verl: actor.use_kl_loss / algorithm.use_kl_in_reward)"
+    )
+    entropy_coeff: float = _f(0.0, "Entropy bonus coefficient. (verl: actor.entropy_coeff)", ge=0)
+    loss_aggregation: LossAggregation = _f(
+        LossAggregation.TOKEN_MEAN,
+        "How token losses become one number: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm (Dr.GRPO). (verl: actor.loss_agg_mode)",
+    )
+    dynamic_sampling: bool = _f(
+        False, "DAPO dynamic sampling: drop prompt groups whose rewards are all equal and refill from the next prompts."
+    )
+    max_refill_batches: int = _f(4, "With dynamicSampling, how many extra rollout batches may be drawn per step.", ge=0, le=64)
+    overlong_buffer: OverlongBufferSpec = _f(default_factory=OverlongBufferSpec, description="DAPO overlong reward shaping.")
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+class RolloutSpec(ApiModel):
+    engine: RolloutEngine = _f(
+        RolloutEngine.AUTO, "Rollout engine: vllm (production), hf (transformers; CPU and fallback), auto (vllm when importable on a GPU)."
+    )
+    n: int = _f(8, "Samples per prompt, i.e. the GRPO group size. (verl: actor_rollout_ref.rollout.n)", ge=2, le=1024)
+    temperature: float = _f(1.0, "Sampling temperature. (verl: rollout.temperature)", ge=0, le=10)
+    top_p: float = _f(1.0, "Nucleus sampling probability mass. (verl: rollout.top_p)", gt=0, le=1)
+    top_k: int = _f(-1, "Top-k sampling; -1 disables. (verl: rollout.top_k)", ge=-1)
+    tensor_model_parallel_size: int = _f(
+        1, "Rollout tensor parallel size; must divide gpusPerNode. (verl: rollout.tensor_model_parallel_size)", ge=1, le=64
+    )
+    gpu_memory_utilization: float = _f(
+        0.6, "Fraction of GPU memory the colocated engine may take for weights and KV cache. (verl: rollout.gpu_memory_utilization)", gt=0, le=0.95
+    )
+    free_cache_engine: bool = _f(
+        True, "Put the colocated engine to sleep (free KV cache and weights) while the actor trains. (verl: rollout.free_cache_engine)"
+    )
+    enforce_eager: bool = _f(False, "Disable CUDA graphs in the engine (debugging). (verl: rollout.enforce_eager)")
+    max_num_batched_tokens: int | None = _f(None, "Engine scheduler token budget per iteration. (verl: rollout.max_num_batched_tokens)", ge=1)
+    log_prob_micro_batch_size_per_gpu: int = _f(
+        8, "Micro batch for recomputing old/reference log-probs with the trainer. (verl: rollout.log_prob_micro_batch_size_per_gpu)", ge=1
+    )
+    val_temperature: float = _f(0.0, "Sampling temperature for validation (0 = greedy). (verl: rollout.val_kwargs.temperature)", ge=0, le=10)
+    val_n: int = _f(1, "Samples per validation prompt. (verl: rollout.val_kwargs.n)", ge=1, le=64)
+
+
+# --------------------------------------------------------------------------- training and megatron
+
+
+class TrainingSpec(ApiModel):
+    train_batch_size_per_node: int = _f(
+        64, "Prompts per training step on each node; the global batch is this x nnodes. (verl: data.train_batch_size / nnodes)", ge=1
+    )
+    ppo_mini_batch_size_per_node: int = _f(
+        16, "Prompts per optimizer step on each node (x n samples each). (verl: actor.ppo_mini_batch_size / nnodes)", ge=1
+    )
+    micro_batch_size_per_gpu: int = _f(
+        4, "Sequences per forward/backward on one GPU. (verl: actor.ppo_micro_batch_size_per_gpu)", ge=1
+    )
+    ppo_epochs: int = _f(1, "Passes over each rollout batch. (verl: actor.ppo_epochs)", ge=1, le=64)
+    lr: float = _f(1e-6, "Peak learning rate. (verl: actor.optim.lr)", gt=0, le=1)
+    lr_warmup_steps: int = _f(0, "Linear warm-up optimizer steps. (verl: actor.optim.lr_warmup_steps)", ge=0)
+    weight_decay: float = _f(0.01, "AdamW weight decay. (verl: actor.optim.weight_decay)", ge=0)
+    grad_clip: float = _f(1.0, "Global gradient-norm clip; 0 disables. (verl: actor.grad_clip)", ge=0)
+    total_epochs: int = _f(30, "Passes over the training set. (verl: trainer.total_epochs)", ge=1)
+    total_training_steps: int | None = _f(
+        None, "Stop after this many steps (overrides totalEpochs when smaller). (verl: trainer.total_training_steps)", ge=1
+    )
+    test_freq: int = _f(10, "Validate every this many steps; -1 disables. (verl: trainer.test_freq)", ge=-1)
+    val_before_train: bool = _f(True, "Validate once before the first step. (verl: trainer.val_before_train)")
+    seed: int = _f(1, "Seed for data order, sampling and initialisation.", ge=0)
+
+
+class MegatronSpec(ApiModel):
+    tensor_model_parallel_size: int = _f(1, "Tensor parallel size. (verl: actor.megatron.tensor_model_parallel_size)", ge=1, le=64)
+    pipeline_model_parallel_size: int = _f(1, "Pipeline parallel size. (verl: actor.megatron.pipeline_model_parallel_size)", ge=1, le=128)
+    virtual_pipeline_model_parallel_size: int | None = _f(
+        None, "Interleaved (virtual) pipeline chunks per stage; needs pipelineModelParallelSize > 1. (verl: virtual_pipeline_model_parallel_size)", ge=2
+    )
+    context_parallel_size: int = _f(1, "Context parallel size. (verl: actor.megatron.context_parallel_size)", ge=1, le=64)
+    expert_model_parallel_size: int = _f(1, "Expert parallel size (MoE). (verl: actor.megatron.expert_model_parallel_size)", ge=1, le=512)
+    expert_tensor_parallel_size: int | None = _f(None, "Tensor parallel size inside experts; defaults to tensorModelParallelSize.", ge=1)
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism; needs tensorModelParallelSize > 1. (verl: actor.megatron.sequence_parallel)")
+    use_distributed_optimizer: bool = _f(True, "Shard optimizer state over data parallel ranks. (verl: actor.megatron.use_distributed_optimizer)")
+    param_offload: bool = _f(False, "Move parameters to CPU while the rollout engine runs. (verl: actor.megatron.param_offload)")
+    grad_offload: bool = _f(False, "Move gradient buffers to CPU while the rollout engine runs. (verl: actor.megatron.grad_offload)")
+    optimizer_offload: bool = _f(False, "Move optimizer state to CPU while the rollout engine runs. (verl: actor.megatron.optimizer_offload)")
+    recompute_granularity: RecomputeGranularity = _f(
+        RecomputeGranularity.NONE, "Activation recompute: none, selective (attention core), full (whole layers)."
+    )
+    recompute_method: RecomputeMethod = _f(RecomputeMethod.UNIFORM, "With full recompute: uniform or block.")
+    recompute_num_layers: int = _f(1, "With full recompute: layers per recompute group (uniform) or recomputed layers per stage (block).", ge=1)
+    override_transformer_config: dict[str, Any] = _f(
+        default_factory=dict,
+        description="Extra megatron TransformerConfig fields, passed through as in the seeds "
+        "(verl: actor.megatron.override_transformer_config).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+# --------------------------------------------------------------------------- reward, checkpoint, storage, metrics
+
+
+class RewardSpec(ApiModel):
+    function: str = _f(
+        "gsm8k",
+        "Reward function: a built-in name (gsm8k, math-boxed, format, target-token, digit-sum) or module.path:function "
+        "importable in the worker image, called as f(prompt, completion, ground_truth, extra) -> float.",
+        pattern=REWARD_FUNCTION_PATTERN,
+        max_length=256,
+    )
+    num_workers: int = _f(0, "Processes scoring rewards off the training loop; 0 scores inline.", ge=0, le=256)
+    timeout_seconds: float = _f(30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index.", gt=0)
+
+
+class CheckpointSpec(ApiModel):
+    uri: str = _f(
+        "file:///tmp/rljob-checkpoints",
+        "Where checkpoints go: s3://bucket/prefix or a path on a mounted volume; the job writes under "
+        "<uri>/<namespace>/<name>/step_NNNNNN/. (verl: trainer.default_local_dir)",
+        pattern=STORAGE_URI_PATTERN,
+        max_length=1024,
+    )
+    save_freq: int = _f(30, "Save every this many steps (and at the end); -1 saves only at the end. (verl: trainer.save_freq)", ge=-1)
+    max_to_keep: int = _f(5, "Committed checkpoints kept; older ones are deleted after a newer one commits; 0 keeps all. (verl: trainer.max_actor_ckpt_to_keep)", ge=0)
+    resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom). (verl: trainer.resume_mode)")
+    resume_from: str | None = _f(
+        None, "Checkpoint step folder to resume from when resumeMode is uri. (verl: trainer.resume_from_path)", pattern=STORAGE_URI_PATTERN, max_length=1024
+    )
+    export_hf: bool = _f(True, "Write a Hugging Face safetensors export of the final policy under <job prefix>/hf/.")
+    save_on_preemption: bool = _f(True, "On SIGTERM (eviction, suspend) save a checkpoint before exiting when the grace period allows.")
+
+
+class SecretKeyRef(ApiModel):
+    name: str = _f(description="Secret name in the RLJob's namespace.", min_length=1, max_length=253)
+    access_key_id_key: str = _f("AWS_ACCESS_KEY_ID", "Key of the access key id in the Secret.")
+    secret_access_key_key: str = _f("AWS_SECRET_ACCESS_KEY", "Key of the secret access key in the Secret.")
+
+
+class S3Spec(ApiModel):
+    endpoint: str | None = _f(
+        None, "S3-compatible endpoint URL (MinIO, SeaweedFS, Ceph); unset uses AWS.", pattern=r"^https?://[^\s]+$", max_length=1024
+    )
+    region: str = _f("us-east-1", "Region name passed to the client.", max_length=64)
+    credentials_secret_ref: SecretKeyRef | None = _f(
+        None, "Secret with the access key pair; injected into the worker as env references, never copied."
+    )
+    addressing_style: Literal["path", "virtual"] = _f("path", "Bucket addressing; S3-compatible servers usually need path.")
+
+
+class MetricsSpec(ApiModel):
+    enabled: bool = _f(True, "Serve Prometheus metrics from the worker.")
+    port: int = _f(9400, "Port of the worker's /metrics endpoint in its pod.", ge=1024, le=65535)
+    pod_monitor: bool = _f(False, "Create a PodMonitor (needs the Prometheus operator CRDs).")
+    tensorboard_dir: str | None = _f(None, "Also write TensorBoard scalars here (a path on a mounted volume).", max_length=1024)
+
+
+class RunPolicySpec(ApiModel):
+    backoff_limit: int = _f(3, "Pod restarts before the PyTorchJob is failed.", ge=0, le=1000)
+    active_deadline_seconds: int | None = _f(None, "Wall-clock limit of the whole job.", ge=1)
+    ttl_seconds_after_finished: int | None = _f(None, "Delete the PyTorchJob's pods this long after it finishes.", ge=0)
+
+
+class PodTemplateSpec(ApiModel):
+    resources: dict[str, dict[str, str]] = _f(
+        default_factory=dict,
+        description="Container resources (requests/limits). GPUs are set from gpusPerNode; give cpu/memory here.",
+    )
+    node_selector: dict[str, str] = _f(default_factory=dict, description="Node selector for the training pods.")
+    tolerations: list[dict[str, Any]] = _f(
+        default_factory=list,
+        description="Tolerations for the training pods (core/v1 Toleration).",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+    volumes: list[dict[str, Any]] = _f(
+        default_factory=list,
+        description="Extra pod volumes (core/v1 Volume), e.g. a PVC with model weights.",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+    volume_mounts: list[dict[str, Any]] = _f(
+        default_factory=list,
+        description="Extra container volume mounts (core/v1 VolumeMount).",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+    env: list[dict[str, Any]] = _f(
+        default_factory=list,
+        description="Extra container environment variables (core/v1 EnvVar).",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+    labels: dict[str, str] = _f(default_factory=dict, description="Extra pod labels.")
+    annotations: dict[str, str] = _f(default_factory=dict, description="Extra pod annotations.")
+    service_account_name: str | None = _f(None, "Service account of the training pods.", max_length=253)
+    image_pull_secrets: list[str] = _f(default_factory=list, description="Names of image pull secrets.")
+    priority_class_name: str | None = _f(None, "Priority class of the training pods.", max_length=253)
+    scheduler_name: str | None = _f(None, "Scheduler of the training pods (e.g. volcano, kueue-aware schedulers).", max_length=253)
+    termination_grace_period_seconds: int = _f(
+        300, "Time a pod gets after SIGTERM; the worker spends it saving a checkpoint.", ge=0, le=86400
+    )
+    shm_size: str = _f("16Gi", "Size limit of the in-memory /dev/shm (NCCL and the rollout engine need more than 64Mi).", pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+
+
+class RLJobSpec(ApiModel):
+    image: str | None = _f(
+        None, "Worker image; unset uses the operator's default (chart value worker.image).", max_length=1024
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = _f("IfNotPresent", "Image pull policy of the worker container.")
+    nnodes: int = _f(1, "Pods (nodes); one Master plus nnodes-1 Workers. (verl: trainer.nnodes)", ge=1, le=4096)
+    gpus_per_node: int = _f(8, "GPUs per pod, one training process each; with device cpu, processes per pod. (verl: trainer.n_gpus_per_node)", ge=1, le=64)
+    device: Literal["gpu", "cpu"] = _f("gpu", "gpu requests gpusPerNode GPUs per pod; cpu runs gloo processes (tests, quickstart).")
+    suspend: bool = _f(False, "Suspend the job: a checkpoint is saved, pods are deleted; false resumes from it.")
+    model: ModelSpec = _f(description="The policy model.")
+    data: DataSpec = _f(default_factory=DataSpec, description="Training and validation data.")
+    algorithm: AlgorithmSpec = _f(default_factory=AlgorithmSpec, description="RL algorithm and loss.")
+    rollout: RolloutSpec = _f(default_factory=RolloutSpec, description="Generation engine and sampling.")
+    training: TrainingSpec = _f(default_factory=TrainingSpec, description="Batch sizes, optimizer and schedule.")
+    megatron: MegatronSpec = _f(default_factory=MegatronSpec, description="megatron-core parallelism, memory and recompute.")
+    reward: RewardSpec = _f(default_factory=RewardSpec, description="Reward function.")
+    checkpoint: CheckpointSpec = _f(default_factory=CheckpointSpec, description="Checkpointing and resume.")
+    s3: S3Spec = _f(default_factory=S3Spec, description="Object storage connection for s3:// URIs.")
+    metrics: MetricsSpec = _f(default_factory=MetricsSpec, description="Prometheus metrics.")
+    run_policy: RunPolicySpec = _f(default_factory=RunPolicySpec, description="Retries and deadlines of the PyTorchJob.")
+    pod_template: PodTemplateSpec = _f(default_factory=PodTemplateSpec, description="Overrides of the training pods.")
+
+
+# --------------------------------------------------------------------------- status
+
+
+class Condition(ApiModel):
+    type: str = _f(description="Accepted, Running, Succeeded, Failed or Suspended.")
+    status: Literal["True", "False", "Unknown"] = _f(description="Condition status.")
+    reason: str = _f(description="One CamelCase word saying why.")
+    message: str = _f("", "A sentence for humans.")
+    last_transition_time: str | None = _f(None, "When status last changed (RFC 3339).")
+    observed_generation: int | None = _f(None, "metadata.generation this condition was computed from.")
+
+
+class CheckpointRefStatus(ApiModel):
+    step: int = _f(description="Training step of the checkpoint.")
+    uri: str = _f(description="Committed checkpoint folder.")
+    time: str | None = _f(None, "When it was committed (RFC 3339).")
+
+
+class TrainerStatus(ApiModel):
+    step: int = _f(0, "Last finished training step.")
+    total_steps: int | None = _f(None, "Steps the run will take.")
+    progress_percentage: int | None = _f(None, "step / totalSteps in percent.")
+    reward_mean: float | None = _f(None, "Mean training reward of the last step.")
+    val_reward_mean: float | None = _f(None, "Mean validation reward of the last validation.")
+    last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")
+    last_updated_time: str | None = _f(None, "When the worker last reported (RFC 3339).")
+
+
+class RLJobStatus(ApiModel):
+    observed_generation: int | None = _f(None, "metadata.generation the operator last acted on.")
+    conditions: list[Condition] = _f(default_factory=list, description="Current conditions, one per type.")
+    pytorch_job_name: str | None = _f(None, "Name of the PyTorchJob running this RLJob.")
+    start_time: str | None = _f(None, "When training pods first ran (RFC 3339).")
+    completion_time: str | None = _f(None, "When the job succeeded or failed (RFC 3339).")
+    trainer: TrainerStatus | None = _f(None, "Progress reported by the worker.")
+
+
+class ObjectMeta(BaseModel):
+    """The subset of metadata the operator and worker read; everything else passes through."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field("rljob", description="Object name.", max_length=63)
+    namespace: str = Field("default", description="Namespace.")
+    generation: int | None = Field(None, description="Spec generation.")
+    uid: str | None = Field(None, description="Object uid.")
+
+
+class RLJob(ApiModel):
+    api_version: Literal["rljob.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion", description="rljob.dev/v1alpha1")
+    kind: Literal["RLJob"] = Field(KIND, description="RLJob")
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta, description="Standard object metadata.")
+    spec: RLJobSpec = Field(description="What to train and how.")
+    status: RLJobStatus | None = Field(None, description="Observed state, written by the operator.")

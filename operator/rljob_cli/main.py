@@ -1,0 +1,172 @@
+"""`rljob` command line.
+
+    rljob validate FILE...      check RLJob manifests; one line per job, every error with its field path
+    rljob crd                   print the generated CustomResourceDefinition
+    rljob explain [FIELD.PATH]  describe spec fields (like `kubectl explain rlj.spec...`)
+    rljob render FILE           print the children the operator would create
+    rljob run FILE [--local]    run an RLJob on this machine without Kubernetes
+
+Heavy imports (operator builders, the worker) happen inside the subcommands so that
+`validate`, `crd` and `explain` need only pydantic and PyYAML.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
+
+
+def load_documents(path: str) -> list[Any]:
+    """YAML documents of a file ('-' for stdin), empty documents dropped. Raises ValueError with a readable message."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ValueError(f"{path}: malformed YAML{where}: {problem}") from None
+
+
+def load_rljob(path: str):
+    """The single RLJob in a file, validated. Raises ValueError / RLJobValidationError."""
+    docs = [d for d in load_documents(path) if not (isinstance(d, dict) and d.get("kind") not in (None, "RLJob"))]
+    if len(docs) != 1:
+        raise ValueError(f"{path}: expected exactly one RLJob document, found {len(docs)}")
+    job = parse_rljob(docs[0])
+    errors = name_errors(job.metadata.name)
+    if errors:
+        raise RLJobValidationError(errors)
+    return job
+
+
+def summarize(job) -> str:
+    s = job.spec
+    m = s.megatron
+    data = f"synthetic:{s.data.synthetic.task}" if s.data.synthetic else f"{len(s.data.train_files)} train file(s)"
+    return (
+        f"{job.metadata.name}: {s.algorithm.name.value} on {s.model.path}, {s.nnodes}x{s.gpus_per_node} {s.device}, "
+        f"TP{m.tensor_model_parallel_size} PP{m.pipeline_model_parallel_size} CP{m.context_parallel_size} "
+        f"EP{m.expert_model_parallel_size}, n={s.rollout.n}, {data}"
+    )
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    failed = 0
+    for path in args.files:
+        try:
+            docs = load_documents(path)
+        except ValueError as exc:
+            print(f"ERROR {exc}")
+            failed += 1
+            continue
+        if not docs:
+            print(f"ERROR {path}: no YAML documents")
+            failed += 1
+        for index, doc in enumerate(docs):
+            label = path if len(docs) == 1 else f"{path}#{index}"
+            try:
+                job = parse_rljob(doc)
+                errors = name_errors(job.metadata.name)
+                if errors:
+                    raise RLJobValidationError(errors)
+            except RLJobValidationError as exc:
+                failed += 1
+                print(f"INVALID {label}")
+                for err in exc.errors:
+                    print(f"  {err.path}: {err.message}")
+                continue
+            print(f"OK {label}: {summarize(job)}")
+    return 1 if failed else 0
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    from rljob_api.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from rljob_api.explain import explain
+
+    try:
+        print(explain(args.field or "spec"))
+    except KeyError as exc:
+        print(f"ERROR {exc.args[0]}")
+        return 1
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from rljob_operator.builders import build_children
+    from rljob_operator.settings import OperatorSettings
+
+    try:
+        job = load_rljob(args.file)
+    except (ValueError, RLJobValidationError) as exc:
+        return _report_invalid(args.file, exc)
+    children = build_children(job, OperatorSettings.from_env())
+    sys.stdout.write(yaml.safe_dump_all(children, sort_keys=False, width=120))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        job = load_rljob(args.file)
+    except (ValueError, RLJobValidationError) as exc:
+        return _report_invalid(args.file, exc)
+    from rljob_worker.launcher import run_local
+
+    return run_local(job, workdir=args.workdir, checkpoint_uri=args.checkpoint_uri, steps=args.steps)
+
+
+def _report_invalid(path: str, exc: Exception) -> int:
+    print(f"INVALID {path}", file=sys.stderr)
+    if isinstance(exc, RLJobValidationError):
+        for err in exc.errors:
+            print(f"  {err.path}: {err.message}", file=sys.stderr)
+    else:
+        print(f"  {exc}", file=sys.stderr)
+    return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rljob", description="RL post-training of LLMs as Kubernetes jobs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="validate RLJob manifests")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("crd", help="print the RLJob CustomResourceDefinition")
+    p.set_defaults(func=cmd_crd)
+    p = sub.add_parser("explain", help="describe RLJob fields, e.g. `rljob explain spec.algorithm`")
+    p.add_argument("field", nargs="?", metavar="FIELD.PATH")
+    p.set_defaults(func=cmd_explain)
+    p = sub.add_parser("render", help="print the children (ConfigMap, PyTorchJob, ...) the operator would create")
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(func=cmd_render)
+    p = sub.add_parser("run", help="run an RLJob on this machine (no Kubernetes)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--local", action="store_true", default=True, help="run locally (the only mode for now)")
+    p.add_argument("--workdir", default=None, help="where run outputs go (default ./runs/<name>)")
+    p.add_argument("--checkpoint-uri", default=None, help="override spec.checkpoint.uri")
+    p.add_argument("--steps", type=int, default=None, help="override spec.training.totalTrainingSteps")
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
