@@ -1,0 +1,1 @@
+"""The rljob worker: GRPO rollout, reward, advantage and megatron-core update loop run by torchrun."""

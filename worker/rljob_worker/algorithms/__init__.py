@@ -1,0 +1,30 @@
+"""Pure GRPO algorithm math: advantages, KL estimators, loss aggregation, policy loss, batch filters."""
+
+from .advantages import broadcast_to_tokens, compute_outcome_advantages
+from .aggregation import aggregate_loss, masked_mean, masked_zero
+from .kl import apply_kl_to_rewards, kl_penalty
+from .policy_loss import LossConfig, entropy_bonus, grpo_loss, policy_loss
+from .sampling_filters import (
+    nonzero_variance_groups,
+    overlong_penalty,
+    response_length_clip_ratio,
+    select_groups,
+)
+
+__all__ = [
+    "LossConfig",
+    "aggregate_loss",
+    "apply_kl_to_rewards",
+    "broadcast_to_tokens",
+    "compute_outcome_advantages",
+    "entropy_bonus",
+    "grpo_loss",
+    "kl_penalty",
+    "masked_mean",
+    "masked_zero",
+    "nonzero_variance_groups",
+    "overlong_penalty",
+    "policy_loss",
+    "response_length_clip_ratio",
+    "select_groups",
+]
