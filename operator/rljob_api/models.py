@@ -222,7 +222,7 @@ class TrainingSpec(ApiModel):
     grad_clip: float = _f(1.0, "Global gradient-norm clip; 0 disables. (verl: actor.grad_clip)", ge=0)
     total_epochs: int = _f(30, "Passes over the training set. (verl: trainer.total_epochs)", ge=1)
     total_training_steps: int | None = _f(
-        None, "Stop after this many steps (overrides totalEpochs when smaller). (verl: trainer.total_training_steps)", ge=1
+        None, "Stop after this many steps (overrides totalEpochs; the data wraps into further epochs). (verl: trainer.total_training_steps)", ge=1
     )
     test_freq: int = _f(10, "Validate every this many steps; -1 disables. (verl: trainer.test_freq)", ge=-1)
     val_before_train: bool = _f(True, "Validate once before the first step. (verl: trainer.val_before_train)")

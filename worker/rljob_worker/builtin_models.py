@@ -1,0 +1,79 @@
+"""`builtin://` models: tiny random-init HF checkpoints rljob builds from shipped configs.
+
+They exist so that the quickstart, CI and smoke tests train a real Qwen2-architecture
+model through the whole stack without downloading anything. The tokenizer is
+character-level over a 16-symbol vocabulary (digits, '+', '=', ' ', '#', specials),
+which the synthetic tasks in `rljob_worker.synthetic` are written in.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+CHARS = list("0123456789+= #")
+VOCAB = [PAD, EOS, *CHARS]  # 16 symbols: uniform sampling hits one given symbol ~6% of the time
+
+TINY_QWEN2_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": len(VOCAB),
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "bos_token_id": VOCAB.index(EOS),
+    "eos_token_id": VOCAB.index(EOS),
+    "pad_token_id": VOCAB.index(PAD),
+}
+
+BUILTIN_MODELS = {"tiny-qwen2": TINY_QWEN2_CONFIG}
+
+
+def build_char_tokenizer():
+    """A character-level `PreTrainedTokenizerFast` over VOCAB (no files, no downloads)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(VOCAB)}, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left")
+
+
+def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write builtin model `name` as an HF folder (config, tokenizer, safetensors) and return it.
+
+    Idempotent: an existing complete folder is reused. Random init is seeded, so every
+    node of a job builds the same weights.
+    """
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"model.path builtin://{name} is not a built-in model; choose one of {sorted(BUILTIN_MODELS)}")
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(BUILTIN_MODELS[name])
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    config.architectures = cfg["architectures"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    build_char_tokenizer().save_pretrained(tmp)
+    (tmp / "rljob_builtin.json").write_text(json.dumps({"name": name, "seed": seed}))
+    for child in tmp.iterdir():
+        child.replace(out / child.name)
+    tmp.rmdir()
+    return out

@@ -1,0 +1,127 @@
+"""The trainer's side of checkpointing: megatron state + trainer state <-> the commit protocol.
+
+A step is saved as megatron distributed-checkpoint files (model, optimizer, RNG; any TP/PP
+layout can load them) plus `trainer_state.json` (step, sampler position, metric history),
+written to a node-local folder and then committed to storage by `CheckpointManager`
+(upload in the background on one node; per-node uploads and a rank-0 commit on several).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from rljob_worker.checkpointing import CheckpointManager, resolve_resume, spec_hash, step_dirname
+from rljob_worker.storage import open_store
+
+log = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class CheckpointIO:
+    def __init__(self, spec, ctx, env):
+        self.spec, self.env = spec, env
+        self.uri = ctx.checkpoint_uri or spec.checkpoint.uri
+        self.store = open_store(self.uri, endpoint_url=spec.s3.endpoint, region=spec.s3.region)
+        self.manager = CheckpointManager(self.store, base_prefix=f"{ctx.namespace}/{ctx.job_name}",
+                                         max_to_keep=spec.checkpoint.max_to_keep or None)
+        self.local_root = Path(ctx.workdir) / "checkpoints"
+        self.spec_hash = spec_hash(spec.model_dump(mode="json", by_alias=True))
+        self.multi_node = spec.nnodes > 1
+        self.last_ref = None
+
+    def check_access(self) -> None:
+        """Fail at start-up, not at the first save, when storage is unreachable or credentials are wrong."""
+        if self.env.rank == 0:
+            self.store.check_access("spec.checkpoint.uri", write=True)
+
+    def save(self, step: int, actor, trainer_state: dict[str, Any], metrics: dict[str, float]):
+        local = self.local_root / step_dirname(step)
+        if self.env.local_rank == 0 and local.exists():
+            shutil.rmtree(local)
+        _barrier()
+        actor.save_checkpoint(local)  # collective; rank 0 writes the common metadata
+        if self.env.rank == 0:
+            (local / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        if not self.multi_node:
+            if self.env.rank == 0:
+                handle = self.manager.save(local, step, metrics, self.spec_hash, remove_local=True)
+                log.info("checkpoint step %d: uploading to %s in the background", step, handle.uri)
+                return handle
+            return None
+        # Several nodes: each node uploads what its ranks wrote, then rank 0 commits.
+        if self.env.rank == 0:
+            self.manager.prepare_step(step)
+        _barrier()
+        if self.env.local_rank == 0:
+            self.manager.upload_rank_files(local, step, self.env.node_rank)
+        _barrier()
+        ref = None
+        if self.env.rank == 0:
+            ref = self.manager.commit(step, metrics, self.spec_hash, expected_ranks=list(range(self.spec.nnodes)))
+            self.manager.apply_retention()
+        _barrier()
+        return ref
+
+    def wait(self):
+        if self.env.rank == 0:
+            self.last_ref = self.manager.wait() or self.last_ref
+        _barrier()
+        return self.last_ref
+
+    def resume(self, actor) -> dict[str, Any] | None:
+        """Load the checkpoint the spec asks for (auto / uri / disable); returns the trainer state or None."""
+        ck = self.spec.checkpoint
+        uri = None
+        if self.env.rank == 0:
+            ref = resolve_resume(ck.resume_mode.value, self.manager, ck.resume_from)
+            uri = ref.uri if ref is not None else None
+        uri = _broadcast(uri)
+        if uri is None:
+            return None
+        local = self.local_root / "restore"
+        if self.env.local_rank == 0:
+            shutil.rmtree(local, ignore_errors=True)
+            self.manager.restore(uri, local)
+        _barrier()
+        actor.load_checkpoint(local)
+        state = json.loads((local / TRAINER_STATE).read_text())
+        _barrier()
+        if self.env.rank == 0:
+            log.info("resumed from %s", uri)
+        return state
+
+    def export_hf(self, actor, tokenizer, model_dir: Path) -> str | None:
+        """Write the final policy as an HF folder and upload it to <job prefix>/hf/. Collective."""
+        local = self.local_root / "hf"
+        if self.env.rank == 0:
+            shutil.rmtree(local, ignore_errors=True)
+        _barrier()
+        actor.save_hf_checkpoint(local, tokenizer=tokenizer)
+        key = f"{self.manager.base_prefix}/hf"
+        uri = None
+        if self.env.rank == 0:
+            self.store.delete_prefix(key + "/")
+            self.store.upload_dir(local, key)
+            uri = self.store.uri_for(key)
+            log.info("exported the final policy in Hugging Face format to %s", uri)
+        _barrier()
+        return uri

@@ -1,0 +1,108 @@
+"""`rljob run FILE`: run an RLJob on this machine with the environment a PyTorchJob would give it.
+
+For every "pod" (nnodes of them) this starts the pod's own command, `torchrun -m rljob_worker
+--spec spec.json`, with PET_NNODES / PET_NODE_RANK / PET_NPROC_PER_NODE / PET_MASTER_ADDR /
+PET_MASTER_PORT set as the Kubeflow training-operator sets them, so a local run exercises the
+same start-up path as a cluster run. The local e2e test drives pods through the same
+`pod_environment` / `start_pod` functions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rljob_api.models import RLJob
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pod_environment(job: RLJob, node_rank: int, master_port: int, *, master_addr: str = "127.0.0.1",
+                    metrics_port: int | None = None) -> dict[str, str]:
+    """The variables the training-operator injects into replica `node_rank` (0 = Master), plus ours."""
+    spec = job.spec
+    env = {
+        "PET_NNODES": str(spec.nnodes),
+        "PET_NPROC_PER_NODE": str(spec.gpus_per_node),
+        "PET_NODE_RANK": str(node_rank),
+        "PET_MASTER_ADDR": master_addr,
+        "PET_MASTER_PORT": str(master_port),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(node_rank),
+        "WORLD_SIZE": str(spec.nnodes),  # the pod count, as the operator sets it; the worker does not trust it
+        "RLJOB_NAME": job.metadata.name,
+        "RLJOB_NAMESPACE": job.metadata.namespace,
+    }
+    if metrics_port is not None:
+        env["RLJOB_METRICS_PORT"] = str(metrics_port)
+    return env
+
+
+def pod_command(spec_path: Path) -> list[str]:
+    """The container command the operator puts in the PyTorchJob (torchrun reads the PET_* variables)."""
+    return [sys.executable, "-m", "torch.distributed.run", "-m", "rljob_worker", "--spec", str(spec_path)]
+
+
+def write_spec(job: RLJob, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "spec.json"
+    path.write_text(json.dumps(job.spec.model_dump(mode="json", by_alias=True), indent=2))
+    return path
+
+
+def start_pod(job: RLJob, node_rank: int, master_port: int, spec_path: Path, extra_env: dict[str, str],
+              log_path: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, **pod_environment(job, node_rank, master_port,
+                                           metrics_port=job.spec.metrics.port + node_rank), **extra_env}
+    env.setdefault("OMP_NUM_THREADS", "1" if job.spec.nnodes * job.spec.gpus_per_node > 1 else "2")
+    out = open(log_path, "ab") if log_path else None
+    return subprocess.Popen(pod_command(spec_path), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+
+
+def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None = None,
+              steps: int | None = None) -> int:
+    spec = job.spec
+    if spec.device == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("note: spec.device is gpu but no GPU is visible; running on CPU with gloo", file=sys.stderr)
+    root = Path(workdir or Path("runs") / job.metadata.name).resolve()
+    spec_path = write_spec(job, root)
+    master_port = free_port()
+    extra = {"RLJOB_WORKDIR": str(root / "work"), "RLJOB_PROGRESS_BAR": "1" if sys.stdout.isatty() else "0"}
+    if checkpoint_uri:
+        extra["RLJOB_CHECKPOINT_URI"] = checkpoint_uri
+    if steps:
+        extra["RLJOB_MAX_STEPS"] = str(steps)
+    ckpt = checkpoint_uri or spec.checkpoint.uri
+    print(f"rljob: running {job.metadata.name} locally: {spec.nnodes} pod(s) x {spec.gpus_per_node} process(es); "
+          f"metrics on :{spec.metrics.port}; checkpoints under {ckpt.rstrip('/')}/{job.metadata.namespace}/"
+          f"{job.metadata.name}/", flush=True)
+    started = time.monotonic()
+    pods = [start_pod(job, rank, master_port, spec_path, extra,
+                      log_path=None if rank == 0 else root / f"pod-{rank}.log") for rank in range(spec.nnodes)]
+
+    def forward(signum, _frame):
+        for pod in pods:
+            if pod.poll() is None:
+                os.killpg(pod.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [pod.wait() for pod in pods]
+    code = next((c for c in codes if c != 0), 0)
+    print(f"rljob: {job.metadata.name} finished with exit code {code} in {time.monotonic() - started:.0f}s; "
+          f"outputs in {root}", flush=True)
+    return code

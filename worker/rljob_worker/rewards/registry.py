@@ -1,0 +1,80 @@
+"""Reward lookup and batch scoring."""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from rljob_worker.rewards.math import boxed_math_reward, format_reward, gsm8k_reward
+from rljob_worker.synthetic import digit_sum_reward, target_token_reward
+
+RewardFn = Callable[[str, str, str, dict], float]
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "gsm8k": gsm8k_reward,
+    "math-boxed": boxed_math_reward,
+    "format": format_reward,
+    "target-token": target_token_reward,
+    "digit-sum": digit_sum_reward,
+}
+
+
+class RewardError(RuntimeError):
+    pass
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A built-in name or `module.path:function`. Raises RewardError naming spec.reward.function."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" not in name:
+        raise RewardError(
+            f"spec.reward.function {name!r} is not a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))}) "
+            "nor module.path:function")
+    module_name, func_name = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is a configuration error
+        raise RewardError(f"spec.reward.function {name!r}: cannot import module {module_name!r}: {exc}") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise RewardError(f"spec.reward.function {name!r}: module {module_name!r} has no function {func_name!r}")
+    return func
+
+
+def _score_one(fn: RewardFn, prompt: str, completion: str, truth: str, extra: dict) -> float:
+    return float(fn(prompt, completion, truth, extra))
+
+
+def score_all(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    ground_truths: Sequence[str],
+    extras: Sequence[dict],
+    *,
+    pool: ProcessPoolExecutor | None = None,
+    timeout_s: float = 30.0,
+) -> list[float]:
+    """Score every sample; raises RewardError naming the first sample that failed or timed out."""
+    args = list(zip(prompts, completions, ground_truths, extras))
+    if pool is None:
+        out = []
+        for i, (p, c, t, e) in enumerate(args):
+            try:
+                out.append(_score_one(fn, p, c, t, e))
+            except Exception as exc:
+                raise RewardError(f"reward function failed on sample {i} (prompt {p[:60]!r}): {exc!r}") from exc
+        return out
+    futures = [pool.submit(_score_one, fn, p, c, t, e) for p, c, t, e in args]
+    out = []
+    for i, fut in enumerate(futures):
+        try:
+            out.append(fut.result(timeout=timeout_s))
+        except FutureTimeout:
+            raise RewardError(f"reward function timed out after {timeout_s}s on sample {i} "
+                              f"(spec.reward.timeoutSeconds)") from None
+        except Exception as exc:
+            raise RewardError(f"reward function failed on sample {i} (prompt {args[i][0][:60]!r}): {exc!r}") from exc
+    return out

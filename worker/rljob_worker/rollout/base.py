@@ -1,0 +1,61 @@
+"""The rollout interface every engine implements."""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from rljob_api.enums import RolloutEngine as EngineName
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # samples per prompt; outputs of one prompt are contiguous
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    seed: int | None = None
+
+
+@dataclass
+class RolloutOutput:
+    """N = len(prompts) x n responses, grouped by prompt (sample j of prompt i at i*n + j)."""
+
+    response_ids: list[list[int]]  # generated tokens, EOS included when produced
+    response_logprobs: list[list[float]]  # log-prob of each generated token under the sampling distribution
+    finished: list[bool]  # True when the response ended with EOS, False when cut at max_new_tokens
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors (streamed; each may be freed after the call consumes it)."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights and KV cache) while the actor trains."""
+
+    def wake_up(self) -> None:
+        """Re-acquire memory before the next generate()."""
+
+
+def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
+                pad_token_id: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6):
+    """Build the configured engine. `auto` picks vLLM when importable on a GPU, else the HF engine."""
+    vllm_available = importlib.util.find_spec("vllm") is not None
+    if name == EngineName.AUTO:
+        name = EngineName.VLLM if (vllm_available and device.type == "cuda") else EngineName.HF
+    if name == EngineName.VLLM:
+        if not vllm_available:
+            raise RuntimeError("spec.rollout.engine is vllm but vLLM is not installed in the worker image; "
+                               "use the rljob GPU worker image or set rollout.engine: hf")
+        from rljob_worker.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                          gpu_memory_utilization=gpu_memory_utilization)
+    from rljob_worker.rollout.hf_engine import HFEngine
+
+    return HFEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

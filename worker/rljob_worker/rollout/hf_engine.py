@@ -1,0 +1,107 @@
+"""Rollout with a transformers model: the CPU engine of tests and the quickstart, and a GPU fallback.
+
+A plain KV-cached sampling loop (not `generate()`), so the sampled tokens' log-probs
+come out exactly as sampled and the engine stays independent of generation-config
+defaults. Weights arrive as HF-named tensors from the megatron actor.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+
+import torch
+
+from rljob_worker.rollout.base import RolloutOutput, SamplingParams
+from rljob_worker.rollout.sampling import sample_next
+
+
+class HFEngine:
+    def __init__(self, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
+                 pad_token_id: int, max_batch: int = 256):
+        from transformers import AutoModelForCausalLM
+
+        self.device, self.eos, self.pad, self.max_batch = device, eos_token_id, pad_token_id, max_batch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self._params = dict(self.model.named_parameters())
+        self._tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        # transformers renamed `past_key_values` to `cache`; use whichever this version takes.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # -- weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        seen = set()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name == "lm_head.weight" and self._tied:
+                    continue
+                param = self._params.get(name)
+                if param is None:
+                    raise KeyError(f"weight sync: the HF model has no parameter {name!r}")
+                if param.shape != tensor.shape:
+                    raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.copy_(tensor.to(param.device, param.dtype))
+                seen.add(name)
+        missing = set(self._params) - seen - ({"lm_head.weight"} if self._tied else set())
+        if missing:
+            raise KeyError(f"weight sync: no tensor for {sorted(missing)[:5]}")
+
+    def sleep(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+
+    # -- generation
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        expanded = [ids for ids in prompt_ids for _ in range(params.n)]
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        out = RolloutOutput([], [], [])
+        for start in range(0, len(expanded), self.max_batch):
+            chunk = self._generate_chunk(expanded[start : start + self.max_batch], params, gen)
+            out.response_ids += chunk.response_ids
+            out.response_logprobs += chunk.response_logprobs
+            out.finished += chunk.finished
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> RolloutOutput:
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, ids in enumerate(prompts):  # left padding keeps every sequence's next token at the end
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            attention[i, width - len(ids):] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        tokens = torch.empty((batch, 0), dtype=torch.long, device=self.device)
+        logprobs = torch.empty((batch, 0), dtype=torch.float32, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        past, step_input, step_pos = None, input_ids, position_ids
+        for _ in range(params.max_new_tokens):
+            result = self.model(input_ids=step_input, attention_mask=attention, position_ids=step_pos,
+                                use_cache=True, **{self._cache_kw: past})
+            past = getattr(result, "cache", None) or result.past_key_values
+            next_tok, next_lp = sample_next(result.logits[:, -1, :], params.temperature, params.top_k, params.top_p, gen)
+            next_tok = torch.where(done, torch.full_like(next_tok, self.pad), next_tok)
+            next_lp = torch.where(done, torch.zeros_like(next_lp), next_lp)
+            tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
+            logprobs = torch.cat([logprobs, next_lp[:, None]], dim=1)
+            done = done | (next_tok == self.eos)
+            if bool(done.all()):
+                break
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            step_input, step_pos = next_tok[:, None], step_pos[:, -1:] + 1
+        out = RolloutOutput([], [], [])
+        for i in range(batch):
+            row = tokens[i].tolist()
+            length = row.index(self.eos) + 1 if self.eos in row else len(row)
+            out.response_ids.append(row[:length])
+            out.response_logprobs.append(logprobs[i, :length].tolist())
+            out.finished.append(self.eos in row[:length])
+        return out

@@ -1,0 +1,465 @@
+"""The GRPO trainer: rollout -> reward -> advantages -> log-probs -> actor update -> weight sync.
+
+Launch: the operator's PyTorchJob runs `torchrun -m rljob_worker --spec /etc/rljob/spec.json`
+on every pod (torchrun reads PET_NNODES / PET_NODE_RANK / PET_NPROC_PER_NODE / PET_MASTER_*);
+`rljob run FILE` starts the same processes locally with the same environment.
+
+How this departs from textbook GRPO (Shao et al. 2024):
+- Loss aggregation, KL estimator and clip range are configurable (token-mean, low_var_kl in
+  the loss and symmetric 0.2 by default, as verl); Dr.GRPO (no std normalisation,
+  seq-mean-token-sum-norm), DAPO (clip-higher, dynamic sampling, overlong shaping) and GSPO
+  (sequence-level ratio) are settings, not forks.
+- Old log-probs: when a rollout batch gets exactly one optimizer step (one mini-batch, one
+  epoch) the sampling policy *is* the policy being updated, so the ratio is 1 by
+  construction; the trainer then uses the current log-probs, detached, and skips a forward
+  pass. Otherwise they are recomputed by the megatron actor with the trainer's numerics
+  (not taken from the rollout engine, whose kernels differ); the difference to the
+  engine's own log-probs is reported as `rollout/logprob_mismatch_*`.
+- Rollouts: the engine on global rank 0 samples the whole batch and broadcasts it; each
+  data-parallel rank trains on its contiguous slice. (The vLLM engine generates per
+  rollout-TP group instead; see rljob_worker.rollout.)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from rljob_api.enums import KLPlacement
+from rljob_api.models import RLJobSpec
+
+from rljob_worker import algorithms as algo
+from rljob_worker.batching import pad_batch, scatter_response_values, slice_batch, split_batch, trim_padding
+from rljob_worker.data import EpochSampler, load_datasets
+from rljob_worker.distributed import DistEnv, dist_env_from_environ, init_distributed
+from rljob_worker.rewards import resolve_reward, score_all
+from rljob_worker.rollout import SamplingParams, make_engine
+
+log = logging.getLogger("rljob.trainer")
+
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: "retryable" for PyTorchJob restartPolicy ExitCode
+
+
+@dataclass
+class RunContext:
+    """Where this run lives; the operator (or `rljob run`) decides, the spec does not."""
+
+    job_name: str = "rljob"
+    namespace: str = "default"
+    workdir: Path = field(default_factory=lambda: Path("/tmp/rljob"))
+    checkpoint_uri: str | None = None  # overrides spec.checkpoint.uri
+    max_steps: int | None = None  # overrides spec.training.totalTrainingSteps
+    show_progress_bar: bool = False
+
+
+@dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, float]
+
+
+class Preempted(Exception):
+    pass
+
+
+class GRPOTrainer:
+    def __init__(self, spec: RLJobSpec, ctx: RunContext, env: DistEnv | None = None):
+        self.spec, self.ctx = spec, ctx
+        self.env = env or dist_env_from_environ(os.environ)
+        self.history: list[StepResult] = []
+        self.step = 0
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        """Everything that can fail on bad input fails here, before any training."""
+        spec, env = self.spec, self.env
+        init_distributed(env)
+        self.is_main = env.rank == 0
+        self.device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cpu":
+            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
+
+            apply_cpu_patches()
+        self._seed_everything(spec.training.seed)
+        self.dtype = _torch_dtype(spec.model.dtype.value, self.device)
+
+        from rljob_worker.model_source import resolve_model_dir
+
+        self.model_dir = resolve_model_dir(spec, self.ctx.workdir, local_rank=env.local_rank)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=spec.model.trust_remote_code)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+
+        self.reward_fn = resolve_reward(spec.reward.function)
+        self.train_set, self.val_set = load_datasets(spec.data, self.tokenizer, spec.training.seed,
+                                                     fetch=self._fetcher())
+        self.prompts_per_step = spec.training.train_batch_size_per_node * spec.nnodes
+        self.sampler = EpochSampler(len(self.train_set), self.prompts_per_step, spec.training.seed, spec.data.shuffle)
+        self.total_steps = self._total_steps()
+
+        from rljob_worker.checkpoint_io import CheckpointIO
+
+        self.checkpoints = CheckpointIO(spec, self.ctx, self.env)
+        self.checkpoints.check_access()
+
+        from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+        m, t = spec.megatron, spec.training
+        parallel = ParallelConfig(
+            tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+            vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
+            ep=m.expert_model_parallel_size, sequence_parallel=m.sequence_parallel,
+            use_distributed_optimizer=m.use_distributed_optimizer)
+        optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_warmup_steps=t.lr_warmup_steps)
+        self.actor = MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype,
+                                           seed=t.seed)
+        a = spec.algorithm
+        self.use_ref = a.kl_coef > 0
+        self.ref = (MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed)
+                    if self.use_ref else None)
+        self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
+        self.loss_config = algo.LossConfig(
+            clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
+            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_placement=a.kl_placement,
+            entropy_coef=a.entropy_coeff, aggregation=a.loss_aggregation, importance=a.importance_level,
+            norm_length=spec.data.max_response_length)
+
+        self.engine = None
+        if self.is_main:
+            self.engine = make_engine(spec.rollout.engine, str(self.model_dir), dtype=self.dtype, device=self.device,
+                                      eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                                      tensor_parallel_size=spec.rollout.tensor_model_parallel_size,
+                                      gpu_memory_utilization=spec.rollout.gpu_memory_utilization)
+        self.telemetry = self._make_telemetry()
+        self._install_signal_handlers()
+        self._resume()
+
+    def _fetcher(self):
+        from rljob_worker.model_source import fetch_file
+
+        return lambda uri: fetch_file(uri, self.spec, self.ctx.workdir / "data")
+
+    def _total_steps(self) -> int:
+        t = self.spec.training
+        if self.ctx.max_steps is not None:
+            return self.ctx.max_steps
+        if t.total_training_steps is not None:
+            return t.total_training_steps
+        return t.total_epochs * self.sampler.batches_per_epoch
+
+    def _make_telemetry(self):
+        from rljob_worker.telemetry import TrainerTelemetry
+
+        telemetry = TrainerTelemetry(job=self.ctx.job_name, namespace=self.ctx.namespace, rank=self.env.rank,
+                                     model=self.spec.model.path, algorithm=self.spec.algorithm.name.value,
+                                     nnodes=self.spec.nnodes, tensorboard_dir=self.spec.metrics.tensorboard_dir
+                                     if self.is_main else None)
+        if self.spec.metrics.enabled and self.env.local_rank == 0:
+            port = int(os.environ.get("RLJOB_METRICS_PORT", self.spec.metrics.port))
+            self.metrics_port = telemetry.serve(port)
+            log.info("metrics on :%d/metrics", self.metrics_port)
+        telemetry.set_total_steps(self.total_steps)
+        return telemetry
+
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed + self.env.rank)
+        np.random.seed(seed + self.env.rank)
+        torch.manual_seed(seed)
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, _frame):
+            log.warning("signal %d: finishing the current step, then saving a checkpoint", signum)
+            self._stop_requested = True
+
+        signal.signal(signal.SIGTERM, request_stop)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[StepResult]:
+        spec = self.spec
+        if spec.training.val_before_train and self.val_set is not None and self.step == 0:
+            self.validate()
+        bar = self._progress_bar()
+        while self.step < self.total_steps:
+            step_start = time.perf_counter()
+            self.step += 1
+            metrics = self.train_step()
+            metrics["timing/step_s"] = time.perf_counter() - step_start
+            self.history.append(StepResult(self.step, metrics))
+            self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
+            self.telemetry.record_gpu_memory()
+            self._report_progress(metrics, bar)
+
+            last = self.step == self.total_steps
+            if self.val_set is not None and spec.training.test_freq > 0 and (self.step % spec.training.test_freq == 0 or last):
+                self.validate()
+            stop = self._agree_to_stop()
+            due = last or (spec.checkpoint.save_freq > 0 and self.step % spec.checkpoint.save_freq == 0)
+            if due or (stop and spec.checkpoint.save_on_preemption):
+                self.save_checkpoint(metrics)
+            if stop:
+                self.checkpoints.wait()
+                raise Preempted(f"stopped by SIGTERM after step {self.step}")
+        if bar is not None:
+            bar.close()
+        self.checkpoints.wait()
+        if spec.checkpoint.export_hf:
+            self.checkpoints.export_hf(self.actor, self.tokenizer, self.model_dir)
+        return self.history
+
+    def train_step(self) -> dict[str, float]:
+        spec, a = self.spec, self.spec.algorithm
+        metrics: dict[str, float] = {}
+
+        # 1. rollout + reward + advantages on rank 0, then the batch goes to every rank.
+        #    batch tensors are (N, T): N = prompts x n responses, T = prompt + response columns.
+        with self.telemetry.stage("rollout"):
+            payload = self._rollout_and_score(metrics) if self.is_main else None
+        payload = self._broadcast(payload)
+        batch = payload["batch"]
+        metrics.update(payload["metrics"])
+
+        # 2. this data-parallel rank's slice (N / dp responses)
+        per_rank = batch["input_ids"].shape[0] // self.dp_size
+        lo = self.dp_rank * per_rank
+        local = trim_padding(slice_batch(batch, lo, lo + per_rank))
+        mini_batches_per_step = self.prompts_per_step // (spec.training.ppo_mini_batch_size_per_node * spec.nnodes)
+        kl_in_reward = self.use_ref and a.kl_placement == KLPlacement.REWARD
+        single_update = mini_batches_per_step == 1 and spec.training.ppo_epochs == 1 and not kl_in_reward
+        lp_micro = spec.rollout.log_prob_micro_batch_size_per_gpu
+
+        # 3. old and reference log-probs (N/dp, T), from the megatron model
+        if not single_update:
+            with self.telemetry.stage("old_logprob"):
+                local["old_logprobs"] = self.actor.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
+        if self.use_ref:
+            with self.telemetry.stage("ref_logprob"):
+                local["ref_logprobs"] = self.ref.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
+            if kl_in_reward:
+                self._fold_kl_into_advantages(local)
+
+        # 4. actor update: ppoEpochs x mini-batches, each one optimizer step
+        with self.telemetry.stage("actor_update"):
+            update_metrics = []
+            for _ in range(spec.training.ppo_epochs):
+                for mini in split_batch(local, mini_batches_per_step):
+                    update_metrics.append(self.actor.update(
+                        mini, self._loss_fn(single_update), micro_batch_size=spec.training.micro_batch_size_per_gpu,
+                        with_entropy=a.entropy_coeff > 0))
+        for key, value in _mean_dicts(update_metrics).items():
+            metrics[key if key.startswith("rollout/") else f"actor/{key}"] = value
+
+        # 5. weight sync: stream HF-named tensors from megatron into the engine
+        with self.telemetry.stage("weight_sync"):
+            self._sync_weights()
+        return metrics
+
+    def _rollout_and_score(self, metrics: dict[str, float]) -> dict[str, Any]:
+        """Rank 0: sample n responses per prompt, score them, compute advantages (N,) and build the batch."""
+        spec, n = self.spec, self.spec.rollout.n
+        indices = self.sampler.next_batch()
+        records = [self.train_set.records[i] for i in indices]
+        params = SamplingParams(n=n, temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
+                                top_k=spec.rollout.top_k, max_new_tokens=spec.data.max_response_length,
+                                seed=spec.training.seed * 1_000_003 + self.step)
+        start = time.perf_counter()
+        out = self.engine.generate([r.prompt_ids for r in records], params)
+        rollout_s = time.perf_counter() - start
+        prompts = [r for r in records for _ in range(n)]
+        texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        extras = [{**r.extra, "max_response_length": spec.data.max_response_length, "data_source": r.data_source}
+                  for r in prompts]
+        with self.telemetry.stage("reward"):
+            rewards = torch.tensor(score_all(self.reward_fn, [r.prompt_text for r in prompts], texts,
+                                             [r.ground_truth for r in prompts], extras,
+                                             timeout_s=spec.reward.timeout_seconds), dtype=torch.float32)
+        lengths = torch.tensor([len(r) for r in out.response_ids], dtype=torch.float32)
+        shaped = rewards.clone()
+        ob = spec.algorithm.overlong_buffer
+        if ob.enable:
+            shaped = shaped + algo.overlong_penalty(lengths, spec.data.max_response_length, ob.length, ob.penalty_factor)
+        advantages, adv_metrics = algo.compute_outcome_advantages(
+            shaped, n, spec.algorithm.advantage_estimator, norm_by_std=spec.algorithm.norm_adv_by_std)
+        batch = pad_batch([r.prompt_ids for r in prompts], out.response_ids, self.pad_id)
+        batch["advantages"] = algo.broadcast_to_tokens(advantages, batch["response_mask"])
+        batch["rollout_logprobs"] = scatter_response_values(out.response_logprobs, batch["response_mask"])
+        generated = float(lengths.sum())
+        metrics.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+            "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": algo.response_length_clip_ratio(lengths, spec.data.max_response_length),
+            "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
+            **{f"advantage/{k}": v for k, v in adv_metrics.items()},
+        })
+        return {"batch": batch, "metrics": metrics}
+
+    def _loss_fn(self, single_update: bool):
+        config = self.loss_config
+
+        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: dict[str, torch.Tensor]):
+            old = logprobs.detach() if single_update else micro["old_logprobs"]
+            loss, metrics = algo.grpo_loss(logprobs, old, micro["advantages"], micro["response_mask"], config,
+                                           ref_logprobs=micro.get("ref_logprobs"), entropy=entropy)
+            # How far the engine's sampling log-probs are from the trainer's (kernel/numerics drift).
+            mask = micro["response_mask"].bool()
+            gap = (logprobs.detach() - micro["rollout_logprobs"]).abs()[mask]
+            if gap.numel():
+                metrics["rollout/logprob_mismatch_mean"] = float(gap.mean())
+                metrics["rollout/logprob_mismatch_frac"] = float((gap > 0.1).float().mean())
+            return loss, metrics
+
+        return loss_fn
+
+    def _fold_kl_into_advantages(self, local: dict[str, torch.Tensor]) -> None:
+        """KL in the reward: subtract coef x the response's summed KL from its advantage (PPO-style shaping)."""
+        a = self.spec.algorithm
+        kl = algo.kl_penalty(local["old_logprobs"], local["ref_logprobs"], a.kl_estimator)
+        seq_kl = (kl * local["response_mask"]).sum(-1, keepdim=True)
+        local["advantages"] = local["advantages"] - a.kl_coef * seq_kl * local["response_mask"]
+
+    def _sync_weights(self) -> None:
+        stream = self.actor.export_hf_weights()  # collective: every rank iterates
+        if self.engine is not None:
+            self.engine.update_weights(stream)
+        else:
+            for _ in stream:
+                pass
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        with self.telemetry.stage("validation"):
+            result = self._validate_main() if self.is_main else None
+        result = self._broadcast(result)
+        self.telemetry.record_validation(self.step, result)
+        if self.is_main:
+            log.info("validation at step %d: reward %.3f accuracy %.3f", self.step, result["val/reward_mean"],
+                     result["val/accuracy"])
+        self.last_validation = result
+        return result
+
+    def _validate_main(self) -> dict[str, float]:
+        spec, records = self.spec, self.val_set.records
+        params = SamplingParams(n=spec.rollout.val_n, temperature=spec.rollout.val_temperature,
+                                top_p=spec.rollout.top_p, max_new_tokens=spec.data.max_response_length, seed=12345)
+        out = self.engine.generate([r.prompt_ids for r in records], params)
+        prompts = [r for r in records for _ in range(spec.rollout.val_n)]
+        texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        extras = [{**r.extra, "max_response_length": spec.data.max_response_length} for r in prompts]
+        scores = score_all(self.reward_fn, [r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
+                           extras, timeout_s=spec.reward.timeout_seconds)
+        return {"val/reward_mean": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "sampler": self.sampler.state_dict(),
+                "history": [{"step": r.step, "metrics": r.metrics} for r in self.history[-1000:]]}
+
+    def save_checkpoint(self, metrics: dict[str, float]) -> None:
+        with self.telemetry.stage("checkpoint"):
+            ref = self.checkpoints.save(self.step, self.actor, self.trainer_state(), metrics)
+        if ref is not None:
+            self.telemetry.record_checkpoint(self.step, time.time())
+
+    def _resume(self) -> None:
+        state = self.checkpoints.resume(self.actor)
+        if state is None:
+            return
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.history = [StepResult(h["step"], h["metrics"]) for h in state.get("history", [])]
+        self._sync_weights()
+        if self.is_main:
+            log.info("resumed from step %d (epoch %d, batch %d)", self.step, self.sampler.epoch, self.sampler.position)
+
+    # ------------------------------------------------------------------ helpers
+    def _broadcast(self, obj: Any) -> Any:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _agree_to_stop(self) -> bool:
+        """Every rank must stop at the same step: OR the SIGTERM flags over the world."""
+        flag = torch.tensor([1 if self._stop_requested else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if self.device.type == "cuda":
+                flag = flag.to(self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _progress_bar(self):
+        if not (self.is_main and self.ctx.show_progress_bar):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc="grpo", unit="step", dynamic_ncols=True)
+
+    def _report_progress(self, metrics: dict[str, float], bar) -> None:
+        if not self.is_main:
+            return
+        elapsed = sum(r.metrics.get("timing/step_s", 0.0) for r in self.history[-10:]) / min(len(self.history), 10)
+        eta = elapsed * (self.total_steps - self.step)
+        line = (f"step {self.step}/{self.total_steps} | reward {metrics.get('reward/mean', float('nan')):.3f} | "
+                f"resp_len {metrics.get('response_length/mean', 0):.1f} | kl {metrics.get('actor/kl', 0.0):.4f} | "
+                f"grad_norm {metrics.get('actor/grad_norm', 0.0):.3f} | {metrics['timing/step_s']:.2f}s | ETA {eta:.0f}s")
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"reward {metrics.get('reward/mean', 0):.3f}")
+            bar.write(line)
+        else:
+            print(line, flush=True)
+        self._publish_status(metrics)
+
+    def _publish_status(self, metrics: dict[str, float]) -> None:
+        """Progress for RLJob.status (operator folds it in); a no-op outside a cluster."""
+        try:
+            from rljob_worker.status_report import report_progress
+        except ImportError:
+            return
+        report_progress(self, metrics)
+
+
+def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in dicts for k in d}
+    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+
+
+def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    if device.type == "cpu" and name != "float32":
+        log.warning("model.dtype %s on CPU: training in float32 instead (CPU half precision is slow and lossy)", name)
+        return torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def run(spec: RLJobSpec, ctx: RunContext) -> int:
+    """Entry used by `python -m rljob_worker`: returns the process exit code."""
+    trainer = GRPOTrainer(spec, ctx)
+    try:
+        trainer.setup()
+        trainer.fit()
+    except Preempted as exc:
+        log.warning("%s; checkpoint committed, exiting %d", exc, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    finally:
+        telemetry = getattr(trainer, "telemetry", None)
+        if telemetry is not None:
+            telemetry.close()
+    if trainer.is_main:
+        first = [r.metrics["reward/mean"] for r in trainer.history[:5]]
+        last = [r.metrics["reward/mean"] for r in trainer.history[-5:]]
+        if first and last:
+            print(f"done: {trainer.step} steps, reward {np.mean(first):.3f} (first 5) -> {np.mean(last):.3f} (last 5)",
+                  flush=True)
+    return 0
