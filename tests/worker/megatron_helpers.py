@@ -1,0 +1,201 @@
+"""Helpers for the megatron actor tests: tiny random HF models and a torchrun entry point.
+
+Run as a script under torchrun (``python -m torch.distributed.run --nproc-per-node 2
+tests/worker/megatron_helpers.py SCENARIO HF_DIR OUT_DIR``) it plays one multi-process scenario and
+writes its results to ``OUT_DIR`` (the ``__main__`` guard is required: dist-checkpoint saving starts
+a writer process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    intermediate_size=128,
+    max_position_embeddings=256,
+)
+
+
+def tiny_hf_config(arch: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    kw = dict(TINY, **overrides)
+    if arch == "qwen2":  # qkv bias, tied embeddings
+        return Qwen2Config(tie_word_embeddings=True, rope_theta=10000.0, **kw)
+    if arch == "llama":  # untied, llama3 rope scaling
+        return LlamaConfig(
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            rope_theta=500000.0,
+            **kw,
+        )
+    if arch == "qwen3":  # q/k norm, head_dim != hidden / heads
+        return Qwen3Config(tie_word_embeddings=False, head_dim=32, rope_theta=1000000.0, **kw)
+    raise ValueError(arch)
+
+
+def make_tiny_hf_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
+    """A random fp32 ``*ForCausalLM`` saved with ``save_pretrained`` (no downloads)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # norms and biases are 1/0 at init: randomise so the mapping is tested
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+def load_hf_model(hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def sample_batch(vocab: int = 128, seed: int = 0):
+    """(input_ids, attention_mask) of 4 rows x 12: left-padded prompts + right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (4, 12), generator=g)
+    mask = torch.ones(4, 12, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[1, 9:] = 0  # right padding
+    mask[2, :2] = 0
+    mask[2, 10:] = 0  # both
+    return ids, mask
+
+
+def hf_logits(model, input_ids, attention_mask):
+    pos = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
+
+
+def hf_logprobs(model, input_ids, attention_mask):
+    """Reference in the actor's convention: log p(x_t | real x_<t) at t, 0 where undefined."""
+    logits = hf_logits(model, input_ids, attention_mask)
+    lp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
+    lp = torch.nn.functional.pad(lp, (1, 0))
+    m = attention_mask.bool()
+    valid = m & (m.long().cumsum(1) > 1)
+    return lp * valid
+
+
+def seq_nll_loss(logprobs, entropy, mb):
+    """-mean log-prob over valid positions (the test loss)."""
+    m = mb["attention_mask"].bool()
+    valid = (m & (m.long().cumsum(1) > 1)).float()
+    loss = -(logprobs * valid).sum() / valid.sum()
+    metrics = {"nll": loss.detach()}
+    if entropy is not None:
+        metrics["entropy"] = ((entropy * valid).sum() / valid.sum()).detach()
+    return loss, metrics
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(scenario: str, hf_dir, out_dir, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        __file__,
+        scenario,
+        str(hf_dir),
+        str(out_dir),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {scenario} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+# --------------------------------------------------------------------------------------------------
+# scenarios run under torchrun
+
+
+def _scenario_tp2(hf_dir: str, out_dir: str) -> None:
+    """TP=2: logprobs, entropy, one update, export, dist-checkpoint; then DP=2 on the same ranks."""
+    import torch.distributed as dist
+
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out = Path(out_dir)
+    ids, mask = sample_batch()
+    actor = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=2), OptimConfig(lr=1e-3), seed=1)
+    rank = dist.get_rank()
+    res = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=2, with_entropy=True)
+    exported = dict(actor.export_hf_weights())
+    metrics = actor.update({"input_ids": ids, "attention_mask": mask}, seq_nll_loss, micro_batch_size=2, with_entropy=True)
+    after = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=4)
+    actor.save_checkpoint(out / "ckpt_tp2")
+    eval_loss = actor.eval_loss(ids, mask)
+    exported_after = dict(actor.export_hf_weights())
+    if rank == 0:
+        torch.save(
+            {
+                "logprobs": res["logprobs"],
+                "entropy": res["entropy"],
+                "metrics": metrics,
+                "logprobs_after": after["logprobs"],
+                "eval_loss": eval_loss,
+                "exported": exported,
+                "exported_after": exported_after,
+            },
+            out / "tp2.pt",
+        )
+
+    # DP=2 on the same two processes: each rank takes half of the batch.
+    actor = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=1), OptimConfig(lr=1e-3), seed=1)
+    half = slice(rank * 2, rank * 2 + 2)
+    metrics = actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=1)
+    exported = dict(actor.export_hf_weights())
+    checksum = torch.stack([t.double().sum() for t in exported.values()])
+    gathered = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, checksum)
+    if rank == 0:
+        torch.save({"metrics": metrics, "checksums": gathered, "exported": exported}, out / "dp2.pt")
+    (out / f"done_{rank}").write_text(json.dumps({"rank": rank}))
+
+
+SCENARIOS = {"tp2": _scenario_tp2}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worker"))
+    torch.set_num_threads(1)
+    SCENARIOS[sys.argv[1]](sys.argv[2], sys.argv[3])
+    from rljob_worker.distributed import destroy_distributed
+
+    destroy_distributed()

@@ -1,0 +1,636 @@
+"""The policy model of the GRPO trainer: a megatron-core GPTModel plus its optimizer.
+
+Runs on GPU with megatron's own machinery (``DistributedDataParallel``, ``get_megatron_optimizer``:
+bf16 params with fp32 main params, optional distributed optimizer) and on CPU with gloo after
+:func:`cpu_compat.apply_cpu_patches` (torch AdamW over the local shards, manual DP all-reduce).
+
+Batches are dicts of tensors with a leading batch dim ``B``:
+``input_ids (B, T) long`` and ``attention_mask (B, T)`` (1 = real token, 0 = padding, anywhere:
+left-padded prompts and right-padded responses alike). Every method that takes a batch must be
+called by all ranks of a tensor-parallel group with the same batch; data-parallel ranks take
+different batches.
+
+Padding never reaches the model: each row's real tokens are packed to the front (order kept), the
+batch is cut to the longest row, the model runs plain causal attention with positions 0..n-1
+(exactly HF's ``position_ids = cumsum(mask) - 1``), and results are scattered back to the original
+columns.
+
+Log-prob convention, aligned with ``input_ids``: ``logprobs[b, t] = log p(input_ids[b, t] | real
+tokens of input_ids[b, :t])`` where token ``t`` is real and some earlier token is real; 0 elsewhere
+(padding, and the first real token of a row). ``entropy[b, t]`` is the entropy of that same
+predictive distribution, with the same zeros. Both are computed vocab-parallel (no full-vocab
+gather under TP).
+
+Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline, context and expert
+parallelism. Sequence parallelism needs transformer_engine and a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import dist_env_from_environ, init_distributed
+from . import hf_weights
+from .cpu_compat import apply_cpu_patches
+from .model_config import MegatronModelConfig, build_gpt_model, megatron_config_from_hf
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, "torch.Tensor | None", dict], "tuple[torch.Tensor, dict[str, Any]]"]
+_PAD_LOGIT = -1e30  # logits of padded vocab entries: exp() is exactly 0 and 0 * _PAD_LOGIT is finite
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron parallel layout (sizes multiply: world = tp * pp * cp * dp)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm gradient clipping and linear warm-up to ``lr``."""
+
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # <= 0 disables clipping (the norm is still reported)
+    lr_warmup_steps: int = 0
+
+
+def valid_logprob_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T) bool``: positions whose log-prob is defined (a real token after a real token)."""
+    m = attention_mask.bool()
+    return m & (torch.cumsum(m.long(), dim=1) > 1)
+
+
+def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int = 1):
+    """Move each row's real tokens to the front (order kept) and cut to the longest row, rounded up
+    to ``multiple``. Returns (ids (B, Tc), order (B, Tc): original column of each packed token,
+    lengths (B,))."""
+    m = attention_mask.bool()
+    t = input_ids.shape[1]
+    lengths = m.sum(dim=1)
+    tc = max(int(lengths.max().item()) if lengths.numel() else 1, 1)
+    tc = -(-tc // multiple) * multiple
+    if tc > t:  # only with multiple > 1 (sequence parallel): extra padding columns
+        input_ids = torch.nn.functional.pad(input_ids, (0, tc - t))
+        m = torch.nn.functional.pad(m, (0, tc - t))
+    order = torch.argsort((~m).to(torch.int32), dim=1, stable=True)[:, :tc]
+    return torch.gather(input_ids, 1, order), order, lengths
+
+
+def _unpack(values: torch.Tensor, order: torch.Tensor, lengths: torch.Tensor, t: int) -> torch.Tensor:
+    """Inverse of :func:`_pack` for per-token values ``(B, Tc)`` aligned with the packed ids.
+
+    Position 0 and positions past each row's length become 0 (differentiable).
+    """
+    tc = values.shape[1]
+    j = torch.arange(tc, device=values.device)
+    keep = (j[None, :] >= 1) & (j[None, :] < lengths[:, None])
+    values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    out = torch.zeros(values.shape[0], max(t, int(order.max().item()) + 1), dtype=values.dtype, device=values.device)
+    return out.scatter(1, order, values)[:, :t]
+
+
+def _split(batch: Mapping[str, Any], micro_batch_size: int) -> Iterator[dict[str, Any]]:
+    b = batch["input_ids"].shape[0]
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    for start in range(0, b, micro_batch_size):
+        end = min(start + micro_batch_size, b)
+        yield {
+            k: (v[start:end] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b else v)
+            for k, v in batch.items()
+        }
+
+
+class MegatronActor:
+    """Owns this rank's model shard and optimizer. Build with :meth:`from_hf`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        core: torch.nn.Module,
+        optimizer: Any,
+        hf_config,
+        mcfg: MegatronModelConfig,
+        parallel: ParallelConfig,
+        optim: OptimConfig,
+        dtype: torch.dtype,
+        with_entropy: bool = False,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model = model  # what forward runs (DDP(Float16Module(GPTModel)) on GPU, GPTModel on CPU)
+        self.core = core  # the GPTModel
+        self.optimizer = optimizer
+        self.hf_config = hf_config
+        self.mcfg = mcfg
+        self.parallel = parallel
+        self.optim = optim
+        self.dtype = dtype
+        self.loss_fn_needs_entropy = with_entropy
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        self.step = 0  # optimizer steps taken
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group()
+
+    # ----------------------------------------------------------------------------------------------
+    # construction
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_dir: str | os.PathLike,
+        parallel: ParallelConfig = ParallelConfig(),
+        optim: OptimConfig = OptimConfig(lr=1e-6),
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        with_entropy: bool = False,
+    ) -> MegatronActor:
+        """Build the model from an HF checkpoint directory (config.json + safetensors).
+
+        Initialises torch.distributed from the environment if needed, then megatron's model-parallel
+        state and RNG. ``dtype``: compute dtype (bf16 on GPU keeps fp32 main params in the optimizer;
+        on CPU the parameters themselves have ``dtype``).
+        """
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            apply_cpu_patches()
+        _check_parallel(parallel, on_gpu)
+        if not dist.is_initialized():
+            init_distributed(dist_env_from_environ(os.environ))
+        _init_model_parallel(parallel)
+
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+        hf_config = hf_weights.load_hf_config(hf_dir)
+        mcfg = megatron_config_from_hf(
+            hf_config,
+            tp=parallel.tp,
+            pp=parallel.pp,
+            dtype=dtype,
+            sequence_parallel=parallel.sequence_parallel,
+            on_gpu=on_gpu,
+        )
+        core = build_gpt_model(mcfg)
+        hf_weights.load_hf_weights(core, hf_dir, hf_config)
+
+        if on_gpu:
+            model, optimizer = _gpu_wrap(core, mcfg, parallel, optim, dtype)
+        else:
+            model, optimizer = core, _cpu_adamw(core, optim)
+        return cls(model, core, optimizer, hf_config, mcfg, parallel, optim, dtype, with_entropy)
+
+    # ----------------------------------------------------------------------------------------------
+    # forward
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool, logits_only=False):
+        """Per-token (logprobs, entropy) of one micro-batch, ``(b, T)`` each; entropy may be None."""
+        from megatron.core import tensor_parallel
+
+        input_ids = input_ids.to(self.device)
+        attention_mask = attention_mask.to(self.device)
+        t = input_ids.shape[1]
+        multiple = self.tp_size if self.parallel.sequence_parallel else 1
+        ids, order, lengths = _pack(input_ids, attention_mask, multiple)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        logits = self.model(ids, positions, None)  # (b, Tc, V/tp); fp32 from Float16Module on GPU
+        logits = logits.float()
+        logits = self._mask_vocab_padding(logits)
+        if logits_only:
+            return logits, order, lengths
+        # next-token targets aligned with the logits that predict them; the last column is a dummy
+        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+        entropy = None
+        if with_entropy:  # before the cross entropy, which overwrites its input in place
+            ent_next = vocab_parallel_entropy(logits)
+            entropy = _unpack(torch.nn.functional.pad(ent_next[:, :-1], (1, 0)), order, lengths, t)
+        lp_next = -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
+        logprobs = _unpack(torch.nn.functional.pad(lp_next[:, :-1], (1, 0)), order, lengths, t)
+        return logprobs, entropy
+
+    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.mcfg.padded_vocab_size == self.mcfg.hf_vocab_size:
+            return logits
+        chunk = logits.shape[-1]
+        cols = torch.arange(chunk, device=logits.device) + self.tp_rank * chunk
+        return logits.masked_fill(cols >= self.mcfg.hf_vocab_size, _PAD_LOGIT)
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: Mapping[str, torch.Tensor], micro_batch_size: int, with_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """``{"logprobs": (B, T) fp32, "entropy": (B, T) fp32 if with_entropy}`` on CPU, no grad."""
+        self.model.eval()
+        lps, ents = [], []
+        for mb in _split(batch, micro_batch_size):
+            lp, ent = self._forward(mb["input_ids"], mb["attention_mask"], with_entropy)
+            lps.append(lp.cpu())
+            if with_entropy:
+                ents.append(ent.cpu())
+        self.model.train()
+        out = {"logprobs": torch.cat(lps)}
+        if with_entropy:
+            out["entropy"] = torch.cat(ents)
+        return out
+
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits ``(B, T, V)`` (HF vocab, gathered over TP) at the original positions;
+        zeros at padding. For tests and debugging: it gathers the vocab."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        self.model.eval()
+        logits, order, lengths = self._forward(input_ids, attention_mask, False, logits_only=True)
+        self.model.train()
+        logits = gather_from_tensor_model_parallel_region(logits)[..., : self.mcfg.hf_vocab_size]
+        b, tc, v = logits.shape
+        j = torch.arange(tc, device=logits.device)
+        logits = logits * (j[None, :] < lengths[:, None].to(logits.device))[..., None]
+        out = torch.zeros(b, max(input_ids.shape[1], int(order.max()) + 1), v, dtype=logits.dtype, device=logits.device)
+        out.scatter_(1, order[..., None].expand(b, tc, v).to(logits.device), logits)
+        return out[:, : input_ids.shape[1]].cpu()
+
+    @torch.no_grad()
+    def eval_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: int = 8) -> float:
+        """Mean next-token NLL over the positions of :func:`valid_logprob_mask`."""
+        lp = self.compute_logprobs({"input_ids": input_ids, "attention_mask": attention_mask}, micro_batch_size)
+        mask = valid_logprob_mask(attention_mask)
+        return float(-(lp["logprobs"] * mask).sum() / mask.sum().clamp(min=1))
+
+    # ----------------------------------------------------------------------------------------------
+    # update
+
+    def current_lr(self) -> float:
+        warm = self.optim.lr_warmup_steps
+        return self.optim.lr * min(1.0, (self.step + 1) / warm) if warm > 0 else self.optim.lr
+
+    def update(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        with_entropy: bool | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this rank's share of the mini-batch).
+
+        For each micro-batch: ``loss, metrics = loss_fn(logprobs (b, T), entropy (b, T) | None,
+        micro_batch)``; ``loss / num_micro_batches`` is back-propagated. Gradients are averaged over
+        data-parallel ranks, clipped to ``grad_clip`` by their global norm (TP shards counted once),
+        then AdamW steps. Returns the micro-batch mean of each metric (and of ``loss``), averaged
+        over DP ranks, plus ``grad_norm`` and ``lr``. A non-finite grad norm skips the step
+        (``skipped`` = 1).
+        """
+        with_entropy = self.loss_fn_needs_entropy if with_entropy is None else with_entropy
+        lr = self.current_lr()
+        micro_batches = list(_split(batch, micro_batch_size))
+        n = len(micro_batches)
+        self.model.train()
+        self._zero_grad()
+        sums: dict[str, float] = {}
+        for mb in micro_batches:
+            lp, ent = self._forward(mb["input_ids"], mb["attention_mask"], with_entropy)
+            mb_dev = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+            loss, metrics = loss_fn(lp, ent, mb_dev)
+            scaled = loss / n
+            if self.on_gpu:
+                scaled = self.optimizer.scale_loss(scaled)
+            scaled.backward()
+            for k, v in {"loss": loss, **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, torch.Tensor) else v)
+        if self.on_gpu:
+            grad_norm, skipped = self._gpu_step(lr)
+        else:
+            grad_norm, skipped = self._cpu_step(lr)
+        if not skipped:
+            self.step += 1
+        out = self._dp_mean({k: v / n for k, v in sums.items()})
+        out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
+        return out
+
+    def _zero_grad(self) -> None:
+        if self.on_gpu:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _dp_mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.dp_size == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return {k: float(v) / self.dp_size for k, v in zip(keys, t.tolist())}
+
+    def _gpu_step(self, lr: float) -> tuple[float, bool]:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])  # DP all-reduce (or reduce-scatter) of the grad buffers
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        ok, grad_norm, _ = self.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        return grad_norm, not ok
+
+    def _cpu_step(self, lr: float) -> tuple[float, bool]:
+        params = [p for p in self.core.parameters() if p.requires_grad]
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.dp_size > 1 and grads:  # average over DP (gloo), as megatron's DDP does on GPU
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp_size
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        grad_norm = self._cpu_grad_norm(params)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            clip = self.optim.grad_clip
+            if clip > 0 and grad_norm > clip:
+                coef = clip / (grad_norm + 1e-6)
+                for g in grads:
+                    g.mul_(coef)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, skipped
+
+    def _cpu_grad_norm(self, params: list[torch.nn.Parameter]) -> float:
+        """Global L2 norm; params replicated over TP (norms) are counted on TP rank 0 only."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if p.grad is None:
+                continue
+            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+                sq += p.grad.detach().double().pow(2).sum()
+        if self.tp_size > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        return float(sq.sqrt())
+
+    # ----------------------------------------------------------------------------------------------
+    # weights out
+
+    def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors, one at a time (collective over the TP group: every TP rank must
+        consume the iterator)."""
+        return hf_weights.export_hf_weights(self.core, self.hf_config, dtype=dtype)
+
+    def save_hf_checkpoint(self, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        hf_weights.save_hf_checkpoint(self.core, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype)
+
+    # ----------------------------------------------------------------------------------------------
+    # distributed checkpoints (megatron.core.dist_checkpointing: any TP layout can load them)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """``{"model", "optimizer", "rng", "meta"}`` for ``dist_checkpointing.save/load``.
+
+        CPU: AdamW's ``exp_avg``/``exp_avg_sq`` are sharded like their parameters (so they reshard
+        across TP too); AdamW's step count is in ``meta``. GPU: megatron optimizer's own sharded
+        state dict.
+        """
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        model_sd = self.core.sharded_state_dict()
+        if self.on_gpu:
+            optim_sd = self.optimizer.sharded_state_dict(model_sd)
+        else:
+            optim_sd = self._cpu_optimizer_sharded_state_dict(model_sd)
+        rng = ShardedObject(
+            "rng_state",
+            _rng_state(self.on_gpu),
+            global_shape=(self.tp_size,),
+            global_offset=(self.tp_rank,),
+            replica_id=self.dp_rank,
+        )
+        meta = {
+            "step": self.step,
+            "tp": self.tp_size,
+            "model_type": self.mcfg.model_type,
+            "padded_vocab_size": self.mcfg.padded_vocab_size,
+        }
+        return {"model": model_sd, "optimizer": optim_sd, "rng": rng, "meta": meta}
+
+    def _cpu_optimizer_sharded_state_dict(self, model_sd) -> dict[str, Any]:
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        _init_adam_state(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        id_map = get_param_id_to_sharded_param_map(model_sd, params)
+        state = self.optimizer.state_dict()
+        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        return state
+
+    def save_checkpoint(self, ckpt_dir: str | os.PathLike) -> None:
+        """Collective: every rank calls it with the same directory (created if missing)."""
+        from megatron.core import dist_checkpointing
+
+        ckpt_dir = os.fspath(ckpt_dir)
+        if dist.get_rank() == 0:
+            os.makedirs(ckpt_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self.sharded_state_dict(), ckpt_dir)
+        dist.barrier()
+
+    def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+        """Load model, optimizer state and (same TP only) RNG from ``ckpt_dir``; returns its meta."""
+        from megatron.core import dist_checkpointing
+
+        ckpt_dir = os.fspath(ckpt_dir)
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+        meta = dict(common.get("meta", {}))
+        if meta.get("padded_vocab_size", self.mcfg.padded_vocab_size) != self.mcfg.padded_vocab_size:
+            raise ValueError(
+                f"checkpoint {ckpt_dir} has a padded vocab of {meta['padded_vocab_size']} (TP={meta.get('tp')}), "
+                f"this model {self.mcfg.padded_vocab_size} (TP={self.tp_size}); load it with a TP that pads alike"
+            )
+        sd = self.sharded_state_dict()
+        same_tp = meta.get("tp") == self.tp_size
+        if not same_tp:
+            del sd["rng"]  # per-TP-rank generator states do not map onto another TP layout
+        loaded = dist_checkpointing.load(sd, ckpt_dir)
+        self.core.load_state_dict(loaded["model"], strict=True)
+        step = int(meta.get("step", 0))
+        if self.on_gpu:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            state = loaded["optimizer"]
+            for param_state in state["state"].values():
+                param_state["step"] = torch.tensor(float(step))
+            groups = self.optimizer.state_dict()["param_groups"]
+            self.optimizer.load_state_dict({"state": state["state"], "param_groups": groups})
+        if same_tp:
+            _set_rng_state(loaded["rng"], self.on_gpu)
+        self.step = step
+        return meta
+
+
+# --------------------------------------------------------------------------------------------------
+# vocab-parallel entropy
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the full vocab from TP-sharded ``logits (..., V/tp)`` (fp32).
+
+    H = log S - T / S with S = sum exp(z), T = sum exp(z) z, z = logits - max; S and T are
+    all-reduced over the TP group (forward all-reduce, identity backward), so no rank gathers the
+    vocab. Differentiable.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    m = logits.detach().max(dim=-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    z = logits - m
+    e = torch.exp(z)
+    s = reduce_from_tensor_model_parallel_region(e.sum(dim=-1))
+    t = reduce_from_tensor_model_parallel_region((e * z).sum(dim=-1))
+    return torch.log(s) - t / s
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
+    for name, value, key in (
+        ("pp", p.pp, "megatron.pipelineModelParallelSize"),
+        ("cp", p.cp, "megatron.contextParallelSize"),
+        ("ep", p.ep, "megatron.expertModelParallelSize"),
+    ):
+        if value != 1:
+            raise ValueError(f"{key}={value} is not supported by the rljob megatron actor yet (use 1)")
+    if p.vpp not in (None, 1):
+        raise ValueError(f"megatron.virtualPipelineModelParallelSize={p.vpp} is not supported (needs pipeline parallelism)")
+    if p.tp < 1:
+        raise ValueError(f"megatron.tensorModelParallelSize must be >= 1, got {p.tp}")
+    if p.sequence_parallel and not on_gpu:
+        raise ValueError("megatron.sequenceParallel=true needs a GPU (gloo has no reduce-scatter)")
+    if p.use_distributed_optimizer and not on_gpu:
+        log.warning("use_distributed_optimizer is ignored on CPU (torch AdamW over local shards)")
+
+
+def _init_model_parallel(p: ParallelConfig) -> None:
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    if world % (p.tp * p.pp * p.cp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by tensorModelParallelSize={p.tp} x "
+            f"pipelineModelParallelSize={p.pp} x contextParallelSize={p.cp}"
+        )
+    if ps.model_parallel_is_initialized():
+        if (
+            ps.get_tensor_model_parallel_world_size() == p.tp
+            and ps.get_pipeline_model_parallel_world_size() == p.pp
+            and ps.get_context_parallel_world_size() == p.cp
+        ):
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+    )
+
+
+def _cpu_adamw(core: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    # As megatron: no weight decay on biases and norm weights (1-D parameters).
+    decay = [p for p in core.parameters() if p.requires_grad and p.dim() > 1]
+    no_decay = [p for p in core.parameters() if p.requires_grad and p.dim() <= 1]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+    )
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Materialise AdamW's lazily created state so it has a structure to save or load into."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _gpu_wrap(core, mcfg: MegatronModelConfig, parallel: ParallelConfig, optim: OptimConfig, dtype: torch.dtype):
+    """GPU: Float16Module (bf16/fp16) -> megatron DDP -> megatron optimizer (fp32 main params)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    config = mcfg.transformer_config
+    model = Float16Module(config, core) if dtype in (torch.bfloat16, torch.float16) else core
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
+        clip_grad=optim.grad_clip if optim.grad_clip > 0 else 0.0,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    return model, optimizer
+
+
+def _rng_state(on_gpu: bool) -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if on_gpu:
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], on_gpu: bool) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["cpu"])
+    if on_gpu and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,91 @@
+"""Patches that let megatron-core 0.16.1 run on a machine without a GPU (tests, quickstart).
+
+``apply_cpu_patches()`` is idempotent and does nothing when CUDA is available: the GPU path runs
+megatron unpatched. Each patch says which megatron code needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+_APPLIED = False
+
+
+class _CpuRNGStatesTracker:
+    """Mixin body for megatron's CudaRNGStatesTracker that keeps named *CPU* generator states."""
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def apply_cpu_patches() -> bool:
+    """Patch megatron-core for CPU + gloo. Returns True when patches are (already) in place."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+
+    from megatron.core import tensor_parallel
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils as tutils
+
+    # Buffers in tensor_parallel/layers.py, mappings.py (all-gather outputs), rotary embeddings and
+    # dist-checkpointing's async/save helpers are placed on torch.cuda.current_device().
+    torch.cuda.current_device = lambda: "cpu"
+    # dist_checkpointing (filesystem_async, fully_parallel, tensor_aware_state_dict) and
+    # parallel_state synchronise the CUDA stream around saves and barriers.
+    torch.cuda.synchronize = lambda device=None: None
+
+    # The model-parallel RNG tracker forks the CUDA generator (dropout, weight init in TP regions);
+    # keep the same named-state semantics on the CPU generator instead.
+    base = mrandom.CudaRNGStatesTracker
+    cpu_tracker_cls = type("CpuRNGStatesTracker", (base,), dict(_CpuRNGStatesTracker.__dict__))
+    tracker = cpu_tracker_cls()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # model_parallel_cuda_manual_seed calls torch.cuda.manual_seed for the default state; seed CPU.
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    # _get_all_rng_states/_set_all_rng_states (activation recompute) read the CUDA generator.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    assert tensor_parallel.get_cuda_rng_tracker() is tracker
+
+    # The default causal mask of the local DotProductAttention is built with device="cuda".
+    tutils.get_default_causal_mask = functools.lru_cache(maxsize=8)(_cpu_causal_mask)
+    fused_softmax.get_default_causal_mask = tutils.get_default_causal_mask
+
+    _APPLIED = True
+    log.info("megatron-core CPU patches applied")
+    return True
