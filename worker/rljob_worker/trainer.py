@@ -21,6 +21,7 @@ How this departs from textbook GRPO (Shao et al. 2024):
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -187,6 +188,9 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[StepResult]:
         spec = self.spec
+        if self.step >= self.total_steps and self.is_main:
+            print(f"nothing to train: resumed at step {self.step} of {self.total_steps} from {self.checkpoints.uri}; "
+                  "delete that checkpoint folder (or `rljob run --fresh`) to train again", flush=True)
         if spec.training.val_before_train and self.val_set is not None and self.step == 0:
             self.validate()
         bar = self._progress_bar()
@@ -196,6 +200,7 @@ class GRPOTrainer:
             metrics = self.train_step()
             metrics["timing/step_s"] = time.perf_counter() - step_start
             self.history.append(StepResult(self.step, metrics))
+            self._append_metrics_log(metrics)
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
             self.telemetry.record_gpu_memory()
             self._report_progress(metrics, bar)
@@ -421,6 +426,14 @@ class GRPOTrainer:
         else:
             print(line, flush=True)
         self._publish_status(metrics)
+
+    def _append_metrics_log(self, metrics: dict[str, float]) -> None:
+        """One JSON line per step in <workdir>/metrics.jsonl (rank 0): the run's learning curve."""
+        if not self.is_main:
+            return
+        self.ctx.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.ctx.workdir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.step, **metrics}) + "\n")
 
     def _publish_status(self, metrics: dict[str, float]) -> None:
         """Progress for RLJob.status (operator folds it in); a no-op outside a cluster."""
