@@ -31,25 +31,21 @@ TINY = dict(
 def tiny_hf_config(arch: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    kw = dict(TINY, **overrides)
     if arch == "qwen2":  # qkv bias, tied embeddings
-        return Qwen2Config(tie_word_embeddings=True, rope_theta=10000.0, **kw)
-    if arch == "llama":  # untied, llama3 rope scaling
-        return LlamaConfig(
+        cls, kw = Qwen2Config, dict(tie_word_embeddings=True, rope_theta=10000.0)
+    elif arch == "llama":  # untied, llama3 rope scaling
+        llama3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        cls, kw = LlamaConfig, dict(
             tie_word_embeddings=False,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, **llama3},
             rope_theta=500000.0,
-            **kw,
+            max_position_embeddings=16384,
         )
-    if arch == "qwen3":  # q/k norm, head_dim != hidden / heads
-        return Qwen3Config(tie_word_embeddings=False, head_dim=32, rope_theta=1000000.0, **kw)
-    raise ValueError(arch)
+    elif arch == "qwen3":  # q/k norm, head_dim != hidden / heads
+        cls, kw = Qwen3Config, dict(tie_word_embeddings=False, head_dim=32, rope_theta=1000000.0)
+    else:
+        raise ValueError(arch)
+    return cls(**{**TINY, **kw, **overrides})
 
 
 def make_tiny_hf_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
@@ -176,10 +172,20 @@ def _scenario_tp2(hf_dir: str, out_dir: str) -> None:
             out / "tp2.pt",
         )
 
+    # A vocab TP does not divide (127): padded to 128 inside megatron, stripped on export.
+    pad_dir = out / "hf_pad"
+    if pad_dir.exists():
+        actor = MegatronActor.from_hf(pad_dir, ParallelConfig(tp=2), OptimConfig(lr=1e-3), seed=1)
+        ids127 = ids.clamp(max=126)
+        res = actor.compute_logprobs({"input_ids": ids127, "attention_mask": mask}, 4, with_entropy=True)
+        exported = dict(actor.export_hf_weights())
+        if rank == 0:
+            torch.save({"logprobs": res["logprobs"], "entropy": res["entropy"], "exported": exported}, out / "tp2_pad.pt")
+
     # DP=2 on the same two processes: each rank takes half of the batch.
     actor = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=1), OptimConfig(lr=1e-3), seed=1)
     half = slice(rank * 2, rank * 2 + 2)
-    metrics = actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=1)
+    metrics = actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=2)
     exported = dict(actor.export_hf_weights())
     checksum = torch.stack([t.double().sum() for t in exported.values()])
     gathered = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]

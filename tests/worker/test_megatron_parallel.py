@@ -1,0 +1,115 @@
+"""TP=2 and DP=2 across two gloo processes (torchrun) against TP=1 in this process.
+
+One torchrun launch (``megatron_helpers.py tp2``) plays every multi-process step and saves its
+results; the tests compare them with the same steps at TP=1 here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+import megatron_helpers as H  # noqa: E402
+
+from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp2")
+    hf_dir = H.make_tiny_hf_model("qwen2", root / "hf")
+    pad_dir = H.make_tiny_hf_model("llama", root / "out" / "hf_pad", vocab_size=127)
+    H.run_torchrun("tp2", hf_dir, root / "out")
+    return {
+        "hf_dir": hf_dir,
+        "pad_dir": pad_dir,
+        "out": root / "out",
+        "tp2": torch.load(root / "out" / "tp2.pt"),
+        "dp2": torch.load(root / "out" / "dp2.pt"),
+        "tp2_pad": torch.load(root / "out" / "tp2_pad.pt"),
+    }
+
+
+@pytest.fixture(scope="module")
+def tp1(run):
+    """The TP=1 counterpart of the torchrun scenario."""
+    ids, mask = H.sample_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    actor = MegatronActor.from_hf(run["hf_dir"], ParallelConfig(tp=1), OptimConfig(lr=1e-3), seed=1)
+    res = actor.compute_logprobs(batch, micro_batch_size=2, with_entropy=True)
+    exported = dict(actor.export_hf_weights())
+    metrics = actor.update(batch, H.seq_nll_loss, micro_batch_size=2, with_entropy=True)
+    after = actor.compute_logprobs(batch, micro_batch_size=4)
+    return {
+        "res": res,
+        "exported": exported,
+        "metrics": metrics,
+        "after": after,
+        "exported_after": dict(actor.export_hf_weights()),
+        "eval_loss": actor.eval_loss(ids, mask),
+    }
+
+
+def test_tp2_logprobs_and_entropy_equal_tp1(run, tp1):
+    torch.testing.assert_close(run["tp2"]["logprobs"], tp1["res"]["logprobs"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(run["tp2"]["entropy"], tp1["res"]["entropy"], rtol=0, atol=1e-5)
+
+
+def test_tp2_update_equals_tp1(run, tp1):
+    got, want = run["tp2"]["metrics"], tp1["metrics"]
+    for key in ("loss", "nll", "entropy", "grad_norm", "lr"):
+        assert got[key] == pytest.approx(want[key], abs=1e-4), key
+    torch.testing.assert_close(run["tp2"]["logprobs_after"], tp1["after"]["logprobs"], rtol=0, atol=1e-4)
+    assert run["tp2"]["eval_loss"] == pytest.approx(tp1["eval_loss"], abs=1e-4)
+
+
+def test_tp2_export_equals_tp1_and_hf_files(run, tp1):
+    files = load_file(run["hf_dir"] / "model.safetensors")
+    exported = run["tp2"]["exported"]
+    assert sorted(exported) == sorted(files) == sorted(tp1["exported"])
+    for name in files:
+        assert torch.equal(exported[name], files[name]), name
+        assert torch.equal(exported[name], tp1["exported"][name]), name
+    for name, tensor in run["tp2"]["exported_after"].items():
+        torch.testing.assert_close(tensor, tp1["exported_after"][name], rtol=0, atol=1e-5)
+
+
+def test_tp2_checkpoint_loads_into_tp1(run):
+    ids, mask = H.sample_batch()
+    actor = MegatronActor.from_hf(run["hf_dir"], ParallelConfig(tp=1), OptimConfig(lr=1e-3), seed=5)
+    meta = actor.load_checkpoint(run["out"] / "ckpt_tp2")
+    assert meta["tp"] == 2 and meta["step"] == 1 and actor.step == 1
+    assert actor.eval_loss(ids, mask) == pytest.approx(run["tp2"]["eval_loss"], abs=1e-6)
+    for name, tensor in actor.export_hf_weights():
+        assert torch.equal(tensor, run["tp2"]["exported_after"][name]), name
+    # AdamW moments were resharded too: they are non-zero for every parameter after one step
+    state = actor.optimizer.state_dict()["state"]
+    assert len(state) == len(list(actor.core.parameters()))
+    assert all(float(s["exp_avg_sq"].sum()) > 0 for s in state.values())
+
+
+def test_dp2_stays_in_sync_and_equals_full_batch(run, tp1):
+    dp2 = run["dp2"]
+    assert torch.equal(dp2["checksums"][0], dp2["checksums"][1])  # both replicas hold the same weights
+    # each DP rank took 2 of 4 rows (one micro-batch): the same average as TP1 over 4 rows at mbs 2
+    assert dp2["metrics"]["loss"] == pytest.approx(tp1["metrics"]["loss"], abs=1e-5)
+    assert dp2["metrics"]["grad_norm"] == pytest.approx(tp1["metrics"]["grad_norm"], abs=1e-4)
+    for name, tensor in dp2["exported"].items():
+        torch.testing.assert_close(tensor, tp1["exported_after"][name], rtol=0, atol=1e-5)
+
+
+def test_tp2_padded_vocab_matches_hf(run):
+    ids, mask = H.sample_batch()
+    ids = ids.clamp(max=126)
+    hf = H.load_hf_model(run["pad_dir"])
+    pad = run["tp2_pad"]
+    torch.testing.assert_close(pad["logprobs"], H.hf_logprobs(hf, ids, mask), rtol=0, atol=1e-5)
+    files = load_file(run["pad_dir"] / "model.safetensors")
+    assert sorted(pad["exported"]) == sorted(files)
+    for name in files:
+        assert torch.equal(pad["exported"][name], files[name]), name
