@@ -98,6 +98,11 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     from rljob_api.explain import explain
 
+    if args.markdown:
+        from rljob_api.reference import reference_markdown
+
+        sys.stdout.write(reference_markdown())
+        return 0
     try:
         print(explain(args.field or "spec"))
     except KeyError as exc:
@@ -126,7 +131,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _report_invalid(args.file, exc)
     from rljob_worker.launcher import run_local
 
-    return run_local(job, workdir=args.workdir, checkpoint_uri=args.checkpoint_uri, steps=args.steps)
+    return run_local(job, workdir=args.workdir, checkpoint_uri=args.checkpoint_uri, steps=args.steps,
+                     fresh=args.fresh)
 
 
 def _report_invalid(path: str, exc: Exception) -> int:
@@ -149,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_crd)
     p = sub.add_parser("explain", help="describe RLJob fields, e.g. `rljob explain spec.algorithm`")
     p.add_argument("field", nargs="?", metavar="FIELD.PATH")
+    p.add_argument("--markdown", action="store_true", help="print the whole spec reference as Markdown")
     p.set_defaults(func=cmd_explain)
     p = sub.add_parser("render", help="print the children (ConfigMap, PyTorchJob, ...) the operator would create")
     p.add_argument("file", metavar="FILE")
@@ -159,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where run outputs go (default ./runs/<name>)")
     p.add_argument("--checkpoint-uri", default=None, help="override spec.checkpoint.uri")
     p.add_argument("--steps", type=int, default=None, help="override spec.training.totalTrainingSteps")
+    p.add_argument("--fresh", action="store_true", help="delete this job's checkpoints and outputs first")
     p.set_defaults(func=cmd_run)
     return parser
 

@@ -70,8 +70,21 @@ def start_pod(job: RLJob, node_rank: int, master_port: int, spec_path: Path, ext
                             start_new_session=True)
 
 
+def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
+    """`--fresh`: remove the job's committed checkpoints and local outputs."""
+    import shutil
+
+    from rljob_worker.storage import open_store
+
+    store = open_store(checkpoint_uri, endpoint_url=job.spec.s3.endpoint, region=job.spec.s3.region)
+    prefix = f"{job.metadata.namespace}/{job.metadata.name}/"
+    store.delete_prefix(prefix)
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"rljob: --fresh: deleted {store.uri_for(prefix.rstrip('/'))}/ and {root}", flush=True)
+
+
 def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None = None,
-              steps: int | None = None) -> int:
+              steps: int | None = None, fresh: bool = False) -> int:
     spec = job.spec
     if spec.device == "gpu":
         import torch
@@ -79,6 +92,8 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
         if not torch.cuda.is_available():
             print("note: spec.device is gpu but no GPU is visible; running on CPU with gloo", file=sys.stderr)
     root = Path(workdir or Path("runs") / job.metadata.name).resolve()
+    if fresh:
+        clear_previous_run(job, root, checkpoint_uri or spec.checkpoint.uri)
     spec_path = write_spec(job, root)
     master_port = free_port()
     extra = {"RLJOB_WORKDIR": str(root / "work"), "RLJOB_PROGRESS_BAR": "1" if sys.stdout.isatty() else "0"}
