@@ -1,0 +1,337 @@
+"""Pure child builders: a validated RLJob and the operator settings in, plain dicts out.
+
+No API calls, no kopf, no YAML templating. The handler creates what these return; `rljob render`
+prints it. Every child carries the standard labels, the namespace of the RLJob and, when the
+RLJob has a uid (it does once stored), an ownerReference with ``controller: true`` so deleting
+the RLJob garbage-collects it.
+
+The PyTorchJob contract (Kubeflow training-operator v1) lives in `build_pytorchjob` only, so a
+move to Trainer v2 (TrainJob) touches one function.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+from rljob_api.models import API_VERSION, GROUP, KIND, PLURAL, RLJob
+
+from rljob_operator.settings import OperatorSettings
+
+# ---------------------------------------------------------------------------- names and labels
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_JOB = "rljob.dev/job-name"
+MANAGER = "rljob-operator"
+ANNOTATION_SPEC_HASH = "rljob.dev/spec-hash"
+
+PYTORCHJOB_API_VERSION = "kubeflow.org/v1"
+PYTORCHJOB_KIND = "PyTorchJob"
+PYTORCH_CONTAINER = "pytorch"  # the training-operator finds the container by this name
+PYTORCH_PORT_NAME = "pytorchjob-port"  # ... and the rendezvous port by this one
+METRICS_PORT_NAME = "metrics"
+SPEC_VOLUME = "rljob-spec"
+SHM_VOLUME = "dshm"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+COMPONENT_TRAINER = "trainer"
+COMPONENT_SPEC = "spec"
+COMPONENT_PROGRESS = "progress-reporter"
+COMPONENT_METRICS = "metrics"
+
+
+def spec_configmap_name(job_name: str) -> str:
+    return f"{job_name}-spec"
+
+
+def pytorchjob_name(job_name: str) -> str:
+    return job_name
+
+
+def service_account_name(job_name: str) -> str:
+    return f"{job_name}-worker"
+
+
+def progress_role_name(job_name: str) -> str:
+    return f"{job_name}-progress"
+
+
+def metrics_service_name(job_name: str) -> str:
+    return f"{job_name}-metrics"
+
+
+def selector_labels(job_name: str) -> dict[str, str]:
+    """Labels that identify an RLJob's children (and select its training pods with the component)."""
+    return {LABEL_MANAGED_BY: MANAGER, LABEL_JOB: job_name}
+
+
+def labels(job: RLJob, component: str) -> dict[str, str]:
+    name = job.metadata.name
+    return {
+        LABEL_NAME: "rljob",
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: component,
+        LABEL_PART_OF: "rljob",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_JOB: name,
+    }
+
+
+def owner_reference(job: RLJob) -> dict[str, Any] | None:
+    if not job.metadata.uid:
+        return None
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.metadata.name,
+        "uid": job.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: RLJob, name: str, component: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": job.metadata.namespace, "labels": labels(job, component)}
+    if annotations:
+        meta["annotations"] = annotations
+    owner = owner_reference(job)
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+# ---------------------------------------------------------------------------- the spec ConfigMap
+
+def spec_document(job: RLJob) -> dict[str, Any]:
+    """The validated, defaulted spec as the worker reads it (`spec.json`); it holds no credentials,
+    only the name of the Secret that does."""
+    return job.spec.model_dump(mode="json", by_alias=True)
+
+
+def spec_hash(job: RLJob) -> str:
+    """Fingerprint of everything the running pods depend on: the whole spec except `suspend`.
+
+    Stored on the ConfigMap and PyTorchJob; a different hash on a live PyTorchJob means a
+    launch-time field changed (see reconcile's immutability policy).
+    """
+    doc = spec_document(job)
+    doc.pop("suspend", None)
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def build_spec_configmap(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    job_doc = {"name": job.metadata.name, "namespace": job.metadata.namespace, "uid": job.metadata.uid}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, spec_configmap_name(job.metadata.name), COMPONENT_SPEC,
+                              {ANNOTATION_SPEC_HASH: spec_hash(job)}),
+        "data": {
+            "spec.json": json.dumps(spec_document(job), indent=2, sort_keys=True) + "\n",
+            "job.json": json.dumps(job_doc, indent=2, sort_keys=True) + "\n",
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- the PyTorchJob
+
+def _env(job: RLJob) -> list[dict[str, Any]]:
+    spec = job.spec
+    env: list[dict[str, Any]] = [
+        {"name": "RLJOB_NAME", "value": job.metadata.name},
+        {"name": "RLJOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "AWS_REGION", "value": spec.s3.region},
+    ]
+    if spec.s3.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": spec.s3.endpoint})
+    ref = spec.s3.credentials_secret_ref
+    if ref is not None:
+        env.append({"name": "AWS_ACCESS_KEY_ID",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.access_key_id_key}}})
+        env.append({"name": "AWS_SECRET_ACCESS_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.secret_access_key_key}}})
+    # User entries win over ours with the same name; new names are appended in their order.
+    user = [copy.deepcopy(e) for e in spec.pod_template.env]
+    user_names = {e.get("name") for e in user}
+    return [e for e in env if e["name"] not in user_names] + user
+
+
+def _resources(job: RLJob) -> dict[str, Any]:
+    spec = job.spec
+    resources = {k: dict(v) for k, v in copy.deepcopy(spec.pod_template.resources).items()}
+    if spec.device == "gpu":
+        resources.setdefault("limits", {})[GPU_RESOURCE] = str(spec.gpus_per_node)
+        if GPU_RESOURCE in resources.get("requests", {}):
+            resources["requests"][GPU_RESOURCE] = str(spec.gpus_per_node)
+    else:
+        for section in resources.values():
+            section.pop(GPU_RESOURCE, None)
+    return {k: v for k, v in resources.items() if v}
+
+
+def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    spec, pt = job.spec, job.spec.pod_template
+    name = job.metadata.name
+    ports = [{"name": PYTORCH_PORT_NAME, "containerPort": settings.master_port, "protocol": "TCP"}]
+    if spec.metrics.enabled:
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": spec.metrics.port, "protocol": "TCP"})
+    container: dict[str, Any] = {
+        "name": PYTORCH_CONTAINER,
+        "image": spec.image or settings.worker_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        # torchrun reads PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
+        # PET_MASTER_PORT, which the training-operator injects, as its defaults.
+        "command": ["torchrun", "-m", settings.worker_module, "--spec", settings.spec_path],
+        "env": _env(job),
+        "ports": ports,
+        "volumeMounts": [
+            {"name": SPEC_VOLUME, "mountPath": settings.spec_mount_path, "readOnly": True},
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+            *copy.deepcopy(pt.volume_mounts),
+        ],
+    }
+    resources = _resources(job)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [
+            {"name": SPEC_VOLUME, "configMap": {"name": spec_configmap_name(name)}},
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": pt.shm_size}},
+            *copy.deepcopy(pt.volumes),
+        ],
+        "terminationGracePeriodSeconds": pt.termination_grace_period_seconds,
+    }
+    sa = pt.service_account_name or (service_account_name(name) if settings.progress_rbac else None)
+    if sa:
+        pod_spec["serviceAccountName"] = sa
+    if pt.node_selector:
+        pod_spec["nodeSelector"] = dict(pt.node_selector)
+    if pt.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(pt.tolerations)
+    if pt.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in pt.image_pull_secrets]
+    if pt.priority_class_name:
+        pod_spec["priorityClassName"] = pt.priority_class_name
+    if pt.scheduler_name:
+        pod_spec["schedulerName"] = pt.scheduler_name
+    pod_labels = {**pt.labels, **labels(job, COMPONENT_TRAINER)}
+    pod_annotations = {**pt.annotations, "kubectl.kubernetes.io/default-container": PYTORCH_CONTAINER}
+    return {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec}
+
+
+def build_pytorchjob(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    """One Master, nnodes-1 Workers (omitted when 0: the training-operator's webhook rejects 0)."""
+    spec = job.spec
+    template = _pod_template(job, settings)
+    replicas: dict[str, Any] = {
+        "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template},
+    }
+    if spec.nnodes > 1:
+        replicas["Worker"] = {"replicas": spec.nnodes - 1, "restartPolicy": "OnFailure",
+                              "template": copy.deepcopy(template)}
+    run_policy: dict[str, Any] = {"backoffLimit": spec.run_policy.backoff_limit, "suspend": spec.suspend}
+    if spec.run_policy.active_deadline_seconds is not None:
+        run_policy["activeDeadlineSeconds"] = spec.run_policy.active_deadline_seconds
+    if spec.run_policy.ttl_seconds_after_finished is not None:
+        run_policy["ttlSecondsAfterFinished"] = spec.run_policy.ttl_seconds_after_finished
+    return {
+        "apiVersion": PYTORCHJOB_API_VERSION,
+        "kind": PYTORCHJOB_KIND,
+        "metadata": _metadata(job, pytorchjob_name(job.metadata.name), COMPONENT_TRAINER,
+                              {ANNOTATION_SPEC_HASH: spec_hash(job)}),
+        "spec": {
+            "nprocPerNode": str(spec.gpus_per_node),
+            "runPolicy": run_policy,
+            "pytorchReplicaSpecs": replicas,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- progress RBAC
+
+def build_service_account(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": _metadata(job, service_account_name(job.metadata.name), COMPONENT_PROGRESS)}
+
+
+def build_progress_role(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    """Rank 0 may read and patch its own RLJob (the progress annotation) and nothing else."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(job, progress_role_name(job.metadata.name), COMPONENT_PROGRESS),
+        "rules": [{"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [job.metadata.name],
+                   "verbs": ["get", "patch"]}],
+    }
+
+
+def build_progress_rolebinding(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    name = job.metadata.name
+    account = job.spec.pod_template.service_account_name or service_account_name(name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(job, progress_role_name(name), COMPONENT_PROGRESS),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": progress_role_name(name)},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": job.metadata.namespace}],
+    }
+
+
+# ---------------------------------------------------------------------------- metrics
+
+def _trainer_selector(job: RLJob) -> dict[str, str]:
+    return {**selector_labels(job.metadata.name), LABEL_COMPONENT: COMPONENT_TRAINER}
+
+
+def build_metrics_service(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    """Headless Service over the training pods' metrics port (for Service-based scraping)."""
+    port = job.spec.metrics.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, metrics_service_name(job.metadata.name), COMPONENT_METRICS),
+        "spec": {
+            "clusterIP": "None",
+            "selector": _trainer_selector(job),
+            "ports": [{"name": METRICS_PORT_NAME, "port": port, "targetPort": METRICS_PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_pod_monitor(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _metadata(job, job.metadata.name, COMPONENT_METRICS),
+        "spec": {
+            "selector": {"matchLabels": _trainer_selector(job)},
+            "podMetricsEndpoints": [{"port": METRICS_PORT_NAME, "path": "/metrics"}],
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- all children
+
+def build_children(job: RLJob, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """Every child of `job`, in creation order (RBAC and the spec before the PyTorchJob that uses them)."""
+    children: list[dict[str, Any]] = []
+    if settings.progress_rbac:
+        if not job.spec.pod_template.service_account_name:
+            children.append(build_service_account(job, settings))
+        children.append(build_progress_role(job, settings))
+        children.append(build_progress_rolebinding(job, settings))
+    children.append(build_spec_configmap(job, settings))
+    children.append(build_pytorchjob(job, settings))
+    if job.spec.metrics.enabled and settings.metrics_service:
+        children.append(build_metrics_service(job, settings))
+    if job.spec.metrics.enabled and job.spec.metrics.pod_monitor:
+        children.append(build_pod_monitor(job, settings))
+    return children

@@ -1,0 +1,128 @@
+"""RLJob condition types and reasons, and pure helpers to set conditions.
+
+Conditions follow the Kubernetes API conventions: one entry per type, ``status`` True/False/
+Unknown, ``reason`` one CamelCase word (a constant below), ``message`` a sentence,
+``lastTransitionTime`` that changes only when ``status`` changes, and ``observedGeneration``.
+The operator writes all five types from the first status write on, so printer columns and
+``kubectl wait --for=condition=...`` never see an absent condition.
+
+Types
+    Accepted   the spec is valid and the operator acts on it (False: InvalidSpec, SpecChangeRejected).
+    Running    training pods run (mirrors the PyTorchJob's Running condition).
+    Succeeded  training finished successfully (terminal).
+    Failed     training failed (terminal; reason and message come from the PyTorchJob).
+    Suspended  spec.suspend is true and the pods are gone.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# ---------------------------------------------------------------------------- types
+
+ACCEPTED = "Accepted"
+RUNNING = "Running"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+SUSPENDED = "Suspended"
+CONDITION_TYPES = (ACCEPTED, RUNNING, SUCCEEDED, FAILED, SUSPENDED)
+
+TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
+
+# ---------------------------------------------------------------------------- reasons
+# Accepted
+REASON_SPEC_ACCEPTED = "SpecAccepted"  # True: the spec is valid; children exist or are being created
+REASON_INVALID_SPEC = "InvalidSpec"  # False: validation failed; the message names every field; nothing created
+REASON_SPEC_CHANGE_REJECTED = "SpecChangeRejected"  # False: a launch-time field changed while not suspended
+# Running
+REASON_CREATING = "Creating"  # False: the PyTorchJob is being created
+REASON_PENDING = "Pending"  # False: the PyTorchJob exists; pods are not running yet
+REASON_PYTORCHJOB_RUNNING = "PyTorchJobRunning"  # True: the PyTorchJob reports Running
+REASON_RESTARTING = "Restarting"  # False: the PyTorchJob restarts failed pods
+REASON_JOB_SUSPENDED = "JobSuspended"  # False: suspended
+REASON_COMPLETED = "Completed"  # False: the job succeeded
+REASON_JOB_FAILED = "JobFailed"  # False: the job failed
+REASON_NOT_STARTED = "NotStarted"  # False: nothing was created (invalid spec)
+REASON_CREATE_FAILED = "CreateFailed"  # False: an API error while creating children; retried with backoff
+# Succeeded / Failed
+REASON_NOT_COMPLETED = "NotCompleted"  # Succeeded False
+REASON_PYTORCHJOB_SUCCEEDED = "PyTorchJobSucceeded"  # Succeeded True
+REASON_NOT_FAILED = "NotFailed"  # Failed False
+REASON_PYTORCHJOB_FAILED = "PyTorchJobFailed"  # Failed True, when the PyTorchJob gives no usable reason
+# Suspended
+REASON_SUSPENDED = "Suspended"  # True
+REASON_SUSPENDING = "Suspending"  # False: spec.suspend is true; waiting for the PyTorchJob to stop its pods
+REASON_NOT_SUSPENDED = "NotSuspended"  # False
+REASON_RESUMED = "Resumed"  # False: was suspended, resumed
+
+# ---------------------------------------------------------------------------- event reasons
+# Events reuse condition reasons where one fits; these are the extra ones.
+EVENT_CREATED = "Created"  # a child object was created
+EVENT_RECREATED = "PyTorchJobRecreated"  # the PyTorchJob vanished before the job finished and was recreated
+EVENT_SPEC_CHANGE_APPLIED = "SpecChangeApplied"  # a suspended job's PyTorchJob is replaced by one from the new spec
+EVENT_RUNNING = "Running"
+EVENT_SUCCEEDED = "Succeeded"
+EVENT_FAILED = "Failed"
+EVENT_API_ERROR = "ApiError"
+
+_CAMEL_WORD = re.compile(r"^[A-Z][A-Za-z0-9]{0,63}$")
+
+
+def is_reason(value: Any) -> bool:
+    """A usable condition reason: one CamelCase word (what the API conventions ask for)."""
+    return isinstance(value, str) and bool(_CAMEL_WORD.match(value))
+
+
+def get_condition(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
+    for cond in conditions or ():
+        if cond.get("type") == type_:
+            return cond
+    return None
+
+
+def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
+    cond = get_condition(conditions, type_)
+    return cond is not None and cond.get("status") == TRUE
+
+
+def set_condition(
+    conditions: Iterable[Mapping[str, Any]] | None,
+    type_: str,
+    status: str,
+    reason: str,
+    message: str,
+    *,
+    generation: int | None,
+    now: str,
+) -> list[dict[str, Any]]:
+    """A new condition list with `type_` set; lastTransitionTime is kept unless status changes.
+
+    Order is stable: an existing condition keeps its place, a new one is appended.
+    """
+    if status not in (TRUE, FALSE, UNKNOWN):
+        raise ValueError(f"condition status must be True, False or Unknown, got {status!r}")
+    if not is_reason(reason):
+        raise ValueError(f"condition reason must be one CamelCase word, got {reason!r}")
+    out: list[dict[str, Any]] = []
+    found = False
+    for cond in conditions or ():
+        if cond.get("type") != type_:
+            out.append(dict(cond))
+            continue
+        found = True
+        changed = cond.get("status") != status
+        out.append(_condition(type_, status, reason, message, generation,
+                              now if changed or not cond.get("lastTransitionTime") else cond["lastTransitionTime"]))
+    if not found:
+        out.append(_condition(type_, status, reason, message, generation, now))
+    return out
+
+
+def _condition(type_: str, status: str, reason: str, message: str, generation: int | None,
+               time: str) -> dict[str, Any]:
+    cond: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": message,
+                            "lastTransitionTime": time}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond

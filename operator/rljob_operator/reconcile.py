@@ -1,0 +1,477 @@
+"""The one level-based reconcile: what the RLJob asks for, what exists -> a plan. Pure.
+
+Create, resume, spec updates, progress reports, PyTorchJob events and the resync timer all call
+`reconcile(body, observed, settings)`; the handler applies the returned `Plan` (creates, patches,
+deletes, events, then one status write). Nothing here does I/O or reads the clock: `observed.now`
+is the time.
+
+Immutability policy (README text)
+    The running pods read the spec once, at start, from the `<job>-spec` ConfigMap. So every spec
+    field except `suspend` is a launch-time field: the operator fingerprints the spec without
+    `suspend` (`rljob.dev/spec-hash` on the ConfigMap and PyTorchJob) and compares it with the live
+    PyTorchJob's.
+    - Changed while NOT suspended: the change is rejected. `Accepted=False, reason
+      SpecChangeRejected`, a Warning event naming the changed fields; the running PyTorchJob and
+      its ConfigMap are left exactly as they are. Reverting the edit clears the condition.
+    - Changed while `spec.suspend: true`: the change is applied. The PyTorchJob is deleted (its pods
+      get SIGTERM and save a checkpoint in the grace period), the ConfigMap is rewritten, and a new
+      suspended PyTorchJob is created from the new spec; `suspend: false` then starts it and
+      training resumes from the last committed checkpoint (`checkpoint.resumeMode: auto`).
+    - After the job finished (Succeeded or Failed), spec edits have no effect (SpecChangeRejected);
+      create a new RLJob to train again.
+    `suspend` itself may change at any time: it is mirrored to the PyTorchJob's `runPolicy.suspend`.
+
+Other rules
+    - Invalid spec: `Accepted=False, reason InvalidSpec`, the message lists every field with the
+      fix, a Warning event, and nothing is created (existing children of an earlier valid spec are
+      left alone). No exception: an invalid spec is not retried, it waits for an edit.
+    - A PyTorchJob that disappears before the job finished is recreated (the worker resumes from
+      the last checkpoint); after Succeeded/Failed it is not.
+    - A child with our name that this RLJob does not own is never touched: the plan waits for it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from rljob_api.models import RLJob
+from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
+
+from rljob_operator import builders
+from rljob_operator import conditions as c
+from rljob_operator.progress import ANNOTATION as PROGRESS_ANNOTATION
+from rljob_operator.progress import ProgressError, decode_progress, is_newer
+from rljob_operator.settings import OperatorSettings
+
+MAX_MESSAGE = 2000
+REQUEUE_WAITING = 5.0  # seconds between checks while waiting for a child to go away
+
+# PyTorchJob phases derived from its conditions (training-operator v1 condition types).
+PHASE_ABSENT = "Absent"
+PHASE_DELETING = "Deleting"
+PHASE_PENDING = "Pending"  # Created, no pods running yet
+PHASE_RUNNING = "Running"
+PHASE_RESTARTING = "Restarting"
+PHASE_SUSPENDED = "Suspended"
+PHASE_SUCCEEDED = "Succeeded"
+PHASE_FAILED = "Failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildRef:
+    api_version: str
+    kind: str
+    namespace: str
+    name: str
+
+    @classmethod
+    def of(cls, obj: Mapping[str, Any]) -> ChildRef:
+        meta = obj["metadata"]
+        return cls(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Create:
+    body: dict[str, Any]
+    event: Event | None = None  # posted only when the object was really created (not 409)
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    ref: ChildRef
+    body: dict[str, Any]  # a JSON merge patch
+
+
+@dataclasses.dataclass(frozen=True)
+class Delete:
+    ref: ChildRef
+    event: Event | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What exists: the children read from the API (None = absent) and the current time."""
+
+    now: str
+    pytorchjob: Mapping[str, Any] | None = None
+    configmap: Mapping[str, Any] | None = None
+    ensure_all: bool = False  # a resync: also (re)create RBAC and metrics children that may have been deleted
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    create: tuple[Create, ...] = ()
+    patch: tuple[Patch, ...] = ()
+    delete: tuple[Delete, ...] = ()
+    status: dict[str, Any] | None = None  # the complete new status; None when it would not change
+    events: tuple[Event, ...] = ()
+    requeue_after: float | None = None
+    accepted: bool = True
+    notes: tuple[str, ...] = ()  # things worth a log line (e.g. an unreadable progress annotation)
+
+    @property
+    def changes_children(self) -> bool:
+        return bool(self.create or self.patch or self.delete)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _owned_by(obj: Mapping[str, Any] | None, uid: str | None) -> bool:
+    if obj is None or not uid:
+        return True  # absent, or no uid to compare (rendered objects): nothing to protect
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid and r.get("controller") for r in refs)
+
+
+def pytorchjob_phase(ptj: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+    """The phase of a PyTorchJob from its conditions, and the condition that decided it."""
+    if ptj is None:
+        return PHASE_ABSENT, None
+    if ptj.get("metadata", {}).get("deletionTimestamp"):
+        return PHASE_DELETING, None
+    conds = (ptj.get("status") or {}).get("conditions") or []
+    for type_, phase in (("Succeeded", PHASE_SUCCEEDED), ("Failed", PHASE_FAILED), ("Suspended", PHASE_SUSPENDED),
+                         ("Restarting", PHASE_RESTARTING), ("Running", PHASE_RUNNING)):
+        cond = c.get_condition(conds, type_)
+        if cond is not None and cond.get("status") == c.TRUE:
+            return phase, cond
+    return PHASE_PENDING, c.get_condition(conds, "Created")
+
+
+def _hash_of(obj: Mapping[str, Any] | None) -> str | None:
+    if obj is None:
+        return None
+    return (obj.get("metadata", {}).get("annotations") or {}).get(builders.ANNOTATION_SPEC_HASH)
+
+
+def changed_fields(old: Any, new: Any, prefix: str = "spec", limit: int = 8) -> list[str]:
+    """Leaf paths (camelCase) where two spec documents differ, `suspend` excluded."""
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if len(out) >= limit or a == b:
+            return
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if path == "spec" and key == "suspend":
+                    continue
+                walk(a.get(key), b.get(key), f"{path}.{key}")
+        else:
+            out.append(path)
+
+    walk(old, new, prefix)
+    return out
+
+
+def _launched_spec(configmap: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    try:
+        return json.loads((configmap or {}).get("data", {}).get("spec.json", ""))
+    except ValueError:
+        return None
+
+
+def _clip(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."
+
+
+def parse_body(body: Mapping[str, Any]) -> tuple[RLJob | None, list[str]]:
+    """The RLJob in a stored object, or the list of 'field: problem' messages."""
+    doc = {k: v for k, v in body.items() if k != "status"}
+    meta = doc.get("metadata") or {}
+    # Only the metadata the models read; the server's bookkeeping (managedFields, ...) passes through.
+    doc["metadata"] = {k: meta[k] for k in ("name", "namespace", "generation", "uid") if k in meta}
+    try:
+        job = parse_rljob(doc)
+    except RLJobValidationError as exc:
+        return None, [str(e) for e in exc.errors]
+    errors = name_errors(job.metadata.name)
+    if errors:
+        return None, [str(e) for e in errors]
+    return job, []
+
+
+# ---------------------------------------------------------------------------- reconcile
+
+def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSettings) -> Plan:
+    """The plan that moves the world towards `body` (a stored RLJob, as read from the API)."""
+    meta = body.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return Plan()  # garbage collection removes the children through their ownerReferences
+    name, uid = meta.get("name", ""), meta.get("uid")
+    generation = meta.get("generation")
+    now = observed.now
+    old_status: dict[str, Any] = copy.deepcopy(body.get("status") or {})
+    old_conds = old_status.get("conditions") or []
+    finished_before = c.is_true(old_conds, c.SUCCEEDED) or c.is_true(old_conds, c.FAILED)
+
+    creates: list[Create] = []
+    patches: list[Patch] = []
+    deletes: list[Delete] = []
+    events: list[Event] = []
+    notes: list[str] = []
+    requeue: float | None = None
+
+    ptj = observed.pytorchjob
+    cm = observed.configmap
+    ptj_name = builders.pytorchjob_name(name)
+    foreign = [obj for obj in (ptj, cm) if not _owned_by(obj, uid)]
+    if ptj is not None and not _owned_by(ptj, uid):
+        ptj = None  # never act on, or report from, an object we do not control
+    if cm is not None and not _owned_by(cm, uid):
+        cm = None
+    phase, phase_cond = pytorchjob_phase(ptj)
+
+    job, errors = parse_body(body)
+    accepted: tuple[str, str, str]
+    suspend_requested = bool((body.get("spec") or {}).get("suspend")) if job is None else job.spec.suspend
+    will_create_ptj = False
+
+    if job is None:
+        accepted = (c.FALSE, c.REASON_INVALID_SPEC,
+                    _clip("The spec is invalid, so nothing was created: " + "; ".join(errors)))
+    else:
+        desired_hash = builders.spec_hash(job)
+        finished = finished_before or phase in (PHASE_SUCCEEDED, PHASE_FAILED)
+        accepted = (c.TRUE, c.REASON_SPEC_ACCEPTED,
+                    f"The spec is valid; PyTorchJob {ptj_name} runs it.")
+        ensure_aux = observed.ensure_all or phase == PHASE_ABSENT
+        if foreign:
+            kinds = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in foreign)
+            notes.append(f"waiting for {kinds}, which this RLJob does not own, to go away")
+            requeue = REQUEUE_WAITING
+        elif phase == PHASE_DELETING:
+            requeue = REQUEUE_WAITING
+        elif phase == PHASE_ABSENT:
+            if not finished:
+                creates.extend(_creates(job, settings, cm, ensure_aux, old_status, desired_hash))
+                will_create_ptj = True
+        elif _hash_of(ptj) == desired_hash:
+            if not finished:
+                run_policy = (ptj.get("spec") or {}).get("runPolicy") or {}
+                if bool(run_policy.get("suspend")) != job.spec.suspend:
+                    patches.append(Patch(ChildRef.of(ptj),
+                                         {"spec": {"runPolicy": {"suspend": job.spec.suspend}}}))
+            creates.extend(_aux_and_configmap(job, settings, cm, ensure_aux, desired_hash))
+            patches.extend(_configmap_patch(job, settings, cm, desired_hash))
+        else:
+            launched = _launched_spec(cm)
+            changed = changed_fields(launched, builders.spec_document(job)) if launched else []
+            what = ", ".join(changed) if changed else "launch-time fields"
+            if finished:
+                accepted = (c.FALSE, c.REASON_SPEC_CHANGE_REJECTED,
+                            (f"{what} changed after the job finished; a finished RLJob does not run again, "
+                            "so create a new RLJob to train with the new spec."))
+            elif job.spec.suspend:
+                deletes.append(Delete(ChildRef.of(ptj), Event(
+                    "Normal", c.EVENT_SPEC_CHANGE_APPLIED,
+                    f"{what} changed while suspended: replacing PyTorchJob {ptj_name} with one built from the "
+                    "new spec; it starts on resume and continues from the last checkpoint.")))
+                patches.extend(_configmap_patch(job, settings, cm, desired_hash))
+                requeue = REQUEUE_WAITING
+                phase = PHASE_DELETING
+            else:
+                accepted = (c.FALSE, c.REASON_SPEC_CHANGE_REJECTED,
+                            (f"{what} changed while the job runs; these fields are fixed at launch. Revert "
+                            "the change, or set spec.suspend: true to apply it (the PyTorchJob is then "
+                            "recreated from the new spec and resumes from the last checkpoint)."))
+
+    # ------------------------------------------------------------------ conditions
+    conds = list(old_conds)
+
+    def put(type_: str, status: str, reason: str, message: str) -> None:
+        nonlocal conds
+        conds = c.set_condition(conds, type_, status, reason, _clip(message), generation=generation, now=now)
+
+    put(c.ACCEPTED, *accepted)
+    child_msg = (phase_cond or {}).get("message") or ""
+    child_reason = (phase_cond or {}).get("reason")
+
+    # Terminal conditions are sticky: a finished job stays finished even when its PyTorchJob is gone.
+    succeeded = c.is_true(old_conds, c.SUCCEEDED) or (phase == PHASE_SUCCEEDED and not c.is_true(old_conds, c.FAILED))
+    failed = not succeeded and (c.is_true(old_conds, c.FAILED) or phase == PHASE_FAILED)
+    if succeeded:
+        old = c.get_condition(old_conds, c.SUCCEEDED)
+        msg = old["message"] if old and old.get("status") == c.TRUE else (child_msg or "Training finished.")
+        put(c.SUCCEEDED, c.TRUE, c.REASON_PYTORCHJOB_SUCCEEDED, msg)
+    else:
+        put(c.SUCCEEDED, c.FALSE, c.REASON_NOT_COMPLETED, "The job has not finished.")
+    if failed:
+        old = c.get_condition(old_conds, c.FAILED)
+        if old and old.get("status") == c.TRUE:
+            reason, msg = old["reason"], old["message"]
+        else:
+            reason = child_reason if c.is_reason(child_reason) else c.REASON_PYTORCHJOB_FAILED
+            msg = child_msg or f"PyTorchJob {ptj_name} failed."
+        put(c.FAILED, c.TRUE, reason, msg)
+    else:
+        put(c.FAILED, c.FALSE, c.REASON_NOT_FAILED, "The job has not failed.")
+
+    running = _running_condition(phase, ptj_name, child_msg, succeeded, failed, job is None,
+                                 will_create_ptj, suspend_requested, requeue is not None and bool(foreign))
+    put(c.RUNNING, *running)
+    put(c.SUSPENDED, *_suspended_condition(phase, ptj, suspend_requested, succeeded or failed,
+                                           old_conds, ptj_name, job is None))
+
+    # ------------------------------------------------------------------ status fields
+    status = copy.deepcopy(old_status)
+    status["observedGeneration"] = generation
+    status["conditions"] = conds
+    if ptj is not None or will_create_ptj:
+        status["pytorchJobName"] = ptj_name
+    ptj_status = (ptj or {}).get("status") or {}
+    if phase in (PHASE_RUNNING, PHASE_RESTARTING, PHASE_SUCCEEDED, PHASE_FAILED) and not status.get("startTime"):
+        status["startTime"] = ptj_status.get("startTime") or now
+    if (succeeded or failed) and not status.get("completionTime"):
+        status["completionTime"] = ptj_status.get("completionTime") or now
+    annotation = (meta.get("annotations") or {}).get(PROGRESS_ANNOTATION)
+    if annotation and is_newer(annotation, status.get("trainer")):
+        try:
+            status["trainer"] = decode_progress(annotation)
+        except ProgressError as exc:
+            notes.append(f"ignoring the {PROGRESS_ANNOTATION} annotation: {exc}")
+
+    # ------------------------------------------------------------------ events from transitions
+    events.extend(_transition_events(old_conds, conds))
+    new_status = None if status == old_status else status
+    return Plan(create=tuple(creates), patch=tuple(patches), delete=tuple(deletes), status=new_status,
+                events=tuple(events), requeue_after=requeue, accepted=job is not None, notes=tuple(notes))
+
+
+def _creates(job: RLJob, settings: OperatorSettings, cm: Mapping[str, Any] | None, ensure_aux: bool,
+             old_status: Mapping[str, Any], desired_hash: str) -> list[Create]:
+    out = _aux_and_configmap(job, settings, cm, ensure_aux, desired_hash)
+    ptj_name = builders.pytorchjob_name(job.metadata.name)
+    if old_status.get("pytorchJobName"):
+        event = Event("Normal", c.EVENT_RECREATED,
+                      f"PyTorchJob {ptj_name} was missing before the job finished; created it again "
+                      "(training resumes from the last committed checkpoint).")
+    else:
+        event = Event("Normal", c.EVENT_CREATED, f"Created PyTorchJob {ptj_name}.")
+    out.append(Create(builders.build_pytorchjob(job, settings), event))
+    return out
+
+
+def _aux_and_configmap(job: RLJob, settings: OperatorSettings, cm: Mapping[str, Any] | None, ensure_aux: bool,
+                       desired_hash: str) -> list[Create]:
+    out: list[Create] = []
+    for child in builders.build_children(job, settings):
+        kind = child["kind"]
+        if kind == builders.PYTORCHJOB_KIND:
+            continue
+        if kind == "ConfigMap":
+            if cm is None:
+                out.append(Create(child))
+        elif ensure_aux:
+            out.append(Create(child))
+    return out
+
+
+def _configmap_patch(job: RLJob, settings: OperatorSettings, cm: Mapping[str, Any] | None,
+                     desired_hash: str) -> list[Patch]:
+    if cm is None or _hash_of(cm) == desired_hash:
+        return []
+    want = builders.build_spec_configmap(job, settings)
+    body = {"metadata": {"annotations": want["metadata"]["annotations"]}, "data": want["data"]}
+    return [Patch(ChildRef.of(want), body)]
+
+
+def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: bool, failed: bool, invalid: bool,
+                       will_create: bool, suspend: bool, waiting_foreign: bool) -> tuple[str, str, str]:
+    if succeeded:
+        return c.FALSE, c.REASON_COMPLETED, "The job succeeded."
+    if failed:
+        return c.FALSE, c.REASON_JOB_FAILED, "The job failed."
+    if phase == PHASE_RUNNING:  # until the PyTorchJob reports otherwise, even while suspending
+        return c.TRUE, c.REASON_PYTORCHJOB_RUNNING, child_msg or f"PyTorchJob {ptj_name} is running."
+    if phase == PHASE_RESTARTING:
+        return c.FALSE, c.REASON_RESTARTING, child_msg or f"PyTorchJob {ptj_name} is restarting failed pods."
+    if suspend and phase in (PHASE_SUSPENDED, PHASE_PENDING, PHASE_ABSENT, PHASE_DELETING):
+        return c.FALSE, c.REASON_JOB_SUSPENDED, "The job is suspended (spec.suspend is true)."
+    if waiting_foreign:
+        return (c.FALSE, c.REASON_CREATING,
+                f"Waiting for an object named after this RLJob ({ptj_name}) that it does not own to be deleted.")
+    if phase == PHASE_DELETING:
+        return c.FALSE, c.REASON_CREATING, f"Waiting for the previous PyTorchJob {ptj_name} to be deleted."
+    if phase == PHASE_ABSENT:
+        if invalid:
+            return c.FALSE, c.REASON_NOT_STARTED, "Nothing runs because the spec is invalid."
+        if will_create:
+            return c.FALSE, c.REASON_CREATING, f"Creating PyTorchJob {ptj_name}."
+        return c.FALSE, c.REASON_NOT_STARTED, "No PyTorchJob exists."
+    if phase == PHASE_SUSPENDED:
+        return c.FALSE, c.REASON_PENDING, f"Resuming PyTorchJob {ptj_name}."
+    return c.FALSE, c.REASON_PENDING, f"PyTorchJob {ptj_name} exists; waiting for its pods to run."
+
+
+def _suspended_condition(phase: str, ptj: Mapping[str, Any] | None, suspend: bool, finished: bool,
+                         old_conds: list[Mapping[str, Any]], ptj_name: str, invalid: bool) -> tuple[str, str, str]:
+    was = c.get_condition(old_conds, c.SUSPENDED)
+    if finished:
+        return c.FALSE, c.REASON_NOT_SUSPENDED, "The job has finished."
+    if suspend and not invalid:
+        never_started = phase == PHASE_PENDING and bool(((ptj or {}).get("spec") or {}).get("runPolicy", {}).get("suspend"))
+        if phase in (PHASE_SUSPENDED, PHASE_ABSENT, PHASE_DELETING) or never_started:
+            return c.TRUE, c.REASON_SUSPENDED, "spec.suspend is true: the pods are gone; set it false to resume."
+        return c.FALSE, c.REASON_SUSPENDING, f"Waiting for PyTorchJob {ptj_name} to stop its pods."
+    if was is not None and (was.get("status") == c.TRUE or was.get("reason") == c.REASON_RESUMED):
+        return c.FALSE, c.REASON_RESUMED, "The job was resumed; training continues from the last checkpoint."
+    return c.FALSE, c.REASON_NOT_SUSPENDED, "The job is not suspended."
+
+
+def _transition_events(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]]) -> list[Event]:
+    out: list[Event] = []
+    for cond in new:
+        before = c.get_condition(old, cond["type"])
+        b_status = None if before is None else before.get("status")
+        b_reason = None if before is None else before.get("reason")
+        t, status, reason, message = cond["type"], cond["status"], cond["reason"], cond["message"]
+        if t == c.ACCEPTED:
+            if status == c.TRUE and b_status != c.TRUE:
+                out.append(Event("Normal", reason, message))
+            elif status == c.FALSE and (b_status != c.FALSE or b_reason != reason
+                                        or (before or {}).get("message") != message):
+                out.append(Event("Warning", reason, message))
+        elif t == c.RUNNING:
+            if status == c.TRUE and b_status != c.TRUE:
+                out.append(Event("Normal", c.EVENT_RUNNING, message))
+            elif reason == c.REASON_RESTARTING and b_reason != c.REASON_RESTARTING:
+                out.append(Event("Warning", c.REASON_RESTARTING, message))
+        elif t == c.SUSPENDED:
+            if status == c.TRUE and b_status != c.TRUE:
+                out.append(Event("Normal", c.REASON_SUSPENDED, message))
+            elif status == c.FALSE and b_status == c.TRUE:
+                out.append(Event("Normal", c.REASON_RESUMED, message))
+        elif t == c.SUCCEEDED and status == c.TRUE and b_status != c.TRUE:
+            out.append(Event("Normal", c.EVENT_SUCCEEDED, message))
+        elif t == c.FAILED and status == c.TRUE and b_status != c.TRUE:
+            out.append(Event("Warning", c.EVENT_FAILED, f"{reason}: {message}"))
+    return out
+
+
+def apply_failed_status(body: Mapping[str, Any], plan: Plan, error: str, now: str) -> dict[str, Any] | None:
+    """The status to write when applying `plan` failed with a (retried) API error, or None to write nothing.
+
+    Only a job whose PyTorchJob does not exist yet gets `Running=False, reason CreateFailed`; for a
+    running job the error is logged and retried without touching its conditions.
+    """
+    status = copy.deepcopy(plan.status if plan.status is not None else (body.get("status") or {}))
+    running = c.get_condition(status.get("conditions"), c.RUNNING)
+    if running is None or running.get("reason") not in (c.REASON_CREATING, c.REASON_CREATE_FAILED):
+        return None
+    generation = (body.get("metadata") or {}).get("generation")
+    status["observedGeneration"] = generation
+    status["conditions"] = c.set_condition(
+        status.get("conditions"), c.RUNNING, c.FALSE, c.REASON_CREATE_FAILED,
+        _clip(f"Creating the children failed and is retried with backoff: {error}"),
+        generation=generation, now=now)
+    return status

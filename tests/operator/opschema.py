@@ -1,0 +1,174 @@
+"""Manifest checks shared by the operator tests, the API-server harness and the benchmark.
+
+- `crd_validator(crd)`: a jsonschema validator for a CRD's openAPIV3Schema, translated from the
+  Kubernetes structural dialect (nullable, int-or-string, preserve-unknown-fields) and STRICT:
+  every object that lists `properties` rejects unknown fields (what `kubectl apply` with strict
+  field validation does; the API server would otherwise prune them silently).
+- `pytorchjob_webhook_errors(obj)`: the Kubeflow training-operator v1 webhook's rules, which the
+  CRD schema alone does not carry.
+- `builtin_errors(obj)`: strict validation of built-in kinds (kubernetes-validate).
+- `pytorchjob_crd()` / `rljob_crd()`: the vendored PyTorchJob CRD and our generated RLJob CRD.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+VENDORED_PYTORCHJOB_CRD = HERE / "vendor" / "kubeflow.org_pytorchjobs.yaml"
+SHARED_PYTORCHJOB_CRD = REPO.parent / "shared" / "vendor" / "kubeflow.org_pytorchjobs.yaml"
+PYTORCHJOB_CRD_SHA256 = "eb80e57a984cdc7ceefaaf3fc561e21b673c30cbb58589f2389528d2b2760d22"
+KUBERNETES_VERSION = "1.37.0"
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(path: Path) -> Any:
+    with open(path, "rb") as fh:
+        return yaml.load(fh, Loader=_Loader)
+
+
+@functools.cache
+def pytorchjob_crd() -> dict[str, Any]:
+    """The training-operator v1 PyTorchJob CRD (tests/operator/vendor, else ../shared/vendor)."""
+    for path in (VENDORED_PYTORCHJOB_CRD, SHARED_PYTORCHJOB_CRD):
+        if path.exists():
+            return load_yaml(path)
+    raise FileNotFoundError(
+        f"the vendored PyTorchJob CRD is missing: expected {VENDORED_PYTORCHJOB_CRD} (committed) or "
+        f"{SHARED_PYTORCHJOB_CRD}; restore it from kubeflow/training-operator release-1.9 "
+        "manifests/base/crds/kubeflow.org_pytorchjobs.yaml")
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@functools.cache
+def rljob_crd() -> dict[str, Any]:
+    from rljob_api.crd import build_crd
+
+    return build_crd()
+
+
+def to_jsonschema(node: Any) -> Any:
+    """Kubernetes structural schema -> JSON Schema draft 4 (boolean exclusiveMinimum, as OpenAPI 3.0), strict about unknown fields."""
+    if isinstance(node, list):
+        return [to_jsonschema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("properties", "patternProperties"):
+            out[key] = {k: to_jsonschema(v) for k, v in value.items()}
+        elif key in ("items", "additionalProperties", "not") and isinstance(value, dict):
+            out[key] = to_jsonschema(value)
+        elif key in ("allOf", "anyOf", "oneOf"):
+            out[key] = [to_jsonschema(v) for v in value]
+        elif key.startswith("x-kubernetes-") or key in ("nullable", "description", "example", "externalDocs"):
+            continue
+        else:
+            out[key] = value
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("nullable"):
+        if "type" in out:
+            out["type"] = [out["type"], "null"] if isinstance(out["type"], str) else [*out["type"], "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    if "properties" in node and "additionalProperties" not in node and not node.get(
+            "x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_version(crd: dict[str, Any], version: str | None = None) -> dict[str, Any]:
+    versions = crd["spec"]["versions"]
+    if version is None:
+        return next(v for v in versions if v.get("storage")) if len(versions) > 1 else versions[0]
+    return next(v for v in versions if v["name"] == version)
+
+
+@functools.cache
+def _validator_for(crd_name: str, version: str) -> jsonschema.Draft4Validator:
+    crd = {c["metadata"]["name"]: c for c in (pytorchjob_crd(), rljob_crd())}[crd_name]
+    return crd_validator(crd, version)
+
+
+def crd_validator(crd: dict[str, Any], version: str | None = None) -> jsonschema.Draft4Validator:
+    schema = to_jsonschema(crd_version(crd, version)["schema"]["openAPIV3Schema"])
+    jsonschema.Draft4Validator.check_schema(schema)
+    return jsonschema.Draft4Validator(schema)
+
+
+def schema_errors(obj: dict[str, Any], validator: jsonschema.Draft4Validator) -> list[str]:
+    return sorted(
+        f"{'.'.join(str(p) for p in err.absolute_path) or '(root)'}: {err.message}"
+        for err in validator.iter_errors(obj)
+    )
+
+
+def pytorchjob_schema_errors(obj: dict[str, Any]) -> list[str]:
+    return schema_errors(obj, _validator_for("pytorchjobs.kubeflow.org", "v1"))
+
+
+def rljob_schema_errors(obj: dict[str, Any]) -> list[str]:
+    return schema_errors(obj, _validator_for("rljobs.rljob.dev", "v1alpha1"))
+
+
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def pytorchjob_webhook_errors(obj: dict[str, Any]) -> list[str]:
+    """The training-operator v1 PyTorchJob webhook rules (validatePyTorchJob)."""
+    errors: list[str] = []
+    name = obj.get("metadata", {}).get("name", "")
+    if not _DNS1035.match(name) or len(name) > 63:
+        errors.append(f"metadata.name: {name!r} is not a DNS-1035 label")
+    spec = obj.get("spec") or {}
+    replicas = spec.get("pytorchReplicaSpecs") or {}
+    if not replicas:
+        errors.append("spec.pytorchReplicaSpecs: must be set")
+    if spec.get("nprocPerNode") is not None and (spec.get("elasticPolicy") or {}).get("nProcPerNode") is not None:
+        errors.append("spec: nprocPerNode and elasticPolicy.nProcPerNode must not both be set")
+    if "Master" not in replicas:
+        errors.append("spec.pytorchReplicaSpecs.Master: one Master replica is required")
+    for rtype, rspec in replicas.items():
+        where = f"spec.pytorchReplicaSpecs.{rtype}"
+        if rtype not in ("Master", "Worker"):
+            errors.append(f"{where}: replica type must be Master or Worker")
+        count = (rspec or {}).get("replicas", 1)
+        if rtype == "Master" and count != 1:
+            errors.append(f"{where}.replicas: must be 1, got {count}")
+        if rtype == "Worker" and (not isinstance(count, int) or count < 1):
+            errors.append(f"{where}.replicas: must be >= 1 when Worker is present, got {count}")
+        containers = ((rspec or {}).get("template") or {}).get("spec", {}).get("containers") or []
+        if not containers:
+            errors.append(f"{where}.template.spec.containers: must not be empty")
+        for i, cont in enumerate(containers):
+            if not cont.get("image"):
+                errors.append(f"{where}.template.spec.containers[{i}].image: must be set")
+        if containers and not any(cont.get("name") == "pytorch" for cont in containers):
+            errors.append(f"{where}.template.spec.containers: there is no container named pytorch")
+    return errors
+
+
+def builtin_errors(obj: dict[str, Any]) -> list[str]:
+    """Strict schema validation of a built-in kind (ConfigMap, Role, ...); custom kinds pass."""
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return [f"{'.'.join(str(p) for p in exc.path)}: {exc.message}"]
+    except kubernetes_validate.SchemaNotFoundError:
+        return []
+    return []

@@ -1,0 +1,302 @@
+"""Pure child builders: table-driven properties and golden files.
+
+Golden files live in tests/operator/golden/; regenerate them after an intended change with
+    RLJOB_UPDATE_GOLDEN=1 python -m pytest tests/operator/test_builders.py
+and review the diff.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import opschema
+import pytest
+import yaml
+from rljob_api.validation import parse_rljob
+from rljob_operator import builders
+from rljob_operator.settings import OperatorSettings
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = opschema.REPO / "examples"
+GOLDEN = HERE / "golden"
+UID = "0f6c8a4e-1d2b-4c3a-9e8f-7a6b5c4d3e2f"
+
+
+def load_example(name: str, **meta: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((EXAMPLES / name).read_text())
+    doc["metadata"].update({"namespace": "team-a", "uid": UID, **meta})
+    return doc
+
+
+def job_from(doc: dict[str, Any]):
+    return parse_rljob(doc)
+
+
+def multinode_doc() -> dict[str, Any]:
+    """Everything a user can override, on 4 nodes, suspended, with a PodMonitor."""
+    doc = load_example("qwen2.5-7b-grpo-tp4.yaml")
+    spec = doc["spec"]
+    spec["nnodes"] = 4
+    spec["suspend"] = True
+    spec["metrics"] = {"port": 9500, "podMonitor": True}
+    spec["runPolicy"] = {"backoffLimit": 5, "activeDeadlineSeconds": 86400, "ttlSecondsAfterFinished": 600}
+    spec["podTemplate"] = {
+        "resources": {"requests": {"cpu": "32", "memory": "400Gi", "nvidia.com/gpu": "1"},
+                      "limits": {"memory": "500Gi"}},
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+        "env": [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "AWS_REGION", "value": "eu-west-1"}],
+        "labels": {"team": "rl"},
+        "annotations": {"example.com/owner": "rl-team"},
+        "serviceAccountName": "trainer",
+        "imagePullSecrets": ["regcred"],
+        "priorityClassName": "high",
+        "schedulerName": "volcano",
+        "terminationGracePeriodSeconds": 600,
+        "shmSize": "64Gi",
+    }
+    spec["s3"]["credentialsSecretRef"] = {"name": "s3-creds", "accessKeyIdKey": "id", "secretAccessKeyKey": "secret"}
+    return doc
+
+
+GOLDEN_CASES = {
+    "quickstart": (lambda: load_example("quickstart.yaml"), OperatorSettings()),
+    "qwen3-8b-grpo-megatron": (lambda: load_example("qwen3-8b-grpo-megatron.yaml"), OperatorSettings()),
+    "multinode-overrides": (multinode_doc, OperatorSettings(metrics_service=True, worker_image="registry.local/w:1")),
+    "no-progress-rbac": (lambda: load_example("qwen2.5-7b-grpo-tp2.yaml"), OperatorSettings(progress_rbac=False)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_children_match_golden_files(case: str) -> None:
+    make_doc, settings = GOLDEN_CASES[case]
+    children = builders.build_children(job_from(make_doc()), settings)
+    text = yaml.safe_dump_all(children, sort_keys=False, width=120)
+    path = GOLDEN / f"{case}.yaml"
+    if os.environ.get("RLJOB_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}; run with RLJOB_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text(), f"{case}: children differ from {path} (RLJOB_UPDATE_GOLDEN=1 to accept)"
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_every_child_passes_its_schema_and_the_webhook_rules(case: str) -> None:
+    make_doc, settings = GOLDEN_CASES[case]
+    for child in builders.build_children(job_from(make_doc()), settings):
+        if child["kind"] == "PyTorchJob":
+            assert opschema.pytorchjob_schema_errors(child) == []
+            assert opschema.pytorchjob_webhook_errors(child) == []
+        elif child["kind"] == "PodMonitor":
+            assert child["apiVersion"] == "monitoring.coreos.com/v1"
+        else:
+            assert opschema.builtin_errors(child) == [], child["kind"]
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_every_example_renders_a_valid_pytorchjob(example: str) -> None:
+    ptj = builders.build_pytorchjob(job_from(load_example(example)), OperatorSettings())
+    assert opschema.pytorchjob_schema_errors(ptj) == []
+    assert opschema.pytorchjob_webhook_errors(ptj) == []
+
+
+def test_the_schema_check_can_fail() -> None:
+    """The strict validator really rejects unknown and mistyped fields deep in the pod template."""
+    ptj = builders.build_pytorchjob(job_from(load_example("quickstart.yaml")), OperatorSettings())
+    bad = copy.deepcopy(ptj)
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    bad["spec"]["runPolicy"]["backoffLimit"] = "three"
+    errors = opschema.pytorchjob_schema_errors(bad)
+    assert any("imagePullPolcy" in e for e in errors) and any("backoffLimit" in e for e in errors), errors
+    bad = copy.deepcopy(ptj)
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    bad["spec"]["pytorchReplicaSpecs"]["Worker"] = {"replicas": 0, "template": {"spec": {"containers": []}}}
+    errors = opschema.pytorchjob_webhook_errors(bad)
+    assert len(errors) == 3, errors
+
+
+NNODES_TABLE = [(1, None), (2, 1), (3, 2), (16, 15)]
+
+
+@pytest.mark.parametrize(("nnodes", "workers"), NNODES_TABLE)
+def test_replicas_one_master_and_nnodes_minus_one_workers(nnodes: int, workers: int | None) -> None:
+    doc = load_example("quickstart.yaml")
+    doc["spec"]["nnodes"] = nnodes
+    ptj = builders.build_pytorchjob(job_from(doc), OperatorSettings())
+    replicas = ptj["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1
+    if workers is None:
+        assert "Worker" not in replicas  # the webhook rejects Worker with 0 replicas
+    else:
+        assert replicas["Worker"]["replicas"] == workers
+    for spec in replicas.values():
+        assert spec["restartPolicy"] == "OnFailure"
+
+
+DEVICE_TABLE = [
+    # device, gpusPerNode, user resources, expected container resources
+    ("gpu", 8, {}, {"limits": {"nvidia.com/gpu": "8"}}),
+    ("gpu", 4, {"requests": {"cpu": "8", "nvidia.com/gpu": "2"}},
+     {"requests": {"cpu": "8", "nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}),
+    ("cpu", 2, {}, None),
+    ("cpu", 2, {"limits": {"cpu": "4", "nvidia.com/gpu": "1"}}, {"limits": {"cpu": "4"}}),
+]
+
+
+@pytest.mark.parametrize(("device", "gpus", "user", "expected"), DEVICE_TABLE)
+def test_gpu_resources_follow_device_and_gpus_per_node(device: str, gpus: int, user: dict, expected: dict | None) -> None:
+    doc = load_example("quickstart.yaml")
+    doc["spec"].update({"device": device, "gpusPerNode": gpus})
+    doc["spec"]["training"].update({"trainBatchSizePerNode": 4, "ppoMiniBatchSizePerNode": 4, "microBatchSizePerGpu": 1})
+    doc["spec"]["podTemplate"] = {"resources": user}
+    ptj = builders.build_pytorchjob(job_from(doc), OperatorSettings())
+    container = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container.get("resources") == expected
+    assert ptj["spec"]["nprocPerNode"] == str(gpus)
+
+
+def _container(ptj: dict[str, Any], replica: str = "Master") -> dict[str, Any]:
+    return ptj["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]["containers"][0]
+
+
+def test_container_contract() -> None:
+    settings = OperatorSettings()
+    job = job_from(load_example("qwen3-8b-grpo-megatron.yaml"))
+    ptj = builders.build_pytorchjob(job, settings)
+    container = _container(ptj)
+    assert container["name"] == "pytorch"
+    assert container["command"] == ["torchrun", "-m", "rljob_worker", "--spec", "/etc/rljob/spec.json"]
+    assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in container["ports"]
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in container["ports"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RLJOB_NAME"]["value"] == "qwen3-8b-grpo"
+    assert env["RLJOB_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio.minio.svc:9000"
+    assert env["AWS_REGION"]["value"] == "us-east-1"
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"] == {
+        "secretKeyRef": {"name": "s3-credentials", "key": "AWS_ACCESS_KEY_ID"}}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "s3-credentials", "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert not any(k.startswith("PET_") for k in env), "the training-operator injects PET_*"
+    pod = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
+    assert volumes["rljob-spec"] == {"name": "rljob-spec", "configMap": {"name": "qwen3-8b-grpo-spec"}}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/dev/shm"]["name"] == "dshm" and mounts["/etc/rljob"]["readOnly"] is True
+    assert pod["serviceAccountName"] == "qwen3-8b-grpo-worker"
+
+
+def test_user_overrides_are_merged() -> None:
+    job = job_from(multinode_doc())
+    ptj = builders.build_pytorchjob(job, OperatorSettings())
+    for replica in ("Master", "Worker"):
+        pod = ptj["spec"]["pytorchReplicaSpecs"][replica]["template"]
+        container = pod["spec"]["containers"][0]
+        env = [e["name"] for e in container["env"]]
+        assert env.count("AWS_REGION") == 1
+        assert {"name": "AWS_REGION", "value": "eu-west-1"} in container["env"]  # the user's value wins
+        assert env[-1] == "AWS_REGION" and "NCCL_DEBUG" in env
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+        assert pod["metadata"]["labels"]["team"] == "rl"
+        assert pod["metadata"]["labels"][builders.LABEL_JOB] == job.metadata.name
+        assert pod["spec"]["serviceAccountName"] == "trainer"
+        assert pod["spec"]["schedulerName"] == "volcano"
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 600
+    assert ptj["spec"]["runPolicy"] == {"backoffLimit": 5, "suspend": True, "activeDeadlineSeconds": 86400,
+                                        "ttlSecondsAfterFinished": 600}
+    kinds = [c["kind"] for c in builders.build_children(job, OperatorSettings())]
+    assert "ServiceAccount" not in kinds, "a user-named service account is bound, not created"
+    binding = next(c for c in builders.build_children(job, OperatorSettings()) if c["kind"] == "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "trainer", "namespace": "team-a"}]
+
+
+def test_ownership_labels_and_namespace_on_every_child() -> None:
+    job = job_from(multinode_doc())
+    for child in builders.build_children(job, OperatorSettings(metrics_service=True)):
+        meta = child["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["ownerReferences"] == [{"apiVersion": "rljob.dev/v1alpha1", "kind": "RLJob",
+                                            "name": job.metadata.name, "uid": UID, "controller": True,
+                                            "blockOwnerDeletion": True}]
+        assert meta["labels"][builders.LABEL_MANAGED_BY] == "rljob-operator"
+        assert meta["labels"][builders.LABEL_JOB] == job.metadata.name
+        assert meta["labels"]["app.kubernetes.io/instance"] == job.metadata.name
+
+
+def test_without_uid_there_is_no_owner_reference() -> None:
+    doc = load_example("quickstart.yaml")
+    del doc["metadata"]["uid"]
+    for child in builders.build_children(job_from(doc), OperatorSettings()):
+        assert "ownerReferences" not in child["metadata"]
+
+
+def test_progress_role_is_narrow() -> None:
+    job = job_from(load_example("quickstart.yaml"))
+    role = builders.build_progress_role(job, OperatorSettings())
+    assert role["rules"] == [{"apiGroups": ["rljob.dev"], "resources": ["rljobs"], "resourceNames": ["quickstart"],
+                              "verbs": ["get", "patch"]}]
+
+
+def test_configmap_holds_the_defaulted_spec_and_no_credentials() -> None:
+    doc = load_example("qwen3-8b-grpo-megatron.yaml")
+    job = job_from(doc)
+    cm = builders.build_spec_configmap(job, OperatorSettings())
+    spec = json.loads(cm["data"]["spec.json"])
+    assert spec == job.spec.model_dump(mode="json", by_alias=True)
+    assert spec["training"]["lrWarmupSteps"] == 0  # defaults are filled in
+    assert spec["s3"]["credentialsSecretRef"]["name"] == "s3-credentials"
+    assert json.loads(cm["data"]["job.json"]) == {"name": "qwen3-8b-grpo", "namespace": "team-a", "uid": UID}
+    assert sorted(cm["data"]) == ["job.json", "spec.json"]  # names of Secrets only, never their values
+
+
+def test_spec_hash_ignores_suspend_only() -> None:
+    base = load_example("quickstart.yaml")
+    h = builders.spec_hash(job_from(base))
+    suspended = copy.deepcopy(base)
+    suspended["spec"]["suspend"] = True
+    assert builders.spec_hash(job_from(suspended)) == h
+    faster = copy.deepcopy(base)
+    faster["spec"]["training"]["lr"] = 1e-3
+    assert builders.spec_hash(job_from(faster)) != h
+    renamed = copy.deepcopy(base)
+    renamed["metadata"]["uid"] = "other"
+    assert builders.spec_hash(job_from(renamed)) == h
+
+
+def test_metrics_children_only_when_enabled() -> None:
+    doc = load_example("quickstart.yaml")
+    doc["spec"]["metrics"] = {"enabled": False, "podMonitor": True}
+    kinds = [c["kind"] for c in builders.build_children(job_from(doc), OperatorSettings(metrics_service=True))]
+    assert "Service" not in kinds and "PodMonitor" not in kinds
+    ptj = builders.build_pytorchjob(job_from(doc), OperatorSettings())
+    assert [p["name"] for p in _container(ptj)["ports"]] == ["pytorchjob-port"]
+    doc["spec"]["metrics"] = {"enabled": True, "podMonitor": True}
+    children = builders.build_children(job_from(doc), OperatorSettings(metrics_service=True))
+    monitor = next(c for c in children if c["kind"] == "PodMonitor")
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics"}]
+    service = next(c for c in children if c["kind"] == "Service")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == monitor["spec"]["selector"]["matchLabels"]
+
+
+def test_rljob_render_prints_exactly_the_children(capsys: pytest.CaptureFixture[str]) -> None:
+    from rljob_cli.main import main
+
+    path = EXAMPLES / "qwen3-8b-grpo-megatron.yaml"
+    assert main(["render", str(path)]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    doc = yaml.safe_load(path.read_text())
+    assert docs == builders.build_children(job_from(doc), OperatorSettings.from_env())
+    ptj = next(d for d in docs if d["kind"] == "PyTorchJob")
+    assert opschema.pytorchjob_schema_errors(ptj) == [] and opschema.pytorchjob_webhook_errors(ptj) == []
+
+
+def test_vendored_crd_is_the_shared_one() -> None:
+    assert opschema.file_sha256(opschema.VENDORED_PYTORCHJOB_CRD) == opschema.PYTORCHJOB_CRD_SHA256
+    if opschema.SHARED_PYTORCHJOB_CRD.exists():
+        assert opschema.file_sha256(opschema.SHARED_PYTORCHJOB_CRD) == opschema.PYTORCHJOB_CRD_SHA256

@@ -1,0 +1,428 @@
+"""The pure level-based reconcile: tables of (stored RLJob, observed children) -> plan."""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import opschema
+import pytest
+import yaml
+from rljob_api.models import RLJobStatus
+from rljob_api.validation import parse_rljob
+from rljob_operator import builders
+from rljob_operator import conditions as c
+from rljob_operator.progress import ANNOTATION, encode_progress
+from rljob_operator.reconcile import Observed, Plan, apply_failed_status, changed_fields, reconcile
+from rljob_operator.settings import OperatorSettings
+
+SETTINGS = OperatorSettings()
+UID = "uid-1"
+T0, T1, T2 = "2026-11-26T10:00:00Z", "2026-11-26T10:05:00Z", "2026-11-26T11:00:00Z"
+
+
+def stored(generation: int = 1, status: dict | None = None, annotations: dict | None = None,
+           **spec_changes: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((opschema.REPO / "examples" / "quickstart.yaml").read_text())
+    doc["metadata"].update({"namespace": "ns", "uid": UID, "generation": generation,
+                            "resourceVersion": "7", "creationTimestamp": T0})
+    if annotations:
+        doc["metadata"]["annotations"] = annotations
+    for path, value in spec_changes.items():
+        node = doc["spec"]
+        *parents, leaf = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    if status is not None:
+        doc["status"] = status
+    return doc
+
+
+def children_of(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    job = parse_rljob({k: v for k, v in body.items() if k != "status"} | {
+        "metadata": {k: body["metadata"][k] for k in ("name", "namespace", "uid", "generation")}})
+    return {child["kind"]: child for child in builders.build_children(job, SETTINGS)}
+
+
+def ptj_of(body: dict[str, Any], *conds: tuple[str, str], suspend: bool | None = None,
+           **status: Any) -> dict[str, Any]:
+    ptj = copy.deepcopy(children_of(body)["PyTorchJob"])
+    if suspend is not None:
+        ptj["spec"]["runPolicy"]["suspend"] = suspend
+    ptj["status"] = {"conditions": [
+        {"type": t, "status": "True", "reason": reason, "message": f"{t} message"} for t, reason in conds
+    ], **status}
+    return ptj
+
+
+def cm_of(body: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy(children_of(body)["ConfigMap"])
+
+
+def cond(plan_or_status: Plan | dict, type_: str) -> dict[str, Any]:
+    status = plan_or_status.status if isinstance(plan_or_status, Plan) else plan_or_status
+    found = c.get_condition(status["conditions"], type_)
+    assert found is not None, f"no {type_} condition in {status}"
+    return dict(found)
+
+
+def summary(plan: Plan) -> dict[str, Any]:
+    return {t: (cond(plan, t)["status"], cond(plan, t)["reason"]) for t in c.CONDITION_TYPES}
+
+
+def step(body: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """The stored object after the plan's status write."""
+    body = copy.deepcopy(body)
+    if plan.status is not None:
+        body["status"] = plan.status
+    return body
+
+
+def assert_valid_status(status: dict[str, Any]) -> None:
+    RLJobStatus.model_validate(status)  # the status always fits the CRD's status schema
+    body = stored(status=status)
+    assert opschema.rljob_schema_errors(body) == []
+
+
+# ---------------------------------------------------------------------------- creation
+
+
+def test_new_job_creates_every_child_and_reports_creating() -> None:
+    body = stored()
+    plan = reconcile(body, Observed(now=T0), SETTINGS)
+    assert [cr.body["kind"] for cr in plan.create] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap",
+                                                       "PyTorchJob"]
+    assert plan.create[-1].event.reason == c.EVENT_CREATED
+    assert not plan.patch and not plan.delete
+    assert summary(plan) == {
+        c.ACCEPTED: ("True", c.REASON_SPEC_ACCEPTED),
+        c.RUNNING: ("False", c.REASON_CREATING),
+        c.SUCCEEDED: ("False", c.REASON_NOT_COMPLETED),
+        c.FAILED: ("False", c.REASON_NOT_FAILED),
+        c.SUSPENDED: ("False", c.REASON_NOT_SUSPENDED),
+    }
+    assert plan.status["observedGeneration"] == 1
+    assert plan.status["pytorchJobName"] == "quickstart"
+    assert all(x["observedGeneration"] == 1 and x["lastTransitionTime"] == T0 for x in plan.status["conditions"])
+    assert [e.reason for e in plan.events] == [c.REASON_SPEC_ACCEPTED]
+    assert_valid_status(plan.status)
+
+
+def test_invalid_spec_creates_nothing_and_names_the_field() -> None:
+    body = stored(megatron__tensorModelParallelSize=3)
+    plan = reconcile(body, Observed(now=T0), SETTINGS)
+    assert plan.create == () and plan.patch == () and plan.delete == ()
+    assert plan.accepted is False
+    accepted = cond(plan, c.ACCEPTED)
+    assert (accepted["status"], accepted["reason"]) == ("False", c.REASON_INVALID_SPEC)
+    assert "spec.megatron.tensorModelParallelSize" in accepted["message"]
+    assert cond(plan, c.RUNNING)["reason"] == c.REASON_NOT_STARTED
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", c.REASON_INVALID_SPEC)]
+    assert "pytorchJobName" not in plan.status
+    assert_valid_status(plan.status)
+    # Level-based and idempotent: reconciling the stored result again writes nothing, posts nothing.
+    again = reconcile(step(body, plan), Observed(now=T2), SETTINGS)
+    assert again.status is None and again.events == () and again.create == ()
+
+
+def test_schema_level_garbage_is_reported_not_raised() -> None:
+    body = stored()
+    body["spec"]["nnodes"] = "many"
+    body["spec"]["bogus"] = 1
+    plan = reconcile(body, Observed(now=T0), SETTINGS)
+    message = cond(plan, c.ACCEPTED)["message"]
+    assert "spec.nnodes" in message and "spec.bogus" in message
+    assert plan.create == ()
+
+
+def test_fixing_an_invalid_spec_accepts_it_and_creates() -> None:
+    bad = stored(megatron__tensorModelParallelSize=3)
+    plan = reconcile(bad, Observed(now=T0), SETTINGS)
+    fixed = step(stored(generation=2), plan)
+    plan = reconcile(fixed, Observed(now=T1), SETTINGS)
+    assert cond(plan, c.ACCEPTED)["status"] == "True" and cond(plan, c.ACCEPTED)["lastTransitionTime"] == T1
+    assert cond(plan, c.ACCEPTED)["observedGeneration"] == 2
+    assert plan.status["observedGeneration"] == 2
+    assert any(cr.body["kind"] == "PyTorchJob" for cr in plan.create)
+
+
+# ---------------------------------------------------------------------------- mirroring the PyTorchJob
+
+PTJ_TABLE = [
+    # PyTorchJob conditions, expected (Running, Succeeded, Failed) (status, reason), events
+    ((("Created", "PyTorchJobCreated"),), ("False", c.REASON_PENDING), ("False", c.REASON_NOT_COMPLETED),
+     ("False", c.REASON_NOT_FAILED), []),
+    ((("Created", "PyTorchJobCreated"), ("Running", "PyTorchJobRunning")), ("True", c.REASON_PYTORCHJOB_RUNNING),
+     ("False", c.REASON_NOT_COMPLETED), ("False", c.REASON_NOT_FAILED), [("Normal", c.EVENT_RUNNING)]),
+    ((("Created", "PyTorchJobCreated"), ("Restarting", "PyTorchJobRestarting")), ("False", c.REASON_RESTARTING),
+     ("False", c.REASON_NOT_COMPLETED), ("False", c.REASON_NOT_FAILED), [("Warning", c.REASON_RESTARTING)]),
+    ((("Created", "PyTorchJobCreated"), ("Succeeded", "PyTorchJobSucceeded")), ("False", c.REASON_COMPLETED),
+     ("True", c.REASON_PYTORCHJOB_SUCCEEDED), ("False", c.REASON_NOT_FAILED), [("Normal", c.EVENT_SUCCEEDED)]),
+    ((("Created", "PyTorchJobCreated"), ("Failed", "BackoffLimitExceeded")), ("False", c.REASON_JOB_FAILED),
+     ("False", c.REASON_NOT_COMPLETED), ("True", "BackoffLimitExceeded"), [("Warning", c.EVENT_FAILED)]),
+    ((("Failed", "not a camel word!"),), ("False", c.REASON_JOB_FAILED),
+     ("False", c.REASON_NOT_COMPLETED), ("True", c.REASON_PYTORCHJOB_FAILED), [("Warning", c.EVENT_FAILED)]),
+]
+
+
+@pytest.mark.parametrize(("ptj_conds", "running", "succeeded", "failed", "events"), PTJ_TABLE)
+def test_conditions_mirror_the_pytorchjob(ptj_conds, running, succeeded, failed, events) -> None:
+    created = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    ptj = ptj_of(created, *ptj_conds, startTime=T1, completionTime=T2)
+    plan = reconcile(created, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(created)), SETTINGS)
+    assert (cond(plan, c.RUNNING)["status"], cond(plan, c.RUNNING)["reason"]) == running
+    assert (cond(plan, c.SUCCEEDED)["status"], cond(plan, c.SUCCEEDED)["reason"]) == succeeded
+    assert (cond(plan, c.FAILED)["status"], cond(plan, c.FAILED)["reason"]) == failed
+    assert [(e.type, e.reason) for e in plan.events] == events
+    assert plan.create == () and plan.delete == ()
+    if running[0] == "True" or succeeded[0] == "True" or failed[0] == "True" or running[1] == c.REASON_RESTARTING:
+        assert plan.status["startTime"] == T1
+    if succeeded[0] == "True" or failed[0] == "True":
+        assert plan.status["completionTime"] == T2
+        assert cond(plan, c.SUCCEEDED if succeeded[0] == "True" else c.FAILED)["message"] == (
+            f"{ptj_conds[-1][0]} message")
+    assert_valid_status(plan.status)
+
+
+def test_finished_job_is_sticky_and_not_recreated() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    done = ptj_of(body, ("Succeeded", "PyTorchJobSucceeded"))
+    body = step(body, reconcile(body, Observed(now=T1, pytorchjob=done, configmap=cm_of(body)), SETTINGS))
+    plan = reconcile(body, Observed(now=T2), SETTINGS)  # the PyTorchJob is gone (TTL, or by hand)
+    assert plan.create == ()
+    assert plan.status is None  # nothing changes: still Succeeded, same transition times
+
+
+def test_hand_deleted_pytorchjob_is_recreated_before_the_job_finished() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    running = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    body = step(body, reconcile(body, Observed(now=T1, pytorchjob=running, configmap=cm_of(body)), SETTINGS))
+    plan = reconcile(body, Observed(now=T2, configmap=cm_of(body)), SETTINGS)
+    kinds = [cr.body["kind"] for cr in plan.create]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "PyTorchJob"], "the ConfigMap is still there"
+    assert plan.create[-1].event.reason == c.EVENT_RECREATED
+    assert cond(plan, c.RUNNING)["reason"] == c.REASON_CREATING
+
+
+def test_pytorchjob_being_deleted_is_waited_for() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    ptj["metadata"]["deletionTimestamp"] = T1
+    plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert plan.create == () and plan.requeue_after
+
+
+def test_foreign_child_with_our_name_is_never_touched() -> None:
+    body = stored()
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    ptj["metadata"]["ownerReferences"][0]["uid"] = "someone-else"
+    plan = reconcile(body, Observed(now=T0, pytorchjob=ptj), SETTINGS)
+    assert plan.create == () and plan.patch == () and plan.delete == ()
+    assert plan.requeue_after
+    assert cond(plan, c.RUNNING)["status"] == "False"  # it does not report someone else's job as ours
+    assert "does not own" in cond(plan, c.RUNNING)["message"]
+
+
+def test_ensure_all_recreates_missing_auxiliary_children() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    plain = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert plain.create == ()
+    resync = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body), ensure_all=True), SETTINGS)
+    assert [cr.body["kind"] for cr in resync.create] == ["ServiceAccount", "Role", "RoleBinding"]
+    missing_cm = reconcile(body, Observed(now=T1, pytorchjob=ptj), SETTINGS)
+    assert [cr.body["kind"] for cr in missing_cm.create] == ["ConfigMap"]
+
+
+# ---------------------------------------------------------------------------- suspend / resume
+
+
+def test_suspend_and_resume_cycle() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    cm = cm_of(body)
+    running = ptj_of(body, ("Running", "PyTorchJobRunning"), suspend=False)
+    body = step(body, reconcile(body, Observed(now=T0, pytorchjob=running, configmap=cm), SETTINGS))
+
+    # 1. spec.suspend: true -> the PyTorchJob's runPolicy.suspend is patched; still running until it stops.
+    suspending = stored(generation=2, status=body["status"], suspend=True)
+    plan = reconcile(suspending, Observed(now=T1, pytorchjob=running, configmap=cm), SETTINGS)
+    assert [p.body for p in plan.patch] == [{"spec": {"runPolicy": {"suspend": True}}}]
+    assert plan.patch[0].ref.kind == "PyTorchJob"
+    assert cond(plan, c.SUSPENDED)["reason"] == c.REASON_SUSPENDING
+    assert cond(plan, c.RUNNING)["status"] == "True"
+    assert plan.create == ()  # suspend is not a spec change: the ConfigMap stays
+
+    # 2. The training-operator stops the pods and reports Suspended.
+    body = step(suspending, plan)
+    stopped = ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True)
+    plan = reconcile(body, Observed(now=T1, pytorchjob=stopped, configmap=cm), SETTINGS)
+    assert plan.patch == ()
+    assert summary(plan)[c.SUSPENDED] == ("True", c.REASON_SUSPENDED)
+    assert summary(plan)[c.RUNNING] == ("False", c.REASON_JOB_SUSPENDED)
+    assert [e.reason for e in plan.events] == [c.REASON_SUSPENDED]
+
+    # 3. spec.suspend: false -> patched back; Resumed.
+    body = step(body, plan)
+    resuming = stored(generation=3, status=body["status"], suspend=False)
+    plan = reconcile(resuming, Observed(now=T2, pytorchjob=stopped, configmap=cm), SETTINGS)
+    assert [p.body for p in plan.patch] == [{"spec": {"runPolicy": {"suspend": False}}}]
+    assert summary(plan)[c.SUSPENDED] == ("False", c.REASON_RESUMED)
+    assert cond(plan, c.SUSPENDED)["lastTransitionTime"] == T2
+    assert [e.reason for e in plan.events] == [c.REASON_RESUMED]
+    assert_valid_status(plan.status)
+
+
+def test_created_suspended_counts_as_suspended() -> None:
+    body = stored(suspend=True)
+    plan = reconcile(body, Observed(now=T0), SETTINGS)
+    ptj = next(cr.body for cr in plan.create if cr.body["kind"] == "PyTorchJob")
+    assert ptj["spec"]["runPolicy"]["suspend"] is True
+    assert summary(plan)[c.SUSPENDED] == ("True", c.REASON_SUSPENDED)
+    body = step(body, plan)
+    plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert plan.status is None  # never started, still suspended: nothing to write
+
+
+# ---------------------------------------------------------------------------- spec changes
+
+
+def test_spec_change_while_running_is_rejected_and_names_the_fields() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    cm = cm_of(body)
+    running = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    body = step(body, reconcile(body, Observed(now=T0, pytorchjob=running, configmap=cm), SETTINGS))
+    edited = stored(generation=2, status=body["status"], training__lr=0.5, model__path="/models/other")
+    plan = reconcile(edited, Observed(now=T1, pytorchjob=running, configmap=cm), SETTINGS)
+    assert plan.create == () and plan.patch == () and plan.delete == ()
+    accepted = cond(plan, c.ACCEPTED)
+    assert (accepted["status"], accepted["reason"]) == ("False", c.REASON_SPEC_CHANGE_REJECTED)
+    assert "spec.model.path" in accepted["message"] and "spec.training.lr" in accepted["message"]
+    assert "suspend" in accepted["message"]
+    assert cond(plan, c.RUNNING)["status"] == "True", "the running job is left alone"
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", c.REASON_SPEC_CHANGE_REJECTED)]
+    # Reverting clears it.
+    reverted = stored(generation=3, status=plan.status)
+    plan = reconcile(reverted, Observed(now=T2, pytorchjob=running, configmap=cm), SETTINGS)
+    assert summary(plan)[c.ACCEPTED] == ("True", c.REASON_SPEC_ACCEPTED)
+
+
+def test_spec_change_while_suspended_recreates_the_pytorchjob() -> None:
+    body = step(stored(suspend=True), reconcile(stored(suspend=True), Observed(now=T0), SETTINGS))
+    cm = cm_of(body)
+    old_ptj = ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True)
+    edited = stored(generation=2, status=body["status"], suspend=True, training__lr=0.25)
+    plan = reconcile(edited, Observed(now=T1, pytorchjob=old_ptj, configmap=cm), SETTINGS)
+    assert [d.ref.kind for d in plan.delete] == ["PyTorchJob"]
+    assert plan.delete[0].event.reason == c.EVENT_SPEC_CHANGE_APPLIED
+    assert "spec.training.lr" in plan.delete[0].event.message
+    assert [p.ref.kind for p in plan.patch] == ["ConfigMap"]
+    new_spec = json.loads(plan.patch[0].body["data"]["spec.json"])
+    assert new_spec["training"]["lr"] == 0.25
+    assert cond(plan, c.ACCEPTED)["status"] == "True"
+    assert summary(plan)[c.SUSPENDED] == ("True", c.REASON_SUSPENDED)
+    # Next round: the old PyTorchJob is gone -> a new, still suspended one from the new spec.
+    body = step(edited, plan)
+    new_cm = cm_of(body)
+    plan = reconcile(body, Observed(now=T2, configmap=new_cm), SETTINGS)
+    ptj = next(cr.body for cr in plan.create if cr.body["kind"] == "PyTorchJob")
+    assert ptj["spec"]["runPolicy"]["suspend"] is True
+    assert ptj["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] == new_cm["metadata"]["annotations"][
+        builders.ANNOTATION_SPEC_HASH]
+
+
+def test_spec_change_after_finishing_has_no_effect() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    done = ptj_of(body, ("Succeeded", "PyTorchJobSucceeded"))
+    body = step(body, reconcile(body, Observed(now=T1, pytorchjob=done, configmap=cm_of(body)), SETTINGS))
+    edited = stored(generation=2, status=body["status"], training__lr=0.5)
+    plan = reconcile(edited, Observed(now=T2, pytorchjob=done, configmap=cm_of(body)), SETTINGS)
+    assert plan.create == () and plan.patch == () and plan.delete == ()
+    assert summary(plan)[c.ACCEPTED] == ("False", c.REASON_SPEC_CHANGE_REJECTED)
+    assert summary(plan)[c.SUCCEEDED] == ("True", c.REASON_PYTORCHJOB_SUCCEEDED)
+
+
+def test_hand_edited_configmap_is_restored() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    cm = cm_of(body)
+    cm["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] = "edited"
+    cm["data"]["spec.json"] = "{}"
+    plan = reconcile(body, Observed(now=T1, pytorchjob=ptj_of(body), configmap=cm), SETTINGS)
+    assert [p.ref.kind for p in plan.patch] == ["ConfigMap"]
+    assert plan.patch[0].body["data"] == cm_of(body)["data"]
+
+
+def test_changed_fields_lists_leaf_paths_without_suspend() -> None:
+    old = {"suspend": False, "training": {"lr": 1, "seed": 1}, "image": "a"}
+    new = {"suspend": True, "training": {"lr": 2, "seed": 1}, "image": "b", "extra": {"x": 1}}
+    assert changed_fields(old, new) == ["spec.extra", "spec.image", "spec.training.lr"]
+
+
+# ---------------------------------------------------------------------------- status bookkeeping
+
+
+def test_transition_times_change_only_with_status() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    ptj = ptj_of(body, ("Created", "PyTorchJobCreated"))
+    first = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    # Running: False/Creating -> False/Pending keeps the transition time (status unchanged).
+    assert cond(first, c.RUNNING)["lastTransitionTime"] == T0
+    assert cond(first, c.RUNNING)["reason"] == c.REASON_PENDING
+    body = step(body, first)
+    again = reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert again.status is None
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    running = reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert cond(running, c.RUNNING)["lastTransitionTime"] == T2
+    assert cond(running, c.ACCEPTED)["lastTransitionTime"] == T0
+
+
+def test_new_generation_is_observed_on_every_condition() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    body = step(body, reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS))
+    body["metadata"]["generation"] = 5  # e.g. a label-free metadata edit that bumped nothing else
+    plan = reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert plan.status["observedGeneration"] == 5
+    assert {x["observedGeneration"] for x in plan.status["conditions"]} == {5}
+    assert plan.events == ()
+
+
+def test_deleted_job_plans_nothing() -> None:
+    body = stored()
+    body["metadata"]["deletionTimestamp"] = T1
+    assert reconcile(body, Observed(now=T1), SETTINGS) == Plan()
+
+
+def test_progress_annotation_is_folded_into_trainer_status() -> None:
+    value = encode_progress(45, total_steps=90, reward_mean=0.5, val_reward_mean=0.25,
+                            last_checkpoint={"step": 40, "uri": "s3://b/ns/quickstart/step_000040", "time": T1},
+                            time=T1)
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    body["metadata"]["annotations"] = {ANNOTATION: value}
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert plan.status["trainer"] == {
+        "step": 45, "totalSteps": 90, "progressPercentage": 50, "rewardMean": 0.5, "valRewardMean": 0.25,
+        "lastCheckpoint": {"step": 40, "uri": "s3://b/ns/quickstart/step_000040", "time": T1},
+        "lastUpdatedTime": T1,
+    }
+    assert_valid_status(plan.status)
+    body = step(body, plan)
+    assert reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS).status is None
+    body["metadata"]["annotations"] = {ANNOTATION: '{"step": "x", "time": "later"}'}
+    plan = reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert plan.status is None and plan.notes and "step must be" in plan.notes[0]
+
+
+def test_apply_failed_status_marks_only_jobs_not_yet_created() -> None:
+    body = stored()
+    plan = reconcile(body, Observed(now=T0), SETTINGS)
+    status = apply_failed_status(body, plan, "500 Internal Server Error", T1)
+    assert cond(status, c.RUNNING)["reason"] == c.REASON_CREATE_FAILED
+    assert "500 Internal Server Error" in cond(status, c.RUNNING)["message"]
+    assert_valid_status(status)
+    body = step(body, plan)
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    running_plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert apply_failed_status(step(body, running_plan), running_plan, "boom", T2) is None

@@ -1,0 +1,100 @@
+"""Small pure pieces: conditions, the progress annotation codec, settings from the environment."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from rljob_operator import conditions as c
+from rljob_operator.progress import ProgressError, decode_progress, encode_progress, is_newer
+from rljob_operator.settings import OperatorSettings
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T01:00:00Z"
+
+
+def test_set_condition_keeps_transition_time_unless_status_changes() -> None:
+    conds = c.set_condition([], c.RUNNING, c.FALSE, c.REASON_CREATING, "a", generation=1, now=T0)
+    conds = c.set_condition(conds, c.RUNNING, c.FALSE, c.REASON_PENDING, "b", generation=2, now=T1)
+    assert conds == [{"type": "Running", "status": "False", "reason": "Pending", "message": "b",
+                      "lastTransitionTime": T0, "observedGeneration": 2}]
+    conds = c.set_condition(conds, c.RUNNING, c.TRUE, c.REASON_PYTORCHJOB_RUNNING, "c", generation=2, now=T1)
+    assert conds[0]["lastTransitionTime"] == T1
+
+
+def test_set_condition_keeps_order_and_appends_new_types() -> None:
+    conds = c.set_condition([], c.ACCEPTED, c.TRUE, c.REASON_SPEC_ACCEPTED, "", generation=None, now=T0)
+    conds = c.set_condition(conds, c.RUNNING, c.FALSE, c.REASON_CREATING, "", generation=None, now=T0)
+    conds = c.set_condition(conds, c.ACCEPTED, c.FALSE, c.REASON_INVALID_SPEC, "", generation=None, now=T1)
+    assert [x["type"] for x in conds] == ["Accepted", "Running"]
+    assert "observedGeneration" not in conds[0]
+
+
+@pytest.mark.parametrize(("status", "reason"), [("Maybe", "Fine"), ("True", "not camel"), ("True", "")])
+def test_set_condition_rejects_bad_status_or_reason(status: str, reason: str) -> None:
+    with pytest.raises(ValueError):
+        c.set_condition([], c.RUNNING, status, reason, "", generation=1, now=T0)
+
+
+def test_every_reason_constant_is_one_camelcase_word() -> None:
+    names = [n for n in dir(c) if n.startswith(("REASON_", "EVENT_"))]
+    assert len(names) > 20
+    for name in names:
+        assert c.is_reason(getattr(c, name)), name
+
+
+def test_progress_round_trip() -> None:
+    value = encode_progress(7, total_steps=30, reward_mean=0.123456789, val_reward_mean=None,
+                            last_checkpoint={"step": 5, "uri": "s3://b/x/step_000005"}, time=T0)
+    assert len(value) < 200 and " " not in value
+    assert decode_progress(value) == {"step": 7, "totalSteps": 30, "progressPercentage": 23,
+                                      "rewardMean": 0.123457, "lastCheckpoint": {"step": 5, "uri": "s3://b/x/step_000005"},
+                                      "lastUpdatedTime": T0}
+
+
+def test_progress_drops_non_finite_rewards_and_clamps_percentage() -> None:
+    value = encode_progress(40, total_steps=30, reward_mean=float("nan"), time=T0)
+    doc = decode_progress(value)
+    assert "rewardMean" not in doc and doc["progressPercentage"] == 100
+
+
+@pytest.mark.parametrize("value", [
+    "not json", "[]", '{"time": "t"}', '{"step": -1, "time": "t"}', '{"step": 1}', '{"step": true, "time": "t"}',
+    '{"step": 1, "time": "t", "totalSteps": 0}', '{"step": 1, "time": "t", "rewardMean": "high"}',
+    '{"step": 1, "time": "t", "lastCheckpoint": {"step": 1}}', json.dumps({"step": 1, "time": "x" * 5000}),
+])
+def test_progress_rejects_malformed_annotations(value: str) -> None:
+    with pytest.raises(ProgressError):
+        decode_progress(value)
+
+
+@pytest.mark.parametrize("kwargs", [{"step": -1}, {"step": 1, "total_steps": 0},
+                                    {"step": 1, "last_checkpoint": {"step": 1, "uri": ""}}])
+def test_encode_rejects_bad_input(kwargs: dict) -> None:
+    with pytest.raises(ProgressError):
+        encode_progress(**kwargs)
+
+
+def test_is_newer() -> None:
+    value = encode_progress(3, time=T1)
+    assert is_newer(value, None)
+    assert is_newer(value, {"step": 2, "lastUpdatedTime": T0})
+    assert not is_newer(value, {"step": 3, "lastUpdatedTime": T1})
+    assert not is_newer("garbage", None) and not is_newer(None, None)
+
+
+def test_settings_from_env() -> None:
+    assert OperatorSettings.from_env({}) == OperatorSettings()
+    s = OperatorSettings.from_env({"RLJOB_WORKER_IMAGE": "r/w:2", "RLJOB_PROGRESS_RBAC": "false",
+                                   "RLJOB_RESYNC_SECONDS": "12.5", "RLJOB_API_CONCURRENCY": "4"})
+    assert (s.worker_image, s.progress_rbac, s.resync_seconds, s.api_concurrency) == ("r/w:2", False, 12.5, 4)
+    assert s.spec_path == "/etc/rljob/spec.json"
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"RLJOB_PROGRESS_RBAC": "maybe"}, "RLJOB_PROGRESS_RBAC"),
+    ({"RLJOB_MASTER_PORT": "70000"}, "RLJOB_MASTER_PORT"),
+    ({"RLJOB_API_CONCURRENCY": "many"}, "RLJOB_API_CONCURRENCY"),
+    ({"RLJOB_RESYNC_SECONDS": "0"}, "RLJOB_RESYNC_SECONDS"),
+])
+def test_settings_errors_name_the_variable(env: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        OperatorSettings.from_env(env)
