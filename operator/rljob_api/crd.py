@@ -24,6 +24,7 @@ from rljob_api.models import (
     VERSION,
     CheckpointSpec,
     MegatronSpec,
+    RLJob,
     RLJobSpec,
     RLJobStatus,
 )
@@ -188,9 +189,12 @@ PRINTER_COLUMNS = [
 
 def openapi_schema() -> dict[str, Any]:
     spec = structural_schema(RLJobSpec)
+    # A model class without a docstring has no description of its own: use the RLJob field's.
+    spec["description"] = RLJob.model_fields["spec"].description
     spec["x-kubernetes-validations"] = spec_cel_rules()
     spec["properties"]["checkpoint"]["x-kubernetes-validations"] = checkpoint_cel_rules()
     status = structural_schema(RLJobStatus)
+    status["description"] = RLJob.model_fields["status"].description
     conditions = status["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]

@@ -10,9 +10,9 @@ entry point that turns a dict into a validated `RLJob`.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from rljob_api.enums import (
@@ -45,6 +45,27 @@ STORAGE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.
 MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*|builtin://[a-z0-9\-]+)$"
 # module.path:function
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
+S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
+SHM_SIZE_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti)?$"
+
+
+def _quantity(value: Any) -> Any:
+    """A resource quantity as Kubernetes accepts it in a manifest: a string ("500m", "64Gi") or an integer.
+
+    Integers are kept as strings so consumers see one type; floats and booleans are refused, as the
+    CRD (x-kubernetes-int-or-string) refuses them."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError("a resource quantity must be a string such as '500m' or '64Gi', or an integer")
+    if isinstance(value, int):
+        return str(value)
+    return value
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity),
+    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+]
 
 
 class ApiModel(BaseModel):
@@ -297,7 +318,7 @@ class SecretKeyRef(ApiModel):
 
 class S3Spec(ApiModel):
     endpoint: str | None = _f(
-        None, "S3-compatible endpoint URL (MinIO, SeaweedFS, Ceph); unset uses AWS.", pattern=r"^https?://[^\s]+$", max_length=1024
+        None, "S3-compatible endpoint URL (MinIO, SeaweedFS, Ceph); unset uses AWS.", pattern=S3_ENDPOINT_PATTERN, max_length=1024
     )
     region: str = _f("us-east-1", "Region name passed to the client.", max_length=64)
     credentials_secret_ref: SecretKeyRef | None = _f(
@@ -320,7 +341,7 @@ class RunPolicySpec(ApiModel):
 
 
 class PodTemplateSpec(ApiModel):
-    resources: dict[str, dict[str, str]] = _f(
+    resources: dict[str, dict[str, Quantity]] = _f(
         default_factory=dict,
         description="Container resources (requests/limits). GPUs are set from gpusPerNode; give cpu/memory here.",
     )
@@ -354,7 +375,7 @@ class PodTemplateSpec(ApiModel):
     termination_grace_period_seconds: int = _f(
         300, "Time a pod gets after SIGTERM; the worker spends it saving a checkpoint.", ge=0, le=86400
     )
-    shm_size: str = _f("16Gi", "Size limit of the in-memory /dev/shm (NCCL and the rollout engine need more than 64Mi).", pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+    shm_size: str = _f("16Gi", "Size limit of the in-memory /dev/shm (NCCL and the rollout engine need more than 64Mi).", pattern=SHM_SIZE_PATTERN)
 
 
 class RLJobSpec(ApiModel):

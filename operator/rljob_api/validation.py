@@ -6,10 +6,16 @@ cross-field rules below are what a per-field schema cannot say.
 """
 from __future__ import annotations
 
+import datetime
+import json
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
+import pydantic
 from pydantic import ValidationError
 
 from rljob_api.enums import ResumeMode
@@ -18,6 +24,8 @@ from rljob_api.models import (
     KIND,
     MODEL_URI_PATTERN,
     REWARD_FUNCTION_PATTERN,
+    S3_ENDPOINT_PATTERN,
+    SHM_SIZE_PATTERN,
     STORAGE_URI_PATTERN,
     RLJob,
     RLJobSpec,
@@ -43,7 +51,12 @@ _PATTERN_HINTS = {
     STORAGE_URI_PATTERN: "must be s3://bucket/prefix, file:///abs/path or /abs/path",
     MODEL_URI_PATTERN: "must be s3://bucket/prefix, file:///abs/path, /abs/path or builtin://name",
     REWARD_FUNCTION_PATTERN: "must be a built-in reward name (e.g. gsm8k) or module.path:function",
+    S3_ENDPOINT_PATTERN: "must be an http:// or https:// URL such as http://minio.minio.svc:9000",
+    SHM_SIZE_PATTERN: "must be a size such as 16Gi: an integer with an optional Ki, Mi, Gi or Ti suffix",
 }
+
+_JSON_TYPE_NAMES = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+                    float: "a number", type(None): "null"}
 
 
 def _loc_to_path(loc: tuple[Any, ...]) -> str:
@@ -63,10 +76,15 @@ def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]
     for err in exc.errors(include_url=False):
         path = _loc_to_path(err["loc"])
         message = err["msg"]
+        full = re.sub(r"\[\d+\]", "", f"{prefix}{path}")
+        parent = full.rsplit(".", 1)[0] if "." in full else "spec"
         if err["type"] == "extra_forbidden":
-            message = "unknown field; check the spelling (fields are camelCase) against `rljob explain`"
+            message = f"unknown field; check the spelling (fields are camelCase) against `rljob explain {parent}`"
         elif err["type"] == "missing":
-            message = "required field is missing"
+            message = f"required field is missing; add it (see `rljob explain {full}`)"
+        elif err["type"] in {"model_type", "model_attributes_type", "dict_type"}:
+            got = _JSON_TYPE_NAMES.get(type(err.get("input")), type(err.get("input")).__name__)
+            message = f"must be a mapping of fields, got {got}"
         elif err["type"] == "string_pattern_mismatch":
             message = _PATTERN_HINTS.get(err.get("ctx", {}).get("pattern", ""), message) + f" (got {err['input']!r})"
         elif "input" in err and err["type"] not in {"model_type", "dict_type"}:
@@ -75,10 +93,59 @@ def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]
     return out
 
 
+def _as_json(obj: Any, path: str, errors: list[FieldError], seen: tuple[int, ...] = ()) -> Any:
+    """The document as JSON would carry it (what `kubectl apply` sends): YAML timestamps become strings;
+    non-finite numbers, recursive aliases and other non-JSON values are reported with their path."""
+    where = path or "(root)"
+    if isinstance(obj, Mapping) or isinstance(obj, (list, tuple)):  # Mapping: kopf's body views too
+        if id(obj) in seen:
+            errors.append(FieldError(where, "refers to itself through a YAML alias; write the value out"))
+            return None
+        seen = (*seen, id(obj))
+        if not isinstance(obj, Mapping):
+            return [_as_json(v, f"{path}[{i}]", errors, seen) for i, v in enumerate(obj)]
+        out = {}
+        for key, value in obj.items():
+            if not isinstance(key, str):  # YAML keys such as 1, true, null: kubectl sends them as strings
+                key = json.dumps(key) if key is None or isinstance(key, (bool, int, float)) else str(key)
+            out[key] = _as_json(value, f"{path}.{key}" if path else key, errors, seen)
+        return out
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, float) and not math.isfinite(obj):
+        errors.append(FieldError(where, f"must be a finite number, got {obj!r}"))
+        return None
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if isinstance(obj, (datetime.date, datetime.datetime)):
+        return obj.isoformat()
+    errors.append(FieldError(where, f"a {type(obj).__name__} value is not allowed here; quote it as a string"))
+    return None
+
+
+# pydantic >= 2.11 can refuse snake_case field names in input although the models accept them in Python.
+_BY_ALIAS_ONLY = {"by_alias": True, "by_name": False} if tuple(
+    int(p) for p in pydantic.VERSION.split(".")[:2]) >= (2, 11) else {}
+
+
+def _validate_json(model: type, obj: Any, prefix: str = "") -> Any:
+    """Validate like the API server does: JSON types only, no coercion ("8" is not an integer, "yes" is
+    not a boolean), camelCase names only (snake_case field names are unknown fields)."""
+    errors: list[FieldError] = []
+    plain = _as_json(obj, prefix.rstrip("."), errors)
+    if errors:
+        raise RLJobValidationError(errors)
+    try:
+        return model.model_validate_json(json.dumps(plain), strict=True, **_BY_ALIAS_ONLY)
+    except ValidationError as exc:
+        raise RLJobValidationError(_pydantic_errors(exc, prefix)) from None
+
+
 def parse_rljob(obj: Any) -> RLJob:
     """Validate a decoded RLJob document. Raises RLJobValidationError listing every problem."""
-    if not isinstance(obj, dict):
-        raise RLJobValidationError([FieldError("(root)", f"expected a mapping (an RLJob object), got {type(obj).__name__}")])
+    if not isinstance(obj, Mapping):
+        got = _JSON_TYPE_NAMES.get(type(obj), type(obj).__name__)
+        raise RLJobValidationError([FieldError("(root)", f"expected a mapping (an RLJob object), got {got}")])
     errors: list[FieldError] = []
     if obj.get("apiVersion") != API_VERSION:
         errors.append(FieldError("apiVersion", f"must be {API_VERSION!r}, got {obj.get('apiVersion')!r}"))
@@ -86,10 +153,7 @@ def parse_rljob(obj: Any) -> RLJob:
         errors.append(FieldError("kind", f"must be {KIND!r}, got {obj.get('kind')!r}"))
     if errors:
         raise RLJobValidationError(errors)
-    try:
-        job = RLJob.model_validate(obj)
-    except ValidationError as exc:
-        raise RLJobValidationError(_pydantic_errors(exc)) from None
+    job = _validate_json(RLJob, obj)
     errors = cross_field_errors(job.spec)
     if errors:
         raise RLJobValidationError(errors)
@@ -98,10 +162,7 @@ def parse_rljob(obj: Any) -> RLJob:
 
 def parse_spec(spec: Any) -> RLJobSpec:
     """Validate a bare spec (the worker reads the ConfigMap's spec.json with this)."""
-    try:
-        parsed = RLJobSpec.model_validate(spec)
-    except ValidationError as exc:
-        raise RLJobValidationError(_pydantic_errors(exc, prefix="spec.")) from None
+    parsed = _validate_json(RLJobSpec, spec, prefix="spec.")
     errors = cross_field_errors(parsed)
     if errors:
         raise RLJobValidationError(errors)
@@ -200,7 +261,9 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.checkpoint.resumeFrom", "resumeMode uri needs resumeFrom (a step folder URI)"))
     if spec.checkpoint.resume_from and spec.checkpoint.resume_mode != ResumeMode.URI:
         errs.append(FieldError("spec.checkpoint.resumeMode", "resumeFrom is set; set resumeMode: uri to use it"))
-    uses_s3 = any(u.startswith("s3://") for u in [spec.checkpoint.uri, spec.model.path, *spec.data.train_files])
+    uses_s3 = any(u and u.startswith("s3://") for u in [
+        spec.checkpoint.uri, spec.checkpoint.resume_from, spec.model.path, spec.model.tokenizer_path,
+        *spec.data.train_files, *spec.data.val_files])
     if a.kl_coef > 0 and a.kl_placement.value == "reward" and a.kl_estimator.value == "low_var_kl":
         errs.append(FieldError(
             "spec.algorithm.klEstimator",

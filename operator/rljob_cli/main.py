@@ -27,6 +27,8 @@ def load_documents(path: str) -> list[Any]:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"cannot read {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
     try:
         return [doc for doc in yaml.safe_load_all(text) if doc is not None]
     except yaml.YAMLError as exc:

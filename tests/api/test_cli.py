@@ -1,0 +1,225 @@
+"""`rljob validate | crd | explain` as a user runs them: a real subprocess, exit codes, every message,
+and never a Python traceback."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import yaml
+from api_support import CRD_PATH, EXAMPLE_PATHS, ROOT, changed, gpu_job
+from rljob_api.models import AlgorithmSpec
+
+
+def rljob_command() -> list[str]:
+    exe = shutil.which("rljob")
+    return [exe] if exe else [sys.executable, "-m", "rljob_cli.main"]
+
+
+def rljob(*args: str, stdin: str | None = None, cwd: Path = ROOT) -> tuple[int, str]:
+    """Exit code and stdout+stderr of `rljob ARGS`; fails the test on any traceback."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([*rljob_command(), *map(str, args)], input=stdin, capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=60, check=False)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out
+    return proc.returncode, out
+
+
+def write(tmp_path: Path, name: str, content: str | bytes | object) -> Path:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif isinstance(content, str):
+        path.write_text(content)
+    else:
+        path.write_text(yaml.safe_dump(content, sort_keys=False))
+    return path
+
+
+HEAD = ("apiVersion: rljob.dev/v1alpha1\nkind: RLJob\nmetadata: {name: x}\nspec:\n  model: {path: /m}\n"
+        "  data: {trainFiles: [/t.parquet]}\n")
+
+
+def test_console_script_is_declared():
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("rljob") == "rljob_cli.main:main", "reinstall: pip install -e . --no-deps"
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def test_validate_examples_one_ok_line_each():
+    code, out = rljob("validate", *[p.relative_to(ROOT) for p in EXAMPLE_PATHS])
+    assert code == 0, out
+    lines = out.strip().splitlines()
+    assert len(lines) == len(EXAMPLE_PATHS), out
+    for path, line in zip(EXAMPLE_PATHS, lines):
+        assert line.startswith(f"OK {path.relative_to(ROOT)}: "), line
+    assert "qwen3-8b-grpo: grpo on s3://models/Qwen/Qwen3-8B, 1x8 gpu, TP2 PP4 CP1" in out
+
+
+def test_validate_reports_every_error_with_its_path(tmp_path):
+    schema_bad = write(tmp_path, "schema.yaml", changed(gpu_job(), {
+        "spec.nnodes": 0, "spec.rollout.engine": "sglang", "spec.megatron.tensorParallelSize": 2,
+        "spec.training.lr": "fast"}))
+    cross_bad = write(tmp_path, "cross.yaml", changed(gpu_job(), {
+        "spec.megatron.tensorModelParallelSize": 3, "spec.rollout.tensorModelParallelSize": 3,
+        "spec.checkpoint.resumeMode": "uri", "metadata.name": "ok-name"}))
+    good = write(tmp_path, "good.yaml", gpu_job())
+    code, out = rljob("validate", good, schema_bad, cross_bad)
+    assert code == 1, out
+    assert f"OK {good}: t: grpo on /models/qwen" in out
+    assert f"INVALID {schema_bad}" in out and f"INVALID {cross_bad}" in out
+    for expected in [
+        "  spec.nnodes: Input should be greater than or equal to 1",
+        "  spec.rollout.engine: Input should be 'vllm', 'hf' or 'auto' (got 'sglang')",
+        "  spec.megatron.tensorParallelSize: unknown field",
+        "  spec.training.lr: Input should be a valid number",
+        "  spec.megatron.tensorModelParallelSize: nnodes x gpusPerNode = 8 GPUs is not divisible",
+        "  spec.rollout.tensorModelParallelSize: rollout TP 3 must divide gpusPerNode=8",
+        "  spec.checkpoint.resumeFrom: resumeMode uri needs resumeFrom",
+    ]:
+        assert expected in out, f"missing {expected!r} in:\n{out}"
+
+
+BAD_INPUTS = {
+    "unclosed-brace": ("apiVersion: rljob.dev/v1alpha1\nkind: RLJob\nspec: {model: {path: /m}\n",
+                       ["malformed YAML at line", "column"]),
+    "tab-indent": ("spec:\n\tmodel: {}\n", ["malformed YAML at line 2"]),
+    "python-tag": ("!!python/object:os.system {}\n", ["malformed YAML"]),
+    "empty": ("", ["no YAML documents"]),
+    "comment-only": ("# only a comment\n---\n", ["no YAML documents"]),
+    "list": ("- a\n- b\n", ["(root): expected a mapping", "got a list"]),
+    "scalar": ("just a string\n", ["(root): expected a mapping", "got a string"]),
+    "wrong-kind": ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n",
+                   ["kind: must be 'RLJob', got 'ConfigMap'", "apiVersion: must be 'rljob.dev/v1alpha1'"]),
+    "wrong-types": (HEAD + "  gpus_per_node: 8\n  rollout: {n: '8'}\n  suspend: yes please\n",
+                    ["spec.gpus_per_node: unknown field", "spec.rollout.n: Input should be a valid integer",
+                     "spec.suspend: Input should be a valid boolean"]),
+    "non-mapping-section": ("apiVersion: rljob.dev/v1alpha1\nkind: RLJob\nmetadata: {name: x}\nspec:\n  megatron: tp2\n",
+                            ["spec.model: required field is missing",
+                             "spec.megatron: must be a mapping of fields, got a string"]),
+    "infinite": (HEAD + "  algorithm: {klCoef: .inf}\n", ["spec.algorithm.klCoef: must be a finite number"]),
+    "recursive-alias": (HEAD + "  megatron:\n    overrideTransformerConfig: {a: &x [*x]}\n",
+                        ["spec.megatron.overrideTransformerConfig.a[0]: refers to itself"]),
+    "bad-name": (HEAD.replace("name: x", "name: Bad_Name"), ["metadata.name: must be a DNS label"]),
+    "not-utf8": (b"\xff\xfe\x00\x81 not utf-8", ["cannot read", "not UTF-8"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_inputs_run(tmp_path_factory) -> tuple[int, dict[str, str]]:
+    """One `rljob validate` over every bad input (and a missing file and a folder): its exit code and,
+    per input, the lines it printed about that input."""
+    folder = tmp_path_factory.mktemp("bad")
+    paths = {name: write(folder, f"{name}.yaml", content) for name, (content, _) in BAD_INPUTS.items()}
+    paths["missing"] = folder / "missing.yaml"
+    paths["folder"] = folder / "sub"
+    paths["folder"].mkdir()
+    code, out = rljob("validate", *paths.values())
+    sections: dict[str, str] = {}
+    current = None
+    for line in out.splitlines():
+        if not line.startswith("  "):
+            current = next((n for n, p in paths.items() if f" {p}" in line), None)
+            assert current, f"a line about no input: {line!r}"
+        sections[current] = sections.get(current, "") + line + "\n"
+    assert set(sections) == set(paths), out
+    return code, sections
+
+
+def test_validate_bad_inputs_exit_1(bad_inputs_run):
+    assert bad_inputs_run[0] == 1
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_validate_bad_input_gets_a_clear_message(bad_inputs_run, name):
+    section = bad_inputs_run[1][name]
+    assert section.startswith(("ERROR ", "INVALID ")), section
+    for words in BAD_INPUTS[name][1]:
+        assert words in section, f"{words!r} not in:\n{section}"
+
+
+def test_validate_unreadable_paths(bad_inputs_run):
+    sections = bad_inputs_run[1]
+    assert "cannot read" in sections["missing"] and "No such file" in sections["missing"]
+    assert "cannot read" in sections["folder"] and "directory" in sections["folder"]
+
+
+def test_validate_multi_document_file(tmp_path):
+    docs = [gpu_job(), changed(gpu_job(), {"metadata.name": "second", "spec.rollout.n": 1})]
+    path = write(tmp_path, "multi.yaml", "---\n".join(yaml.safe_dump(d) for d in docs))
+    code, out = rljob("validate", path)
+    assert code == 1, out
+    assert f"OK {path}#0: t:" in out
+    assert f"INVALID {path}#1" in out and "  spec.rollout.n: Input should be greater than or equal to 2" in out
+
+    both_ok = write(tmp_path, "ok.yaml", "---\n".join(yaml.safe_dump(changed(gpu_job(), {"metadata.name": n}))
+                                                      for n in ("a", "b")) + "---\n")
+    code, out = rljob("validate", both_ok)
+    assert code == 0, out
+    assert out.strip().splitlines() == [f"OK {both_ok}#0: " + out.split(f"OK {both_ok}#0: ")[1].splitlines()[0],
+                                        f"OK {both_ok}#1: " + out.split(f"OK {both_ok}#1: ")[1].splitlines()[0]]
+
+
+def test_validate_stdin():
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(gpu_job()))
+    assert code == 0 and out.startswith("OK -: t:"), out
+
+
+def test_validate_needs_a_file():
+    code, out = rljob("validate")
+    assert code == 2 and "usage: rljob validate" in out, out
+
+
+# --------------------------------------------------------------------------- crd and explain
+
+
+def test_crd_prints_the_committed_crd():
+    code, out = rljob("crd")
+    assert code == 0
+    assert out == CRD_PATH.read_text(), "run `rljob crd > crds/rljob.dev_rljobs.yaml`"
+
+
+def test_explain_algorithm_lists_fields_with_descriptions():
+    code, out = rljob("explain", "spec.algorithm")
+    assert code == 0, out
+    assert out.startswith("FIELD: spec.algorithm <object>")
+    assert "RL algorithm and loss." in out
+    for name, field in AlgorithmSpec.model_fields.items():
+        alias = field.alias or name
+        assert f"\n  {alias} <" in out, f"{alias} not listed"
+        assert field.description.split(" (verl:")[0] in out, f"description of {alias} not shown"
+    assert "klEstimator <string (k1 | k2 | k3 | low_var_kl)>" in out
+
+
+def in_process(capsys, *args: str) -> tuple[int, str]:
+    """`rljob ARGS` in this process (cheaper than a subprocess, for variants of a command tested above)."""
+    from rljob_cli.main import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_explain_leaf_and_default_and_rlj_prefix(capsys):
+    code, out = in_process(capsys, "explain", "rlj.spec.rollout.n")
+    assert code == 0 and "FIELD: rlj.spec.rollout.n <integer>" in out and "group size" in out, out
+    code, out = in_process(capsys, "explain")
+    assert code == 0 and "FIELD: spec <object>" in out and "What to train and how." in out, out
+    code, out = in_process(capsys, "explain", "status.conditions")
+    assert code == 0 and "FIELD: status.conditions <[]object>" in out and "lastTransitionTime" in out, out
+
+
+def test_explain_unknown_field_is_helpful(capsys):
+    code, out = rljob("explain", "spec.nope")
+    assert code == 1, out
+    assert "'nope' does not exist in spec" in out
+    assert "algorithm" in out and "megatron" in out  # lists what does exist
+    code, out = in_process(capsys, "explain", "spec.megatron.tp")
+    assert code == 1 and "does not exist in spec.megatron" in out and "tensorModelParallelSize" in out, out
