@@ -1,0 +1,53 @@
+"""Fixtures for the observability tests: simulated trainers, an operator stand-in, a real Prometheus.
+
+``observed_run`` (session) starts:
+
+- three ``fake_trainer.py`` processes driving the real :class:`TrainerTelemetry`: ``healthy``
+  (steps forever), ``diverged`` (the same with NaN reward and loss) and ``sick`` (reward
+  collapse, failing checkpoints, then a hang inside a stage), all in namespace ``obs_support.NAMESPACE``;
+- an operator stand-in: a prometheus-client exporter in this process that serves the operator
+  metric names the Fleet dashboard and the operator alerts use (``rljob_operator_*``), because
+  the operator's own metrics module is not part of what these tests start;
+- the REAL Debian Prometheus (``prometheus_server_session`` from tests/conftest.py) scraping
+  all of them every second and evaluating a copy of the alert rules whose thresholds are shortened
+  by ``obs_support.RULE_REWRITES`` (15 minutes of silence is too long to wait for in a test).
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from obs_support import FakeTrainer, ObservedRun, OperatorStandIn, write_test_rules
+
+
+@pytest.fixture(scope="session")
+def observed_run(prometheus_server_session, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedRun]:
+    tmp = tmp_path_factory.mktemp("observability")
+    started: list[Any] = []
+    try:
+        healthy = FakeTrainer("healthy", "healthy", tmp / "healthy.log")
+        started.append(healthy)
+        diverged = FakeTrainer("diverged", "diverged", tmp / "diverged.log")
+        started.append(diverged)
+        sick = FakeTrainer("sick", "sick", tmp / "sick.log")
+        started.append(sick)
+        operator = OperatorStandIn()
+        started.append(operator)
+        rules = write_test_rules(tmp / "alerts.test.rules.yaml")
+        targets = [healthy.target, diverged.target, sick.target, operator.target]
+        prom = prometheus_server_session(targets, rule_files=[rules])
+        started.append(prom)
+        # Every target scraped once: now let the trainers train, so Prometheus sees all their values.
+        prom.wait_for(f'count(up{{job="rljob"}} == 1) == {len(targets)}', timeout=30)
+        for trainer in (healthy, diverged, sick):
+            trainer.go()
+        prom.wait_for('count_over_time(rljob_step{rljob="healthy"}[1m]) >= 3', timeout=30)
+        yield ObservedRun(prom, healthy, diverged, sick, operator, rules)
+    finally:
+        for thing in reversed(started):
+            thing.stop()

@@ -1,0 +1,194 @@
+"""Helpers of the observability tests (imported by conftest.py and the test modules).
+
+Constants (paths, the live test's rule rewrites and expected alerts), the simulated trainer
+process (:class:`FakeTrainer`, running ``fake_trainer.py``) and the operator stand-in exporter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RULES_FILE = REPO / "charts" / "rljob-operator" / "files" / "alerts.rules.yaml"
+DASHBOARD_DIR = REPO / "charts" / "rljob-operator" / "dashboards"
+NAMESPACE = "ml-test"
+
+#: Per alert: (text in the expression, its replacement) pairs and the ``for`` used in the live test.
+#: Only durations and thresholds change, never the shape of the expression. Each text must occur
+#: in the rule (a test checks), so changing a rule without looking here fails loudly.
+RULE_REWRITES: dict[str, list[tuple[str, str]]] = {
+    "RLJobTrainingStalled": [("> 900", "> 5")],
+    "RLJobRewardNotFinite": [],
+    "RLJobLossNotFinite": [],
+    "RLJobRewardCollapsed": [("[10m]", "[3s]"), ("[2h]", "[5m]")],
+    "RLJobNoRewardSignal": [("[30m]", "[3s]")],
+    "RLJobCheckpointOverdue": [("300)", "2)")],
+    "RLJobFailed": [],
+    "RLJobOperatorErrors": [],
+}
+
+#: Who each alert must fire for in the live test: the value of label ``rljob``, or "" for the
+#: operator-level alerts, which carry no job.
+EXPECTED_FIRING: dict[str, set[str]] = {
+    "RLJobTrainingStalled": {"sick"},
+    "RLJobRewardNotFinite": {"diverged"},
+    "RLJobLossNotFinite": {"diverged"},
+    "RLJobRewardCollapsed": {"sick"},
+    "RLJobNoRewardSignal": {"sick"},
+    "RLJobCheckpointOverdue": {"sick"},
+    "RLJobFailed": {""},
+    "RLJobOperatorErrors": {""},
+}
+
+
+def load_rules(path: Path = RULES_FILE) -> list[dict[str, Any]]:
+    """All rules of a rules file, flattened over groups."""
+    return [rule for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
+
+
+def write_test_rules(dest: Path) -> Path:
+    """A copy of the alert rules with RULE_REWRITES applied and every ``for`` set to 0s."""
+    doc = yaml.safe_load(RULES_FILE.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            name = rule.get("alert")
+            if name is None:
+                continue
+            if name not in RULE_REWRITES:
+                raise AssertionError(f"alert {name} has no entry in RULE_REWRITES (tests/observability/obs_support.py)")
+            for old, new in RULE_REWRITES[name]:
+                if old not in rule["expr"]:
+                    raise AssertionError(f"{name}: {old!r} no longer occurs in its expression:\n{rule['expr']}")
+                rule["expr"] = rule["expr"].replace(old, new)
+            rule["for"] = "0s"
+    dest.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return dest
+
+
+# --------------------------------------------------------------------------- simulated trainers
+
+
+class FakeTrainer:
+    """``fake_trainer.py`` in its own process (session); its /metrics port is read from stdout."""
+
+    def __init__(self, job: str, mode: str, log_path: Path):
+        self.job, self.mode, self.log_path = job, mode, log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "fake_trainer.py"), "--job", job, "--namespace", NAMESPACE, "--mode", mode],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+            start_new_session=True)
+        self.port = self._read_port(timeout=30)
+
+    def _read_port(self, timeout: float) -> int:
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        line = result[0] if result else ""
+        if not line.startswith("PORT "):
+            self.stop()
+            raise RuntimeError(f"fake trainer {self.job} did not print its port (got {line!r}); "
+                               f"log:\n{self.log_path.read_text()[-3000:]}")
+        return int(line.split()[1])
+
+    def go(self) -> None:
+        """Start training (the process waits for this after printing its port)."""
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+# --------------------------------------------------------------------------- operator stand-in
+
+
+class OperatorStandIn:
+    """Serves the operator metric names with made-up values (stand-in for rljob_operator.metrics).
+
+    Names and labels as the operator team specified them: rljob_operator_reconciles_total{result},
+    rljob_operator_errors_total, rljob_operator_reconcile_seconds (histogram),
+    rljob_operator_jobs{condition}. A thread "reconciles" every 0.1 s; every 5th one is an error.
+    """
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+        self.registry = CollectorRegistry()
+        reconciles = Counter("rljob_operator_reconciles", "Reconciles by result.", ["result"], registry=self.registry)
+        errors = Counter("rljob_operator_errors", "Handler errors.", registry=self.registry)
+        latency = Histogram("rljob_operator_reconcile_seconds", "Reconcile latency.", registry=self.registry)
+        jobs = Gauge("rljob_operator_jobs", "RLJobs by condition.", ["condition"], registry=self.registry)
+        for condition, n in {"Accepted": 4, "Running": 2, "Succeeded": 1, "Failed": 1, "Suspended": 0}.items():
+            jobs.labels(condition=condition).set(n)
+        self._stop = threading.Event()
+
+        def loop() -> None:
+            i = 0
+            while not self._stop.wait(0.1):
+                i += 1
+                failed = i % 5 == 0
+                reconciles.labels(result="error" if failed else "success").inc()
+                if failed:
+                    errors.inc()
+                latency.observe(0.005 + 0.01 * (i % 7))
+
+        self._thread = threading.Thread(target=loop, name="operator-stand-in", daemon=True)
+        self._thread.start()
+        self.server, _ = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.target = f"127.0.0.1:{self.server.server_port}"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclasses.dataclass
+class ObservedRun:
+    """What the ``observed_run`` fixture started (see conftest.py)."""
+
+    prom: Any  # tests/conftest.py PrometheusServer
+    healthy: FakeTrainer
+    diverged: FakeTrainer
+    sick: FakeTrainer
+    operator: OperatorStandIn
+    rules_path: Path
+
+
+def wait_until(check, timeout: float, interval: float = 0.25, what: str = "condition", last=None):
+    """Poll check() until truthy; return its value, or fail naming ``what`` (and ``last()``, if given)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}"
+                        + (f"; last seen: {last()}" if last is not None else ""))
+        time.sleep(interval)
