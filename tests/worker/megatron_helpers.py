@@ -152,12 +152,12 @@ def _scenario_tp2(hf_dir: str, out_dir: str) -> None:
     actor = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=2), OptimConfig(lr=1e-3), seed=1)
     rank = dist.get_rank()
     res = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=2, with_entropy=True)
-    exported = dict(actor.export_hf_weights())
+    exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
     metrics = actor.update({"input_ids": ids, "attention_mask": mask}, seq_nll_loss, micro_batch_size=2, with_entropy=True)
     after = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=4)
     actor.save_checkpoint(out / "ckpt_tp2")
     eval_loss = actor.eval_loss(ids, mask)
-    exported_after = dict(actor.export_hf_weights())
+    exported_after = {k: v.cpu() for k, v in actor.export_hf_weights()}
     if rank == 0:
         torch.save(
             {
@@ -178,7 +178,7 @@ def _scenario_tp2(hf_dir: str, out_dir: str) -> None:
         actor = MegatronActor.from_hf(pad_dir, ParallelConfig(tp=2), OptimConfig(lr=1e-3), seed=1)
         ids127 = ids.clamp(max=126)
         res = actor.compute_logprobs({"input_ids": ids127, "attention_mask": mask}, 4, with_entropy=True)
-        exported = dict(actor.export_hf_weights())
+        exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
         if rank == 0:
             torch.save({"logprobs": res["logprobs"], "entropy": res["entropy"], "exported": exported}, out / "tp2_pad.pt")
 
@@ -186,10 +186,11 @@ def _scenario_tp2(hf_dir: str, out_dir: str) -> None:
     actor = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=1), OptimConfig(lr=1e-3), seed=1)
     half = slice(rank * 2, rank * 2 + 2)
     metrics = actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=2)
-    exported = dict(actor.export_hf_weights())
-    checksum = torch.stack([t.double().sum() for t in exported.values()])
+    exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
+    checksum = torch.stack([t.double().sum() for t in exported.values()]).to(actor.device)
     gathered = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, checksum)
+    gathered = [g.cpu() for g in gathered]
     if rank == 0:
         torch.save({"metrics": metrics, "checksums": gathered, "exported": exported}, out / "dp2.pt")
     (out / f"done_{rank}").write_text(json.dumps({"rank": rank}))

@@ -15,6 +15,10 @@ import megatron_helpers as H  # noqa: E402
 
 from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig  # noqa: E402
 
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU (gloo) path; the GPU path is tested in test_megatron_gpu.py"
+)
+
 ARCHS = ["qwen2", "llama", "qwen3"]
 
 

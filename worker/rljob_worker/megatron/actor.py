@@ -198,6 +198,8 @@ class MegatronActor:
             on_gpu=on_gpu,
         )
         core = build_gpt_model(mcfg)
+        if on_gpu:  # megatron builds linears on the GPU but torch norms on the CPU
+            core.cuda(torch.cuda.current_device())
         hf_weights.load_hf_weights(core, hf_dir, hf_config)
 
         if on_gpu:
@@ -407,18 +409,25 @@ class MegatronActor:
     # ----------------------------------------------------------------------------------------------
     # distributed checkpoints (megatron.core.dist_checkpointing: any TP layout can load them)
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
         """``{"model", "optimizer", "rng", "meta"}`` for ``dist_checkpointing.save/load``.
 
         CPU: AdamW's ``exp_avg``/``exp_avg_sq`` are sharded like their parameters (so they reshard
         across TP too); AdamW's step count is in ``meta``. GPU: megatron optimizer's own sharded
-        state dict.
+        state dict (the distributed optimizer in its ``fully_reshardable`` format).
+        ``is_loading``: build it as the target of ``dist_checkpointing.load``.
         """
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         model_sd = self.core.sharded_state_dict()
+        if self.on_gpu and is_loading:
+            _init_distributed_optimizer_state(self.optimizer)
         if self.on_gpu:
-            optim_sd = self.optimizer.sharded_state_dict(model_sd)
+            # fully_reshardable: any TP/DP layout can load it (megatron 0.16's default format for
+            # the distributed optimizer, fully_sharded_model_space, is deprecated and fails to save)
+            optim_sd = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            )
         else:
             optim_sd = self._cpu_optimizer_sharded_state_dict(model_sd)
         rng = ShardedObject(
@@ -472,7 +481,7 @@ class MegatronActor:
                 f"checkpoint {ckpt_dir} has a padded vocab of {meta['padded_vocab_size']} (TP={meta.get('tp')}), "
                 f"this model {self.mcfg.padded_vocab_size} (TP={self.tp_size}); load it with a TP that pads alike"
             )
-        sd = self.sharded_state_dict()
+        sd = self.sharded_state_dict(is_loading=True)
         same_tp = meta.get("tp") == self.tp_size
         if not same_tp:
             del sd["rng"]  # per-TP-rank generator states do not map onto another TP layout
@@ -615,7 +624,47 @@ def _gpu_wrap(core, mcfg: MegatronModelConfig, parallel: ParallelConfig, optim: 
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
+    _fix_torch_adam_step_on_load(optimizer)
     return model, optimizer
+
+
+def _init_distributed_optimizer_state(optimizer) -> None:
+    """megatron's DistributedOptimizer (without apex/TE) cannot build a state dict to load into
+    before its first step; take a zero-gradient step at lr 0 (which changes nothing) to create the
+    Adam state, as megatron does for its FSDP format."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            lrs = [g["lr"] for g in opt.optimizer.param_groups]
+            for g in opt.optimizer.param_groups:
+                g["lr"] = 0.0
+            opt._init_optimizer_states_with_dummy_values()
+            for g, lr in zip(opt.optimizer.param_groups, lrs):
+                g["lr"] = lr
+
+
+def _fix_torch_adam_step_on_load(optimizer) -> None:
+    """megatron 0.16.1's DistributedOptimizer, when it falls back to torch Adam (no apex/TE), copies
+    every key of the Adam state, "step" included, from a loaded checkpoint that never holds "step"
+    (it restores step separately): KeyError. Instance-level fix: fill the missing "step" with the
+    value load_state_dict already set."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, _opt=opt, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = _opt.optimizer.state.get(main_param, {})
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
 
 
 def _rng_state(on_gpu: bool) -> dict[str, Any]:

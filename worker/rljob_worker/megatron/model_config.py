@@ -185,7 +185,7 @@ def megatron_config_from_hf(
         use_cpu_initialization=not on_gpu,
         perform_initialization=perform_initialization,
         gradient_accumulation_fusion=False,  # needs apex's fused wgrad kernel
-        bias_activation_fusion=on_gpu,
+        bias_activation_fusion=False,  # the fused SwiGLU is torch.compile'd: recompiles per sequence length
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,

@@ -1,0 +1,121 @@
+"""The megatron actor's GPU path (megatron DDP + megatron optimizer, Float16Module for bf16).
+
+Needs a CUDA GPU (two for the TP=2 test): run with the device tool, e.g.
+``python -m pytest tests/worker/test_megatron_gpu.py -q``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+import megatron_helpers as H  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: H.make_tiny_hf_model(arch, root / arch, seed=i) for i, arch in enumerate(["qwen2", "qwen3"])}
+
+
+def _actor(hf_dir, dtype, lr=1e-3, **kw):
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    return MegatronActor.from_hf(hf_dir, ParallelConfig(**kw), OptimConfig(lr=lr, grad_clip=100.0), dtype=dtype, seed=1)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fp32_matches_hf(hf_dirs, arch):
+    hf = H.load_hf_model(hf_dirs[arch])
+    actor = _actor(hf_dirs[arch], torch.float32)
+    ids, mask = H.sample_batch()
+    real = mask.bool()
+    ref = H.hf_logits(hf, ids, mask)
+    got = actor.forward_logits(ids, mask)
+    err = (got[real] - ref[real]).abs().max() / ref[real].abs().max()
+    assert err <= 1e-4, err
+    lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, 2)["logprobs"]
+    torch.testing.assert_close(lp, H.hf_logprobs(hf, ids, mask), rtol=0, atol=1e-4)
+    files = load_file(hf_dirs[arch] / "model.safetensors")
+    exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
+    assert sorted(exported) == sorted(files)
+    assert all(torch.equal(exported[k], files[k]) for k in files)
+
+
+def test_fp32_grad_norm_matches_hf(hf_dirs):
+    hf = H.load_hf_model(hf_dirs["qwen2"]).train()
+    actor = _actor(hf_dirs["qwen2"], torch.float32)
+    ids, mask = H.sample_batch()
+    ref_lp = None
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1].float()
+    ref_lp = torch.nn.functional.pad(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    valid = (mask.bool() & (mask.cumsum(1) > 1)).float()
+    ref_loss = -(ref_lp * valid).sum() / valid.sum()
+    ref_loss.backward()
+    ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in hf.parameters() if p.grad is not None))
+    metrics = actor.update({"input_ids": ids, "attention_mask": mask}, H.seq_nll_loss, micro_batch_size=4)
+    assert metrics["loss"] == pytest.approx(float(ref_loss), abs=1e-4)
+    assert metrics["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-3)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_bf16_trains_and_checkpoints(hf_dirs, tmp_path, distributed_optimizer):
+    hf = H.load_hf_model(hf_dirs["qwen2"])
+    actor = _actor(hf_dirs["qwen2"], torch.bfloat16, lr=1e-2, use_distributed_optimizer=distributed_optimizer)
+    ids, mask = H.sample_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    # bf16 weights are the HF weights rounded; log-probs close to fp32 HF
+    files = load_file(hf_dirs["qwen2"] / "model.safetensors")
+    exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
+    assert all(torch.equal(exported[k], files[k].to(torch.bfloat16)) for k in files)
+    res = actor.compute_logprobs(batch, 2, with_entropy=True)
+    assert (res["logprobs"] - H.hf_logprobs(hf, ids, mask)).abs().max() < 0.1
+    loss0 = actor.eval_loss(ids, mask)
+    history = [actor.update(batch, H.seq_nll_loss, micro_batch_size=2, with_entropy=True) for _ in range(5)]
+    assert all(m["skipped"] == 0 and m["grad_norm"] > 0 for m in history)
+    assert history[-1]["loss"] < history[0]["loss"] - 0.3
+    assert actor.eval_loss(ids, mask) < loss0 - 0.3
+
+    actor.save_checkpoint(tmp_path / "ckpt")
+    fresh = _actor(hf_dirs["qwen2"], torch.bfloat16, lr=1e-2, use_distributed_optimizer=distributed_optimizer)
+    meta = fresh.load_checkpoint(tmp_path / "ckpt")
+    assert meta["step"] == 5
+    assert fresh.eval_loss(ids, mask) == actor.eval_loss(ids, mask)
+    a, b = actor.update(batch, H.seq_nll_loss, 2), fresh.update(batch, H.seq_nll_loss, 2)
+    assert a["loss"] == b["loss"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_equals_tp1_on_gpus(tmp_path):
+    hf_dir = H.make_tiny_hf_model("qwen2", tmp_path / "hf")
+    H.make_tiny_hf_model("llama", tmp_path / "out" / "hf_pad", vocab_size=127)
+    H.run_torchrun("tp2", hf_dir, tmp_path / "out", timeout=300)
+    tp2 = torch.load(tmp_path / "out" / "tp2.pt", map_location="cpu")
+    dp2 = torch.load(tmp_path / "out" / "dp2.pt", map_location="cpu")
+    ids, mask = H.sample_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    actor = _actor(hf_dir, torch.float32)
+    res = actor.compute_logprobs(batch, 2, with_entropy=True)
+    torch.testing.assert_close(tp2["logprobs"], res["logprobs"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(tp2["entropy"], res["entropy"], rtol=0, atol=1e-4)
+    files = load_file(hf_dir / "model.safetensors")
+    assert all(torch.equal(tp2["exported"][k], files[k]) for k in files)
+    m = actor.update(batch, H.seq_nll_loss, micro_batch_size=2, with_entropy=True)
+    assert tp2["metrics"]["loss"] == pytest.approx(m["loss"], abs=1e-4)
+    assert tp2["metrics"]["grad_norm"] == pytest.approx(m["grad_norm"], abs=1e-3)
+    assert dp2["metrics"]["loss"] == pytest.approx(m["loss"], abs=1e-4)
+    assert torch.equal(dp2["checksums"][0], dp2["checksums"][1])
+    fresh = _actor(hf_dir, torch.float32)
+    fresh.load_checkpoint(tmp_path / "out" / "ckpt_tp2")
+    assert fresh.eval_loss(ids, mask) == pytest.approx(tp2["eval_loss"], abs=1e-5)
