@@ -1,0 +1,545 @@
+"""The checkpoint commit protocol on object storage: atomic steps, retention, resume.
+
+Layout under ``<checkpoint.uri>/<base_prefix>/`` (the trainer uses ``<namespace>/<rljob>``)::
+
+    step_000030/<files of the local checkpoint folder, hidden ones such as .metadata included>
+    step_000030/meta.json     step, metrics, spec hash, created time, files [{rel_path, size, sha256}]
+    step_000030/COMMIT        written LAST, after every file is uploaded and its size checked
+    step_000060/...
+
+Rules every reader and writer here follows:
+
+1. A step folder without ``COMMIT`` does not exist. Readers (:meth:`CheckpointManager.latest_committed`,
+   :meth:`~CheckpointManager.list_committed`, :meth:`~CheckpointManager.restore`) skip or refuse it.
+2. ``COMMIT`` is written only after all files and ``meta.json`` are uploaded and a listing of the
+   step folder shows every file of ``meta.json`` with its size. ``COMMIT`` carries the sha256 of
+   ``meta.json``, and ``restore`` checks every downloaded file against the sha256 in ``meta.json``.
+3. Retention deletes a step only after a newer one is committed, keeps the ``max_to_keep`` newest
+   committed steps, and deletes ``COMMIT`` first, then the rest: a crash mid-delete leaves an
+   uncommitted folder (ignored, cleaned later), never a committed but incomplete one. Uncommitted
+   folders older than the newest committed step are leftovers of crashed saves and are cleaned too;
+   newer ones may be uploads in flight and are left alone.
+
+Saving overlaps training: :meth:`CheckpointManager.save` returns a :class:`SaveHandle` at once and
+uploads in a background thread, one save at a time. A new ``save`` or :meth:`~CheckpointManager.wait`
+first waits for the previous upload and re-raises its error (errors are never swallowed). The caller
+must not change or delete ``local_dir`` until the handle is done (``remove_local=True`` deletes it
+after a successful commit).
+
+Multi-rank use:
+
+- Shared local folder (one node, or a shared filesystem): every rank writes its shards into the
+  same ``local_dir`` (megatron's distributed checkpoint does this), then after a barrier rank 0 calls
+  ``save(local_dir, step, ...)``. Other ranks do nothing.
+- Per-node folders (several nodes): every rank (or one rank per node) calls
+  ``upload_rank_files(local_dir, step, rank)`` (after rank 0 has called ``prepare_step(step)`` and a
+  barrier), which uploads its files and a small manifest with
+  their sizes and checksums (``step_000030/.rljob/rank_00003.json``); after a barrier rank 0 calls
+  ``commit(step, metrics, spec_hash, expected_ranks=[...])``, which merges the manifests, checks the
+  listing and writes ``meta.json`` and then ``COMMIT``. Two ranks may upload the same file (for
+  example a shared ``metadata.json``) only with the same content.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .storage import FileEntry, ObjectNotFoundError, ObjectStore, StorageError
+
+log = logging.getLogger(__name__)
+
+COMMIT = "COMMIT"
+META = "meta.json"
+RANK_DIR = ".rljob"
+FORMAT = "rljob-checkpoint/v1"
+_RESERVED = {COMMIT, META, RANK_DIR}
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(StorageError):
+    """A checkpoint is missing, incomplete or corrupt, or a save could not be committed."""
+
+
+def step_dirname(step: int) -> str:
+    """``step_000030``: six digits, zero padded (more digits past 999999)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:06d}"
+
+
+def spec_hash(spec: Mapping[str, Any]) -> str:
+    """A stable sha256 (hex) of a JSON-like dict: key order and whitespace do not matter."""
+    blob = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):  # numpy / torch scalars
+        return o.item()
+    return str(o)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A committed checkpoint step. ``key`` is the step folder relative to ``store``'s root."""
+
+    step: int
+    key: str = field(compare=False)
+    uri: str
+    store: ObjectStore = field(repr=False, compare=False)
+    metrics: dict = field(default_factory=dict, compare=False)
+    spec_hash: str | None = None
+    created: str | None = None
+    files: tuple[FileEntry, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class SaveHandle:
+    """A save in progress. ``wait()`` returns the committed :class:`CheckpointRef` or raises."""
+
+    def __init__(self, step: int, uri: str):
+        self.step = step
+        self.uri = uri
+        self.started = time.monotonic()
+        self.seconds: float | None = None  # upload + commit time, once done
+        self._done = threading.Event()
+        self._ref: CheckpointRef | None = None
+        self._error: BaseException | None = None
+        self._reported = False  # the manager raised the error once already
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> CheckpointRef:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint save of step {self.step} still running after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self._ref is not None
+        return self._ref
+
+    @property
+    def ref(self) -> CheckpointRef | None:
+        return self._ref
+
+    def _finish(self, ref: CheckpointRef | None, error: BaseException | None) -> None:
+        self._ref, self._error = ref, error
+        self.seconds = time.monotonic() - self.started
+        self._done.set()
+
+
+@dataclass
+class _StepListing:
+    step: int
+    objects: dict[str, int] = field(default_factory=dict)  # rel_path inside the step folder -> size
+
+    @property
+    def committed(self) -> bool:
+        return COMMIT in self.objects
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """Which step folders retention deletes: committed ones (COMMIT first) and uncommitted leftovers."""
+
+    delete_committed: tuple[int, ...]
+    delete_partial: tuple[int, ...]
+
+
+class CheckpointManager:
+    """Saves, lists, restores and prunes checkpoint steps under ``base_prefix`` of ``store``."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        base_prefix: str = "",
+        max_to_keep: int | None = None,
+        *,
+        max_workers: int = 8,
+    ):
+        if max_to_keep is not None and max_to_keep < 0:
+            raise ValueError(f"max_to_keep must be >= 0 or None (keep all), got {max_to_keep}")
+        self.store = store
+        self.base_prefix = base_prefix.strip("/")
+        self.max_to_keep = max_to_keep or None
+        self.max_workers = max_workers
+        self._pending: SaveHandle | None = None
+        self._lock = threading.Lock()  # one save at a time
+        self._retention_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.base_uri!r}, max_to_keep={self.max_to_keep})"
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (self.base_prefix, *parts) if p and p.strip("/"))
+
+    def step_key(self, step: int) -> str:
+        return self._key(step_dirname(step))
+
+    @property
+    def base_uri(self) -> str:
+        return self.store.uri_for(self.base_prefix) if self.base_prefix else self.store.uri
+
+    def step_uri(self, step: int) -> str:
+        return self.store.uri_for(self.step_key(step))
+
+    # -- listing ------------------------------------------------------------------------------
+
+    def _scan(self) -> dict[int, _StepListing]:
+        base = self._key() + "/" if self._key() else ""
+        steps: dict[int, _StepListing] = {}
+        for obj in self.store.list_prefix(base):
+            rest = obj.key[len(base):]
+            folder, _, rel = rest.partition("/")
+            m = _STEP_RE.match(folder)
+            if not m or not rel:
+                continue
+            step = int(m.group(1))
+            steps.setdefault(step, _StepListing(step)).objects[rel] = obj.size
+        return steps
+
+    def _load_ref(self, step: int, objects: Mapping[str, int] | None = None, store: ObjectStore | None = None,
+                  key: str | None = None) -> CheckpointRef:
+        """Read COMMIT and meta.json of a step and check them against the listing."""
+        store = store or self.store
+        key = key or self.step_key(step)
+        if objects is None:
+            prefix = key + "/"
+            objects = {o.key[len(prefix):]: o.size for o in store.list_prefix(prefix)}
+        where = store.uri_for(key)
+        if COMMIT not in objects:
+            raise CheckpointError(f"{where} is not a committed checkpoint (no {COMMIT} object)")
+        try:
+            commit = json.loads(store.get_bytes(f"{key}/{COMMIT}"))
+            meta_raw = store.get_bytes(f"{key}/{META}")
+        except ObjectNotFoundError as e:
+            raise CheckpointError(f"{where}: {COMMIT} or {META} disappeared while reading") from e
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {COMMIT} is not valid JSON") from e
+        if commit.get("meta_sha256") != hashlib.sha256(meta_raw).hexdigest():
+            raise CheckpointError(f"{where}: {META} does not match the checksum recorded in {COMMIT}")
+        meta = json.loads(meta_raw)
+        files = tuple(FileEntry.from_json(f) for f in meta.get("files", []))
+        problems = []
+        for f in files:
+            size = objects.get(f.rel_path)
+            if size is None:
+                problems.append(f"{f.rel_path} missing")
+            elif size != f.size:
+                problems.append(f"{f.rel_path} has {size} bytes, {META} says {f.size}")
+        if problems:
+            raise CheckpointError(f"{where}: committed but incomplete: " + "; ".join(problems[:5]))
+        return CheckpointRef(
+            step=int(meta["step"]), key=key, uri=where, store=store, metrics=dict(meta.get("metrics") or {}),
+            spec_hash=meta.get("spec_hash"), created=meta.get("created"), files=files,
+        )
+
+    def list_committed(self) -> list[CheckpointRef]:
+        """Committed steps, oldest first (COMMIT present; meta.json is not read, so files is empty)."""
+        return [
+            CheckpointRef(step=s, key=self.step_key(s), uri=self.step_uri(s), store=self.store)
+            for s, listing in sorted(self._scan().items()) if listing.committed
+        ]
+
+    def latest_committed(self) -> CheckpointRef | None:
+        """The newest committed step whose meta.json matches the listing, or None.
+
+        A committed step that fails the check (files deleted behind our back) is skipped with a
+        warning and the next older one is tried, so auto-resume does not crash-loop on it.
+        """
+        steps = self._scan()
+        for step in sorted((s for s, l in steps.items() if l.committed), reverse=True):
+            try:
+                return self._load_ref(step, steps[step].objects)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint step %d: %s", step, e)
+        return None
+
+    def ref_from_uri(self, uri: str) -> CheckpointRef:
+        """The committed step at ``uri`` (a ``.../step_000030`` folder) or the newest committed step
+        under ``uri`` (a job's checkpoint folder). The URI may point outside this manager's store; it
+        is opened with the same credentials."""
+        uri = uri.rstrip("/")
+        last = uri.rsplit("/", 1)[-1]
+        m = _STEP_RE.match(last)
+        if m:
+            store = self.store.sibling(uri.rsplit("/", 1)[0])
+            other = CheckpointManager(store, "", None, max_workers=self.max_workers)
+            return other._load_ref(int(m.group(1)), store=store, key=last)
+        other = CheckpointManager(self.store.sibling(uri), "", None, max_workers=self.max_workers)
+        ref = other.latest_committed()
+        if ref is None:
+            raise CheckpointError(f"{uri}: no committed checkpoint found (no step_NNNNNN folder with {COMMIT})")
+        return ref
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        local_dir: str | Path,
+        step: int,
+        metrics: Mapping[str, Any] | None = None,
+        spec_hash: str | None = None,
+        blocking: bool = False,
+        *,
+        remove_local: bool = False,
+    ) -> SaveHandle:
+        """Upload ``local_dir`` as step ``step`` and commit it, in the background unless ``blocking``.
+
+        Waits for the previous save first and re-raises its error if nobody has seen it yet.
+        With ``blocking=True`` the save's own error is raised here.
+        """
+        local_dir = Path(local_dir)
+        self.wait()
+        reserved = sorted(p.name for p in local_dir.iterdir() if p.name in _RESERVED) if local_dir.is_dir() else []
+        if reserved:
+            raise CheckpointError(f"{local_dir} contains {reserved}, names the checkpoint layout reserves")
+        handle = SaveHandle(step, self.step_uri(step))
+        metrics = dict(metrics or {})
+
+        def run() -> None:
+            try:
+                ref = self._save_now(local_dir, step, metrics, spec_hash)
+                if remove_local:
+                    shutil.rmtree(local_dir, ignore_errors=True)
+                handle._finish(ref, None)
+            except BaseException as e:  # noqa: BLE001 - handed to wait()
+                log.error("checkpoint save of step %d to %s failed: %s", step, handle.uri, e)
+                handle._finish(None, e)
+
+        with self._lock:
+            self._pending = handle
+        if blocking:
+            run()
+            self.wait()
+        else:
+            threading.Thread(target=run, name=f"rljob-ckpt-save-{step}", daemon=False).start()
+        return handle
+
+    def wait(self) -> CheckpointRef | None:
+        """Wait for the save in flight; re-raise its error once. Returns its ref (None if none)."""
+        with self._lock:
+            handle = self._pending
+        if handle is None:
+            return None
+        handle._done.wait()
+        if handle._error is not None and not handle._reported:
+            handle._reported = True
+            raise handle._error
+        return handle._ref
+
+    def prepare_step(self, step: int) -> None:
+        """Remove an existing folder of this step (a crashed or overwritten save), COMMIT first.
+
+        ``save`` does this itself; with ``upload_rank_files`` rank 0 calls it before the barrier
+        that precedes the uploads, so stale manifests of an earlier attempt are not merged."""
+        key = self.step_key(step)
+        existing = self.store.list_prefix(key + "/")
+        if existing:
+            if any(o.key == f"{key}/{COMMIT}" for o in existing):
+                log.warning("overwriting committed checkpoint step %d at %s", step, self.step_uri(step))
+            self._delete_step(step)
+
+    def _save_now(self, local_dir: Path, step: int, metrics: dict, spec_hash: str | None) -> CheckpointRef:
+        t0 = time.monotonic()
+        self.prepare_step(step)
+        entries = self.store.upload_dir(local_dir, self.step_key(step), self.max_workers)
+        if not entries:
+            raise CheckpointError(f"{local_dir} holds no files; nothing to checkpoint for step {step}")
+        ref = self._commit(step, entries, metrics, spec_hash)
+        log.info("checkpoint step %d committed to %s: %d files, %.1f MB in %.1f s", step, ref.uri,
+                 len(entries), ref.total_bytes / 1e6, time.monotonic() - t0)
+        self._retention_after_commit()
+        return ref
+
+    def upload_rank_files(self, local_dir: str | Path, step: int, rank: int) -> list[FileEntry]:
+        """Upload this rank's files of step ``step`` and its manifest; rank 0 commits later."""
+        local_dir = Path(local_dir)
+        entries = self.store.upload_dir(local_dir, self.step_key(step), self.max_workers)
+        bad = [e.rel_path for e in entries if e.rel_path.split("/")[0] in _RESERVED]
+        if bad:
+            raise CheckpointError(f"{local_dir} contains {bad}, names the checkpoint layout reserves")
+        manifest = {"rank": rank, "files": [e.to_json() for e in entries]}
+        self.store.put_bytes(self._manifest_key(step, rank), json.dumps(manifest).encode())
+        return entries
+
+    def _manifest_key(self, step: int, rank: int) -> str:
+        return f"{self.step_key(step)}/{RANK_DIR}/rank_{rank:05d}.json"
+
+    def commit(
+        self,
+        step: int,
+        metrics: Mapping[str, Any] | None = None,
+        spec_hash: str | None = None,
+        expected_ranks: Iterable[int] | None = None,
+    ) -> CheckpointRef:
+        """Rank 0, after a barrier: merge the ranks' manifests, verify, write meta.json then COMMIT."""
+        key = self.step_key(step)
+        prefix = f"{key}/{RANK_DIR}/"
+        manifests = [o.key for o in self.store.list_prefix(prefix) if o.key.endswith(".json")]
+        ranks_seen = set()
+        merged: dict[str, FileEntry] = {}
+        for mkey in manifests:
+            manifest = json.loads(self.store.get_bytes(mkey))
+            ranks_seen.add(int(manifest["rank"]))
+            for f in map(FileEntry.from_json, manifest["files"]):
+                prev = merged.setdefault(f.rel_path, f)
+                if prev != f:
+                    raise CheckpointError(
+                        f"step {step}: ranks uploaded different contents for {f.rel_path} "
+                        f"({prev.sha256[:12]} vs {f.sha256[:12]})"
+                    )
+        if expected_ranks is not None:
+            missing = sorted(set(expected_ranks) - ranks_seen)
+            if missing:
+                raise CheckpointError(f"step {step}: ranks {missing} have not uploaded their files")
+        if not merged:
+            raise CheckpointError(f"step {step}: no rank uploaded any file under {self.step_uri(step)}")
+        ref = self._commit(step, sorted(merged.values(), key=lambda e: e.rel_path), dict(metrics or {}), spec_hash)
+        self._retention_after_commit()
+        return ref
+
+    def _commit(self, step: int, entries: list[FileEntry], metrics: dict, spec_hash: str | None) -> CheckpointRef:
+        """Write meta.json, check the listing against it, then write COMMIT (the only commit point)."""
+        key = self.step_key(step)
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "metrics": metrics,
+            "spec_hash": spec_hash,
+            "created": _now(),
+            "total_bytes": sum(e.size for e in entries),
+            "files": [e.to_json() for e in entries],
+        }
+        meta_raw = json.dumps(meta, indent=1, default=_json_default).encode()
+        self.store.put_bytes(f"{key}/{META}", meta_raw)
+        listed = {o.key[len(key) + 1:]: o.size for o in self.store.list_prefix(key + "/")}
+        problems = [
+            f"{e.rel_path}: " + ("missing" if e.rel_path not in listed else f"{listed[e.rel_path]} bytes, expected {e.size}")
+            for e in entries if listed.get(e.rel_path) != e.size
+        ]
+        if problems:
+            raise CheckpointError(
+                f"step {step} at {self.step_uri(step)} not committed: the listing does not match the upload: "
+                + "; ".join(problems[:5])
+            )
+        commit = {"step": step, "meta_sha256": hashlib.sha256(meta_raw).hexdigest(), "committed": _now()}
+        self.store.put_bytes(f"{key}/{COMMIT}", json.dumps(commit).encode())
+        return CheckpointRef(
+            step=step, key=key, uri=self.step_uri(step), store=self.store, metrics=metrics,
+            spec_hash=spec_hash, created=meta["created"], files=tuple(entries),
+        )
+
+    # -- restoring ----------------------------------------------------------------------------
+
+    def restore(self, ref_or_uri: CheckpointRef | str, local_dir: str | Path) -> CheckpointRef:
+        """Download a committed step into ``local_dir`` (which must be empty or missing) and verify
+        every file's size and sha256 against meta.json. Raises :class:`CheckpointError` on mismatch."""
+        if isinstance(ref_or_uri, str):
+            ref = self.ref_from_uri(ref_or_uri)
+        else:
+            ref = ref_or_uri
+        if not ref.files:  # from list_committed(): read and check meta.json now
+            ref = self._load_ref(ref.step, store=ref.store, key=ref.key)
+        local_dir = Path(local_dir)
+        if local_dir.exists() and any(local_dir.iterdir()):
+            raise CheckpointError(f"restore target {local_dir} is not empty")
+        local_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        got = {e.rel_path: e for e in ref.store.download_dir(
+            ref.key, local_dir, self.max_workers, rel_paths=[f.rel_path for f in ref.files]
+        )}
+        bad = [
+            f"{f.rel_path}: sha256 {got[f.rel_path].sha256[:12]}..., {META} says {f.sha256[:12]}..."
+            if f.rel_path in got and got[f.rel_path].size == f.size
+            else f"{f.rel_path}: size {got[f.rel_path].size if f.rel_path in got else 'missing'}, {META} says {f.size}"
+            for f in ref.files
+            if got.get(f.rel_path) != f
+        ]
+        if bad:
+            raise CheckpointError(f"checkpoint {ref.uri} is corrupt: " + "; ".join(bad[:5]))
+        log.info("restored checkpoint step %d from %s: %.1f MB in %.1f s", ref.step, ref.uri,
+                 ref.total_bytes / 1e6, time.monotonic() - t0)
+        return ref
+
+    # -- retention ----------------------------------------------------------------------------
+
+    def plan_retention(self, steps: Mapping[int, _StepListing] | None = None) -> RetentionPlan:
+        steps = self._scan() if steps is None else steps
+        committed = sorted(s for s, l in steps.items() if l.committed)
+        if not committed:
+            return RetentionPlan((), ())
+        newest = committed[-1]
+        old_committed = committed[:-self.max_to_keep] if self.max_to_keep else []
+        partial = sorted(s for s, l in steps.items() if not l.committed and s < newest)
+        return RetentionPlan(tuple(old_committed), tuple(partial))
+
+    def _delete_step(self, step: int) -> None:
+        key = self.step_key(step)
+        self.store.delete(f"{key}/{COMMIT}")  # uncommit first: a crash from here on leaves a partial folder
+        self.store.delete_prefix(key + "/")
+
+    def apply_retention(self) -> RetentionPlan:
+        """Delete committed steps beyond the newest ``max_to_keep`` and partial folders older than the
+        newest committed step. Never deletes the newest committed step. Returns what it deleted."""
+        with self._retention_lock:
+            plan = self.plan_retention()
+            for step in plan.delete_committed + plan.delete_partial:
+                self._delete_step(step)
+            if plan.delete_committed or plan.delete_partial:
+                log.info("checkpoint retention deleted committed steps %s and partial steps %s under %s",
+                         list(plan.delete_committed), list(plan.delete_partial), self.base_uri)
+            return plan
+
+    def _retention_after_commit(self) -> None:
+        try:
+            self.apply_retention()
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed; the next save retries
+            log.warning("checkpoint retention failed (will retry after the next save): %s", e)
+
+
+def resolve_resume(mode: str, manager: CheckpointManager, explicit_uri: str | None = None) -> CheckpointRef | None:
+    """Which checkpoint to start from: ``auto`` (newest committed, or None), ``disable`` (None),
+    ``uri`` (the committed step at ``explicit_uri``, or the newest committed one under it; raises
+    :class:`CheckpointError` if there is none). A URI passed as ``mode`` is treated as ``uri``."""
+    mode_s = str(getattr(mode, "value", mode)).strip()
+    if "://" in mode_s or mode_s.startswith("/"):
+        mode_s, explicit_uri = "uri", explicit_uri or mode_s
+    mode_s = mode_s.lower()
+    if mode_s == "disable":
+        return None
+    if mode_s == "auto":
+        ref = manager.latest_committed()
+        if ref is None:
+            log.info("no committed checkpoint under %s; starting from scratch", manager.base_uri)
+        return ref
+    if mode_s == "uri":
+        if not explicit_uri:
+            raise ValueError("checkpoint.resume is 'uri' but checkpoint.resumeFrom is empty")
+        return manager.ref_from_uri(explicit_uri)
+    raise ValueError(f"checkpoint.resume must be auto, disable or uri, got {mode!r}")
+
+
+__all__ = [
+    "COMMIT", "META", "CheckpointError", "CheckpointManager", "CheckpointRef", "RetentionPlan", "SaveHandle", "resolve_resume", "spec_hash", "step_dirname",
+]
