@@ -23,7 +23,11 @@ def main() -> int:
     parser.add_argument("--name", default="test")
     args = parser.parse_args()
 
+    import logging
+
     import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     from rljob_api.validation import parse_spec
     from rljob_worker import trainer
