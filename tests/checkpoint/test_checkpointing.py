@@ -260,6 +260,11 @@ def test_save_rejects_reserved_names(manager, tmp_path, helpers):
     (src / "COMMIT").write_text("x")
     with pytest.raises(CheckpointError, match="reserves"):
         manager.save(src, 1, {}, None)
+    with pytest.raises(CheckpointError, match="reserves"):
+        manager.upload_rank_files(src, 1, 0)
+    with pytest.raises(CheckpointError, match="does not exist"):  # at the call, not in the thread
+        manager.save(tmp_path / "missing", 1, {}, None)
+    assert manager.store.list_prefix("") == []
 
 
 def test_saving_a_step_again_replaces_it(manager, tmp_path, helpers):

@@ -93,6 +93,15 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+def _check_local_dir(local_dir: Path) -> None:
+    """Fail at the call, not in the background thread, on a missing folder or reserved names."""
+    if not local_dir.is_dir():
+        raise CheckpointError(f"local checkpoint folder {local_dir} does not exist")
+    reserved = sorted(p.name for p in local_dir.iterdir() if p.name in _RESERVED)
+    if reserved:
+        raise CheckpointError(f"{local_dir} contains {reserved}, names the checkpoint layout reserves")
+
+
 @dataclass(frozen=True)
 class CheckpointRef:
     """A committed checkpoint step. ``key`` is the step folder relative to ``store``'s root."""
@@ -311,9 +320,7 @@ class CheckpointManager:
         """
         local_dir = Path(local_dir)
         self.wait()
-        reserved = sorted(p.name for p in local_dir.iterdir() if p.name in _RESERVED) if local_dir.is_dir() else []
-        if reserved:
-            raise CheckpointError(f"{local_dir} contains {reserved}, names the checkpoint layout reserves")
+        _check_local_dir(local_dir)
         handle = SaveHandle(step, self.step_uri(step))
         metrics = dict(metrics or {})
 
@@ -375,10 +382,8 @@ class CheckpointManager:
     def upload_rank_files(self, local_dir: str | Path, step: int, rank: int) -> list[FileEntry]:
         """Upload this rank's files of step ``step`` and its manifest; rank 0 commits later."""
         local_dir = Path(local_dir)
+        _check_local_dir(local_dir)
         entries = self.store.upload_dir(local_dir, self.step_key(step), self.max_workers)
-        bad = [e.rel_path for e in entries if e.rel_path.split("/")[0] in _RESERVED]
-        if bad:
-            raise CheckpointError(f"{local_dir} contains {bad}, names the checkpoint layout reserves")
         manifest = {"rank": rank, "files": [e.to_json() for e in entries]}
         self.store.put_bytes(self._manifest_key(step, rank), json.dumps(manifest).encode())
         return entries

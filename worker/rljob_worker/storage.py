@@ -458,7 +458,9 @@ class S3Store(_StoreBase):
     Path-style addressing (``endpoint/bucket/key``) is used whenever ``endpoint_url`` is set, as
     S3-compatible servers expect. Large files go up and down as parallel multipart transfers
     (``part_size`` parts, ``max_concurrency`` parts in flight per file); ``upload_dir`` and
-    ``download_dir`` add a thread pool over files.
+    ``download_dir`` add a thread pool over files. A multipart upload cut off by an outage is
+    retried whole; its parts are aborted when the server answers, so give the bucket a lifecycle
+    rule (AbortIncompleteMultipartUpload) for the rare parts an outage leaves behind.
     """
 
     def __init__(
@@ -507,8 +509,8 @@ class S3Store(_StoreBase):
             retries={"mode": "standard", "max_attempts": max_attempts},
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
-            # Enough pooled connections for a thread pool of files x parts in flight per file.
-            max_pool_connections=max(32, 4 * max_concurrency),
+            # Enough pooled connections for 8 files in flight x parts in flight per file.
+            max_pool_connections=max(64, 8 * max_concurrency),
             # Checksums only where the API requires them: S3-compatible servers vary in support.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",

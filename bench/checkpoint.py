@@ -1,0 +1,192 @@
+"""Checkpoint upload benchmark on a real SeaweedFS S3 server (a benchmark, not a test).
+
+Measures, in one run and on the same server:
+
+(a) throughput: ``CheckpointManager.save(..., blocking=True)`` (sha256 of every file, parallel
+    multipart upload, meta.json, listing check, COMMIT) against plain boto3 ``upload_file`` of the
+    same files one after the other with boto3's default transfer settings;
+(b) training stall per save: a loop of fake training steps (fixed CPU work in numpy, which like
+    torch kernels releases the GIL) saving every few steps, synchronously (``blocking=True``) and
+    in the background (``blocking=False``). Stall = loop wall time - the same loop without saves.
+
+    python bench/checkpoint.py                 # 256 MB checkpoint
+    python bench/checkpoint.py --mb 1024 --repeats 3
+
+The server comes from tests/conftest.py's ``start_s3_server`` (the same ``weed mini`` the tests
+use), with data on local disk: absolute numbers reflect this machine's disk and CPUs, the ratios
+are the point.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the fake training step uses one core, like one rank
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1024 * 1024
+
+
+def start_server(workdir: Path):
+    """Reuse the test suite's SeaweedFS launcher (free ports, credentials, readiness probe)."""
+    spec = importlib.util.spec_from_file_location("rljob_tests_conftest", REPO / "tests" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.start_s3_server(workdir)
+
+
+def write_fake_checkpoint(path: Path, total_mb: int, seed: int = 0) -> int:
+    """A folder like a megatron distributed checkpoint: one large shard, several smaller ones,
+    hidden metadata and small common files. Returns the byte count."""
+    import random
+
+    rnd = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    big = total_mb * 5 // 8
+    rest = total_mb - big
+    sizes = {"__0_0.distcp": big * MiB}
+    n_small = 6
+    for i in range(n_small):
+        sizes[f"__{i + 1}_0.distcp"] = rest * MiB // n_small
+    for name, size in sizes.items():
+        with open(path / name, "wb") as f:
+            left = size
+            while left:
+                chunk = min(left, 16 * MiB)
+                f.write(rnd.randbytes(chunk))
+                left -= chunk
+    (path / ".metadata").write_bytes(rnd.randbytes(200_000))
+    (path / "common.pt").write_bytes(rnd.randbytes(50_000))
+    (path / "trainer_state.json").write_text('{"step": 1}')
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def raw_boto3_upload(client, bucket: str, prefix: str, local_dir: Path) -> None:
+    for p in sorted(local_dir.rglob("*")):
+        if p.is_file():
+            client.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(local_dir).as_posix()}")
+
+
+def make_train_step(target_s: float):
+    """A fixed amount of CPU work (numpy matmuls) calibrated to about target_s seconds."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((384, 384)).astype(np.float32)
+
+    def work(n: int) -> None:
+        x = a
+        for _ in range(n):
+            x = np.tanh(x @ a)
+
+    t0 = time.perf_counter()
+    work(50)
+    per = (time.perf_counter() - t0) / 50
+    n = max(1, int(target_s / per))
+    return lambda: work(n)
+
+
+def train_loop(step_fn, steps: int, save_every: int, save=None) -> float:
+    """Wall seconds of ``steps`` fake training steps, calling ``save(step)`` every ``save_every``."""
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        step_fn()
+        if save is not None and step % save_every == 0:
+            save(step)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=256, help="checkpoint size in MB")
+    ap.add_argument("--repeats", type=int, default=3, help="throughput repeats (median reported)")
+    ap.add_argument("--steps", type=int, default=16, help="fake training steps in the stall loop")
+    ap.add_argument("--save-every", type=int, default=4)
+    ap.add_argument("--step-seconds", type=float, default=1.0, help="CPU work per fake training step")
+    ap.add_argument("--workers", type=int, default=8, help="CheckpointManager file threads")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(REPO / "worker"))
+    from rljob_worker.checkpointing import CheckpointManager
+    from rljob_worker.storage import S3Store
+
+    with tempfile.TemporaryDirectory(prefix="rljob-bench-") as tmp:
+        tmp = Path(tmp)
+        server = start_server(tmp / "s3")
+        try:
+            client = server.client()
+            bucket = "bench-ckpt"
+            client.create_bucket(Bucket=bucket)
+            store = S3Store(
+                bucket, "bench", endpoint_url=server.endpoint_url, region=server.region,
+                access_key=server.access_key, secret_key=server.secret_key,
+            )
+            local = tmp / "ckpt"
+            nbytes = write_fake_checkpoint(local, args.mb)
+            n_files = sum(1 for p in local.rglob("*") if p.is_file())
+            print(f"checkpoint: {nbytes / 1e6:.0f} MB in {n_files} files; server {server.endpoint_url}; "
+                  f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+
+            # (a) throughput, interleaved so drift in machine load hits both alike
+            mgr = CheckpointManager(store, "tput", max_to_keep=1, max_workers=args.workers)
+            t_raw, t_mgr = [], []
+            for r in range(args.repeats):
+                t0 = time.perf_counter()
+                raw_boto3_upload(client, bucket, f"raw/{r}", local)
+                t_raw.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                mgr.save(local, r + 1, {"loss": 0.0}, "bench", blocking=True)
+                t_mgr.append(time.perf_counter() - t0)
+            raw_s, mgr_s = statistics.median(t_raw), statistics.median(t_mgr)
+
+            # (b) training stall per save
+            step_fn = make_train_step(args.step_seconds)
+            n_saves = args.steps // args.save_every
+            base = train_loop(step_fn, args.steps, args.save_every)
+            sync_mgr = CheckpointManager(store, "sync", max_to_keep=2, max_workers=args.workers)
+            sync_wall = train_loop(step_fn, args.steps, args.save_every,
+                                      lambda s: sync_mgr.save(local, s, {}, "bench", blocking=True))
+            async_mgr = CheckpointManager(store, "async", max_to_keep=2, max_workers=args.workers)
+            save_calls: list[float] = []
+
+            def async_save(s: int) -> None:
+                t0 = time.perf_counter()
+                async_mgr.save(local, s, {}, "bench")
+                save_calls.append(time.perf_counter() - t0)
+
+            async_wall = train_loop(step_fn, args.steps, args.save_every, async_save)
+            t0 = time.perf_counter()
+            async_mgr.wait()
+            drain = time.perf_counter() - t0
+            assert [r.step for r in async_mgr.list_committed()][-1] == args.steps
+        finally:
+            server.stop()
+
+    sync_stall = (sync_wall - base) / n_saves
+    async_stall = (async_wall - base) / n_saves
+    print()
+    print(f"(a) upload throughput (median of {args.repeats})      seconds     MB/s")
+    print(f"    boto3 upload_file, file by file     {raw_s:8.2f} {nbytes / 1e6 / raw_s:8.1f}")
+    print(f"    CheckpointManager.save(blocking)    {mgr_s:8.2f} {nbytes / 1e6 / mgr_s:8.1f}")
+    print(f"    ratio save / raw boto3 (MB/s)       {raw_s / mgr_s:8.2f}x")
+    print()
+    print(f"(b) training stall, {args.steps} steps of {base / args.steps:.2f} s, a save every {args.save_every} "
+          f"steps ({n_saves} saves)")
+    print("                                  loop s   stall/save s")
+    print(f"    no saves                      {base:7.2f}        -")
+    print(f"    synchronous save              {sync_wall:7.2f}   {sync_stall:8.2f}")
+    print(f"    background save               {async_wall:7.2f}   {async_stall:8.2f}"
+          f"   (save() call max {max(save_calls) * 1000:.0f} ms; final wait {drain:.2f} s)")
+    ratio = sync_stall / async_stall if async_stall > 0.01 else float("inf")
+    print(f"    stall ratio sync / background          {ratio:8.1f}x"
+          + ("" if async_stall > 0.01 else " (background stall below timer noise)"))
+
+
+if __name__ == "__main__":
+    main()
