@@ -17,32 +17,35 @@ from pathlib import Path
 
 import torch
 
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    intermediate_size=128,
-    max_position_embeddings=256,
-)
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
+}
 
 
 def tiny_hf_config(arch: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if arch == "qwen2":  # qkv bias, tied embeddings
-        cls, kw = Qwen2Config, dict(tie_word_embeddings=True, rope_theta=10000.0)
+        cls, kw = Qwen2Config, {"tie_word_embeddings": True, "rope_theta": 10000.0}
     elif arch == "llama":  # untied, llama3 rope scaling
         llama3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        cls, kw = LlamaConfig, dict(
-            tie_word_embeddings=False,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, **llama3},
-            rope_theta=500000.0,
-            max_position_embeddings=16384,
+        cls, kw = (
+            LlamaConfig,
+            {
+                "tie_word_embeddings": False,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, **llama3},
+                "rope_theta": 500000.0,
+                "max_position_embeddings": 16384,
+            },
         )
     elif arch == "qwen3":  # q/k norm, head_dim != hidden / heads
-        cls, kw = Qwen3Config, dict(tie_word_embeddings=False, head_dim=32, rope_theta=1000000.0)
+        cls, kw = Qwen3Config, {"tie_word_embeddings": False, "head_dim": 32, "rope_theta": 1000000.0}
     else:
         raise ValueError(arch)
     return cls(**{**TINY, **kw, **overrides})
@@ -67,7 +70,9 @@ def make_tiny_hf_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **o
 def load_hf_model(hf_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        hf_dir, torch_dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def sample_batch(vocab: int = 128, seed: int = 0):
@@ -115,7 +120,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(scenario: str, hf_dir, out_dir, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_torchrun(
+    scenario: str, hf_dir, out_dir, nproc: int = 2, timeout: float = 120
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -131,9 +138,11 @@ def run_torchrun(scenario: str, hf_dir, out_dir, nproc: int = 2, timeout: float 
         str(hf_dir),
         str(out_dir),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun {scenario} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise RuntimeError(
+            f"torchrun {scenario} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
@@ -144,16 +153,19 @@ def run_torchrun(scenario: str, hf_dir, out_dir, nproc: int = 2, timeout: float 
 def _scenario_tp2(hf_dir: str, out_dir: str) -> None:
     """TP=2: logprobs, entropy, one update, export, dist-checkpoint; then DP=2 on the same ranks."""
     import torch.distributed as dist
-
     from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
     out = Path(out_dir)
     ids, mask = sample_batch()
     actor = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=2), OptimConfig(lr=1e-3), seed=1)
     rank = dist.get_rank()
-    res = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=2, with_entropy=True)
+    res = actor.compute_logprobs(
+        {"input_ids": ids, "attention_mask": mask}, micro_batch_size=2, with_entropy=True
+    )
     exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
-    metrics = actor.update({"input_ids": ids, "attention_mask": mask}, seq_nll_loss, micro_batch_size=2, with_entropy=True)
+    metrics = actor.update(
+        {"input_ids": ids, "attention_mask": mask}, seq_nll_loss, micro_batch_size=2, with_entropy=True
+    )
     after = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=4)
     actor.save_checkpoint(out / "ckpt_tp2")
     eval_loss = actor.eval_loss(ids, mask)
@@ -180,23 +192,62 @@ def _scenario_tp2(hf_dir: str, out_dir: str) -> None:
         res = actor.compute_logprobs({"input_ids": ids127, "attention_mask": mask}, 4, with_entropy=True)
         exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
         if rank == 0:
-            torch.save({"logprobs": res["logprobs"], "entropy": res["entropy"], "exported": exported}, out / "tp2_pad.pt")
+            torch.save(
+                {"logprobs": res["logprobs"], "entropy": res["entropy"], "exported": exported},
+                out / "tp2_pad.pt",
+            )
 
     # DP=2 on the same two processes: each rank takes half of the batch.
     actor = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=1), OptimConfig(lr=1e-3), seed=1)
     half = slice(rank * 2, rank * 2 + 2)
-    metrics = actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=2)
+    metrics = actor.update(
+        {"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=2
+    )
     exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
     checksum = torch.stack([t.double().sum() for t in exported.values()]).to(actor.device)
     gathered = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, checksum)
     gathered = [g.cpu() for g in gathered]
+    actor.save_checkpoint(out / "ckpt_dp2")
+    eval_loss = actor.eval_loss(ids, mask)
     if rank == 0:
-        torch.save({"metrics": metrics, "checksums": gathered, "exported": exported}, out / "dp2.pt")
+        torch.save(
+            {"metrics": metrics, "checksums": gathered, "exported": exported, "eval_loss": eval_loss},
+            out / "dp2.pt",
+        )
     (out / f"done_{rank}").write_text(json.dumps({"rank": rank}))
 
 
-SCENARIOS = {"tp2": _scenario_tp2}
+def _scenario_dp2_bf16_distopt(hf_dir: str, out_dir: str) -> None:
+    """DP=2, bf16, distributed optimizer (GPU): 3 updates on half batches each, then a checkpoint."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out = Path(out_dir)
+    ids, mask = sample_batch()
+    actor = MegatronActor.from_hf(
+        hf_dir,
+        ParallelConfig(use_distributed_optimizer=True),
+        OptimConfig(lr=1e-2),
+        dtype=torch.bfloat16,
+        seed=1,
+    )
+    rank = dist.get_rank()
+    half = slice(rank * 2, rank * 2 + 2)
+    history = [
+        actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=2)
+        for _ in range(3)
+    ]
+    actor.save_checkpoint(out / "ckpt_dp2_distopt")
+    nxt = actor.update(
+        {"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=2
+    )
+    exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
+    if rank == 0:
+        torch.save({"history": history, "next": nxt, "exported": exported}, out / "dp2_distopt.pt")
+
+
+SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt}
 
 
 if __name__ == "__main__":

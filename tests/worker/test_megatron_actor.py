@@ -11,9 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-import megatron_helpers as H  # noqa: E402
-
-from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig  # noqa: E402
+import megatron_helpers as H
+from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU (gloo) path; the GPU path is tested in test_megatron_gpu.py"
@@ -79,9 +78,13 @@ def test_entropy_and_gradients_match_hf(hf_dirs):
     ref_loss.backward()
     ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in hf.parameters() if p.grad is not None))
 
-    ent_ours = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, 4, with_entropy=True)["entropy"]
+    ent_ours = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, 4, with_entropy=True)[
+        "entropy"
+    ]
     torch.testing.assert_close(ent_ours, ent * valid, rtol=0, atol=2e-6)
-    metrics = actor.update({"input_ids": ids, "attention_mask": mask}, loss_fn, micro_batch_size=4, with_entropy=True)
+    metrics = actor.update(
+        {"input_ids": ids, "attention_mask": mask}, loss_fn, micro_batch_size=4, with_entropy=True
+    )
     assert metrics["loss"] == pytest.approx(float(ref_loss), abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-5)
     assert metrics["entropy"] == pytest.approx(float((ent * valid).sum() / valid.sum()), abs=1e-5)

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import megatron_helpers as H  # noqa: E402
-
-from rljob_worker.distributed import DistEnv, dist_env_from_environ  # noqa: E402
-from rljob_worker.megatron.model_config import (  # noqa: E402
+import megatron_helpers as H
+from rljob_worker.distributed import DistEnv, dist_env_from_environ
+from rljob_worker.megatron.model_config import (
     check_hf_config,
     megatron_config_from_hf,
     padded_vocab_size,
@@ -72,7 +71,9 @@ def test_dist_env_from_environ(environ, expected):
 
 
 def test_dist_env_rank_formula():
-    env = dist_env_from_environ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "WORLD_SIZE": "8"})
+    env = dist_env_from_environ(
+        {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "WORLD_SIZE": "8"}
+    )
     assert (env.rank, env.world_size) == (7, 8)
 
 
@@ -125,7 +126,11 @@ def test_unsupported_architecture():
     [
         (2, {"num_key_value_heads": 1}, "num_key_value_heads=1"),
         (3, {}, "num_attention_heads=4"),
-        (8, {"num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 132}, "intermediate_size=132"),
+        (
+            8,
+            {"num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 132},
+            "intermediate_size=132",
+        ),
     ],
 )
 def test_tp_that_does_not_divide(tp, overrides, setting):
@@ -149,7 +154,9 @@ def test_unsupported_settings(arch, overrides, message):
 
 def test_sequence_parallel_needs_te():
     with pytest.raises(ValueError, match="sequenceParallel"):
-        megatron_config_from_hf(H.tiny_hf_config("qwen2"), tp=2, sequence_parallel=True, on_gpu=False, use_te=False)
+        megatron_config_from_hf(
+            H.tiny_hf_config("qwen2"), tp=2, sequence_parallel=True, on_gpu=False, use_te=False
+        )
 
 
 def test_unsupported_parallel_layout():

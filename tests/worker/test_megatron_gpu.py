@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-import megatron_helpers as H  # noqa: E402
+import megatron_helpers as H
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,13 +25,17 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {arch: H.make_tiny_hf_model(arch, root / arch, seed=i) for i, arch in enumerate(["qwen2", "qwen3"])}
+    return {
+        arch: H.make_tiny_hf_model(arch, root / arch, seed=i) for i, arch in enumerate(["qwen2", "qwen3"])
+    }
 
 
 def _actor(hf_dir, dtype, lr=1e-3, **kw):
     from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
-    return MegatronActor.from_hf(hf_dir, ParallelConfig(**kw), OptimConfig(lr=lr, grad_clip=100.0), dtype=dtype, seed=1)
+    return MegatronActor.from_hf(
+        hf_dir, ParallelConfig(**kw), OptimConfig(lr=lr, grad_clip=100.0), dtype=dtype, seed=1
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -56,10 +60,11 @@ def test_fp32_grad_norm_matches_hf(hf_dirs):
     hf = H.load_hf_model(hf_dirs["qwen2"]).train()
     actor = _actor(hf_dirs["qwen2"], torch.float32)
     ids, mask = H.sample_batch()
-    ref_lp = None
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     logits = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1].float()
-    ref_lp = torch.nn.functional.pad(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    ref_lp = torch.nn.functional.pad(
+        torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0)
+    )
     valid = (mask.bool() & (mask.cumsum(1) > 1)).float()
     ref_loss = -(ref_lp * valid).sum() / valid.sum()
     ref_loss.backward()
@@ -119,3 +124,21 @@ def test_tp2_equals_tp1_on_gpus(tmp_path):
     fresh = _actor(hf_dir, torch.float32)
     fresh.load_checkpoint(tmp_path / "out" / "ckpt_tp2")
     assert fresh.eval_loss(ids, mask) == pytest.approx(tp2["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_dp2_distributed_optimizer_checkpoint_reshards_to_one_gpu(tmp_path):
+    hf_dir = H.make_tiny_hf_model("qwen2", tmp_path / "hf")
+    H.run_torchrun("dp2_bf16_distopt", hf_dir, tmp_path / "out", timeout=300)
+    dp2 = torch.load(tmp_path / "out" / "dp2_distopt.pt", map_location="cpu")
+    assert dp2["history"][-1]["loss"] < dp2["history"][0]["loss"]
+    ids, mask = H.sample_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    actor = _actor(hf_dir, torch.bfloat16, lr=1e-2, use_distributed_optimizer=True)
+    assert actor.load_checkpoint(tmp_path / "out" / "ckpt_dp2_distopt")["step"] == 3
+    # the next update on one GPU over the whole batch repeats the DP=2 one (same mean over 2 micro-batches)
+    nxt = actor.update(batch, H.seq_nll_loss, micro_batch_size=2)
+    assert nxt["loss"] == pytest.approx(dp2["next"]["loss"], abs=1e-3)
+    assert nxt["grad_norm"] == pytest.approx(dp2["next"]["grad_norm"], rel=1e-2)
+    for name, tensor in actor.export_hf_weights():
+        torch.testing.assert_close(tensor.cpu().float(), dp2["exported"][name].float(), rtol=0, atol=2e-2)

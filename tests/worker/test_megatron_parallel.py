@@ -14,9 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-import megatron_helpers as H  # noqa: E402
-
-from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig  # noqa: E402
+import megatron_helpers as H
+from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU (gloo) path; the GPU path is tested in test_megatron_gpu.py"
@@ -105,6 +104,16 @@ def test_dp2_stays_in_sync_and_equals_full_batch(run, tp1):
     assert dp2["metrics"]["grad_norm"] == pytest.approx(tp1["metrics"]["grad_norm"], abs=1e-4)
     for name, tensor in dp2["exported"].items():
         torch.testing.assert_close(tensor, tp1["exported_after"][name], rtol=0, atol=1e-5)
+
+
+def test_dp2_checkpoint_loads_into_one_process(run):
+    ids, mask = H.sample_batch()
+    actor = MegatronActor.from_hf(run["hf_dir"], ParallelConfig(tp=1), OptimConfig(lr=1e-3), seed=5)
+    meta = actor.load_checkpoint(run["out"] / "ckpt_dp2")
+    assert meta["step"] == 1
+    assert actor.eval_loss(ids, mask) == pytest.approx(run["dp2"]["eval_loss"], abs=1e-6)
+    for name, tensor in actor.export_hf_weights():
+        assert torch.equal(tensor, run["dp2"]["exported"][name]), name
 
 
 def test_tp2_padded_vocab_matches_hf(run):

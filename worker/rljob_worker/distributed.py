@@ -42,11 +42,15 @@ class DistEnv:
 
     def __post_init__(self) -> None:
         if self.nnodes < 1 or self.nproc_per_node < 1:
-            raise ValueError(f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1")
+            raise ValueError(
+                f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} is outside [0, nnodes={self.nnodes})")
         if not 0 <= self.local_rank < self.nproc_per_node:
-            raise ValueError(f"local_rank={self.local_rank} is outside [0, nproc_per_node={self.nproc_per_node})")
+            raise ValueError(
+                f"local_rank={self.local_rank} is outside [0, nproc_per_node={self.nproc_per_node})"
+            )
 
     @property
     def world_size(self) -> int:
@@ -77,7 +81,9 @@ def dist_env_from_environ(environ: Mapping[str, str]) -> DistEnv:
 
     With nothing set this is a single process: world 1, master 127.0.0.1:29500.
     """
-    under_torchrun = "LOCAL_RANK" in environ and ("LOCAL_WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ)
+    under_torchrun = "LOCAL_RANK" in environ and (
+        "LOCAL_WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ
+    )
     master_addr = environ.get("MASTER_ADDR") or environ.get("PET_MASTER_ADDR") or DEFAULT_MASTER_ADDR
     master_port = _int(environ, "MASTER_PORT", "PET_MASTER_PORT") or DEFAULT_MASTER_PORT
     if under_torchrun:
@@ -88,7 +94,9 @@ def dist_env_from_environ(environ: Mapping[str, str]) -> DistEnv:
         node_rank = _int(environ, "GROUP_RANK")
         if node_rank is None:
             global_rank = _int(environ, "RANK")
-            node_rank = global_rank // nproc if global_rank is not None else (_int(environ, "PET_NODE_RANK") or 0)
+            node_rank = (
+                global_rank // nproc if global_rank is not None else (_int(environ, "PET_NODE_RANK") or 0)
+            )
     else:
         local_rank = 0
         nproc = _int(environ, "PET_NPROC_PER_NODE") or 1
@@ -109,9 +117,7 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(
-    env: DistEnv, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> None:
+def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Create the default process group (gloo on CPU, nccl on GPU). Idempotent.
 
     On GPU the current CUDA device becomes ``env.local_rank``. A single-process world uses an

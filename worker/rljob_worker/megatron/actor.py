@@ -104,7 +104,9 @@ def _unpack(values: torch.Tensor, order: torch.Tensor, lengths: torch.Tensor, t:
     j = torch.arange(tc, device=values.device)
     keep = (j[None, :] >= 1) & (j[None, :] < lengths[:, None])
     values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    out = torch.zeros(values.shape[0], max(t, int(order.max().item()) + 1), dtype=values.dtype, device=values.device)
+    out = torch.zeros(
+        values.shape[0], max(t, int(order.max().item()) + 1), dtype=values.dtype, device=values.device
+    )
     return out.scatter(1, order, values)[:, :t]
 
 
@@ -147,7 +149,9 @@ class MegatronActor:
         self.dtype = dtype
         self.loss_fn_needs_entropy = with_entropy
         self.on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        )
         self.step = 0  # optimizer steps taken
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
@@ -211,7 +215,9 @@ class MegatronActor:
     # ----------------------------------------------------------------------------------------------
     # forward
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool, logits_only=False):
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool, logits_only=False
+    ):
         """Per-token (logprobs, entropy) of one micro-batch, ``(b, T)`` each; entropy may be None."""
         from megatron.core import tensor_parallel
 
@@ -274,14 +280,20 @@ class MegatronActor:
         b, tc, v = logits.shape
         j = torch.arange(tc, device=logits.device)
         logits = logits * (j[None, :] < lengths[:, None].to(logits.device))[..., None]
-        out = torch.zeros(b, max(input_ids.shape[1], int(order.max()) + 1), v, dtype=logits.dtype, device=logits.device)
+        out = torch.zeros(
+            b, max(input_ids.shape[1], int(order.max()) + 1), v, dtype=logits.dtype, device=logits.device
+        )
         out.scatter_(1, order[..., None].expand(b, tc, v).to(logits.device), logits)
         return out[:, : input_ids.shape[1]].cpu()
 
     @torch.no_grad()
-    def eval_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: int = 8) -> float:
+    def eval_loss(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: int = 8
+    ) -> float:
         """Mean next-token NLL over the positions of :func:`valid_logprob_mask`."""
-        lp = self.compute_logprobs({"input_ids": input_ids, "attention_mask": attention_mask}, micro_batch_size)
+        lp = self.compute_logprobs(
+            {"input_ids": input_ids, "attention_mask": attention_mask}, micro_batch_size
+        )
         mask = valid_logprob_mask(attention_mask)
         return float(-(lp["logprobs"] * mask).sum() / mask.sum().clamp(min=1))
 
@@ -403,7 +415,9 @@ class MegatronActor:
         consume the iterator)."""
         return hf_weights.export_hf_weights(self.core, self.hf_config, dtype=dtype)
 
-    def save_hf_checkpoint(self, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+    def save_hf_checkpoint(
+        self, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype | None = None
+    ) -> None:
         hf_weights.save_hf_checkpoint(self.core, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype)
 
     # ----------------------------------------------------------------------------------------------
@@ -459,12 +473,15 @@ class MegatronActor:
         return state
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike) -> None:
-        """Collective: every rank calls it with the same directory (created if missing)."""
+        """Collective: every rank calls it with the same directory (created if missing).
+
+        Every rank writes its own shard files into ``ckpt_dir`` (rank 0 also the common state and
+        metadata): with node-local disks, each node's files are part of the checkpoint.
+        """
         from megatron.core import dist_checkpointing
 
         ckpt_dir = os.fspath(ckpt_dir)
-        if dist.get_rank() == 0:
-            os.makedirs(ckpt_dir, exist_ok=True)
+        os.makedirs(ckpt_dir, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(self.sharded_state_dict(), ckpt_dir)
         dist.barrier()
@@ -539,7 +556,9 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
         if value != 1:
             raise ValueError(f"{key}={value} is not supported by the rljob megatron actor yet (use 1)")
     if p.vpp not in (None, 1):
-        raise ValueError(f"megatron.virtualPipelineModelParallelSize={p.vpp} is not supported (needs pipeline parallelism)")
+        raise ValueError(
+            f"megatron.virtualPipelineModelParallelSize={p.vpp} is not supported (needs pipeline parallelism)"
+        )
     if p.tp < 1:
         raise ValueError(f"megatron.tensorModelParallelSize must be >= 1, got {p.tp}")
     if p.sequence_parallel and not on_gpu:
@@ -596,7 +615,9 @@ def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _gpu_wrap(core, mcfg: MegatronModelConfig, parallel: ParallelConfig, optim: OptimConfig, dtype: torch.dtype):
+def _gpu_wrap(
+    core, mcfg: MegatronModelConfig, parallel: ParallelConfig, optim: OptimConfig, dtype: torch.dtype
+):
     """GPU: Float16Module (bf16/fp16) -> megatron DDP -> megatron optimizer (fp32 main params)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

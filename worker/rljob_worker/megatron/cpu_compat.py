@@ -21,9 +21,9 @@ class _CpuRNGStatesTracker:
 
     def add(self, name, seed):
         if seed in self.seeds_:
-            raise Exception(f"seed {seed} already exists")
+            raise RuntimeError(f"seed {seed} already exists")
         if name in self.states_:
-            raise Exception(f"rng state {name} already exists")
+            raise RuntimeError(f"rng state {name} already exists")
         self._is_initialized = True
         self.seeds_.add(seed)
         orig = torch.get_rng_state()
@@ -34,7 +34,7 @@ class _CpuRNGStatesTracker:
     @contextlib.contextmanager
     def fork(self, name="model-parallel-rng"):
         if name not in self.states_:
-            raise Exception(f"rng state {name} is not added")
+            raise RuntimeError(f"rng state {name} is not added")
         orig = torch.get_rng_state()
         torch.set_rng_state(self.states_[name])
         try:

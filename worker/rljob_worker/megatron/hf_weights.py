@@ -50,7 +50,11 @@ LLAMA_TABLE: list[Entry] = [
         ),
         "qkv",
     ),
-    ("decoder.layers.{i}.self_attention.linear_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "row"),
+    (
+        "decoder.layers.{i}.self_attention.linear_proj.weight",
+        ("model.layers.{i}.self_attn.o_proj.weight",),
+        "row",
+    ),
     (
         "decoder.layers.{i}.mlp.linear_fc1.weight",
         ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
@@ -125,10 +129,9 @@ def _expanded(table: list[Entry], num_layers: int, tied: bool) -> list[tuple[str
     for mname, hf_names, kind in table:
         if tied and mname == "output_layer.weight":
             continue
-        layers = range(num_layers) if "{i}" in mname else [None]
+        layers = range(num_layers) if "{i}" in mname else [0]  # format() ignores i without {i}
         for i in layers:
-            fmt = (lambda s: s.format(i=i)) if i is not None else (lambda s: s)
-            out.append((fmt(mname), tuple(fmt(h) for h in hf_names), kind))
+            out.append((mname.format(i=i), tuple(h.format(i=i) for h in hf_names), kind))
     return out
 
 
@@ -147,7 +150,9 @@ def _table_for(model_type: str) -> list[Entry]:
     try:
         return TABLES[model_type]
     except KeyError:
-        raise ValueError(f"model_type={model_type!r} has no HF weight mapping (supported: {sorted(TABLES)})") from None
+        raise ValueError(
+            f"model_type={model_type!r} has no HF weight mapping (supported: {sorted(TABLES)})"
+        ) from None
 
 
 class _Geometry:
@@ -184,7 +189,7 @@ class SafetensorsReader:
             if not os.path.exists(single):
                 raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {self.dir}")
             with safe_open(single, framework="pt") as f:
-                self.where = {k: "model.safetensors" for k in f.keys()}
+                self.where = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (not iterable)
         self._handles: dict[str, Any] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -207,7 +212,9 @@ class SafetensorsReader:
 # HF -> this rank's megatron shard
 
 
-def _load_shard(reader: SafetensorsReader, hf_names: tuple[str, ...], kind: str, geo: _Geometry, r: int, t: int):
+def _load_shard(
+    reader: SafetensorsReader, hf_names: tuple[str, ...], kind: str, geo: _Geometry, r: int, t: int
+):
     if kind == "replicated":
         return reader.slice(hf_names[0])[:]
     if kind in ("column", "row"):
@@ -242,7 +249,11 @@ def _load_shard(reader: SafetensorsReader, hf_names: tuple[str, ...], kind: str,
         vs = v[g0 * hd : g1 * hd]
         rest = tuple(qs.shape[1:])
         fused = torch.cat(
-            [qs.reshape(g_local, qpg * hd, *rest), ks.reshape(g_local, hd, *rest), vs.reshape(g_local, hd, *rest)],
+            [
+                qs.reshape(g_local, qpg * hd, *rest),
+                ks.reshape(g_local, hd, *rest),
+                vs.reshape(g_local, hd, *rest),
+            ],
             dim=1,
         )
         return fused.reshape(g_local * (qpg + 2) * hd, *rest)

@@ -25,14 +25,18 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 # megatron's RotaryEmbedding._apply_scaling hard-codes these llama3 values.
-_LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def have_transformer_engine() -> bool:
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # ImportError, or a broken CUDA extension
+    except (ImportError, OSError, RuntimeError):  # absent, or a broken CUDA extension
         return False
     return True
 
@@ -79,7 +83,9 @@ def _rope(hf_config) -> tuple[float, dict[str, Any]]:
                     f"scaling hard-codes {key}={expected})"
                 )
         return float(theta), {"rope_scaling": True, "rope_scaling_factor": float(factor)}
-    raise ValueError(f"rope_scaling rope_type={rope_type!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(
+        f"rope_scaling rope_type={rope_type!r} is not supported (supported: default, linear, llama3)"
+    )
 
 
 def check_hf_config(hf_config, tp: int = 1) -> None:

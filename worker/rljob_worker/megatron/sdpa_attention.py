@@ -82,7 +82,12 @@ class SDPAttention(MegatronModule):
         else:
             attn_mask, is_causal = ~attention_mask.bool(), False
         dropout_p = self.dropout_p if self.training else 0.0
-        kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale)
+        kwargs = {
+            "attn_mask": attn_mask,
+            "dropout_p": dropout_p,
+            "is_causal": is_causal,
+            "scale": self.softmax_scale,
+        }
         if self.num_heads != self.num_groups:
             kwargs["enable_gqa"] = True  # query head h reads kv group h // (heads / groups), as megatron
         if dropout_p > 0.0:
