@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,10 @@ from rljob_worker.storage import open_store
 log = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _barrier() -> None:
@@ -47,6 +52,9 @@ class CheckpointIO:
         self.spec_hash = spec_hash(spec.model_dump(mode="json", by_alias=True))
         self.multi_node = spec.nnodes > 1
         self.last_ref = None
+        self.last_committed: dict[str, Any] | None = None  # {"step", "uri", "time"} of the newest commit (rank 0)
+        self._pending = None  # SaveHandle of the upload in flight (rank 0, one node)
+        self._fresh = False  # a commit nobody has polled yet
 
     def check_access(self) -> None:
         """Fail at start-up, not at the first save, when storage is unreachable or credentials are wrong."""
@@ -64,6 +72,7 @@ class CheckpointIO:
         if not self.multi_node:
             if self.env.rank == 0:
                 handle = self.manager.save(local, step, metrics, self.spec_hash, remove_local=True)
+                self._pending = handle
                 log.info("checkpoint step %d: uploading to %s in the background", step, handle.uri)
                 return handle
             return None
@@ -78,12 +87,29 @@ class CheckpointIO:
         if self.env.rank == 0:
             ref = self.manager.commit(step, metrics, self.spec_hash, expected_ranks=list(range(self.spec.nnodes)))
             self.manager.apply_retention()
+            self._committed(ref)
         _barrier()
         return ref
 
+    def _committed(self, ref) -> None:
+        self.last_ref = ref
+        self.last_committed = {"step": ref.step, "uri": ref.uri, "time": _utc_now()}
+        self._fresh = True
+
+    def poll(self) -> dict[str, Any] | None:
+        """Rank 0: the newest checkpoint if it committed since the last poll (else None). Raises upload errors."""
+        if self._pending is not None and self._pending.done():
+            handle, self._pending = self._pending, None
+            self._committed(handle.wait())
+        if self._fresh:
+            self._fresh = False
+            return self.last_committed
+        return None
+
     def wait(self):
-        if self.env.rank == 0:
-            self.last_ref = self.manager.wait() or self.last_ref
+        if self.env.rank == 0 and self._pending is not None:
+            self.manager.wait()
+            self.poll()
         _barrier()
         return self.last_ref
 

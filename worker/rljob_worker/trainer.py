@@ -78,6 +78,7 @@ class GRPOTrainer:
         self.history: list[StepResult] = []
         self.step = 0
         self._stop_requested = False
+        self._status_reporter = None
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -203,6 +204,7 @@ class GRPOTrainer:
             self._append_metrics_log(metrics)
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
             self.telemetry.record_gpu_memory()
+            self._poll_checkpoint()
             self._report_progress(metrics, bar)
 
             last = self.step == self.total_steps
@@ -218,6 +220,8 @@ class GRPOTrainer:
         if bar is not None:
             bar.close()
         self.checkpoints.wait()
+        self._poll_checkpoint()
+        self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
         if spec.checkpoint.export_hf:
             self.checkpoints.export_hf(self.actor, self.tokenizer, self.model_dir)
         return self.history
@@ -372,9 +376,17 @@ class GRPOTrainer:
 
     def save_checkpoint(self, metrics: dict[str, float]) -> None:
         with self.telemetry.stage("checkpoint"):
-            ref = self.checkpoints.save(self.step, self.actor, self.trainer_state(), metrics)
-        if ref is not None:
-            self.telemetry.record_checkpoint(self.step, time.time())
+            self.checkpoints.save(self.step, self.actor, self.trainer_state(), metrics)
+        self._poll_checkpoint()
+
+    def _poll_checkpoint(self) -> None:
+        """Rank 0: publish a checkpoint once its upload has committed (metrics, RLJob status)."""
+        if not self.is_main:
+            return
+        committed = self.checkpoints.poll()
+        if committed is not None:
+            self.telemetry.record_checkpoint(committed["step"], time.time())
+            self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
 
     def _resume(self) -> None:
         state = self.checkpoints.resume(self.actor)
@@ -435,13 +447,18 @@ class GRPOTrainer:
         with open(self.ctx.workdir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": self.step, **metrics}) + "\n")
 
-    def _publish_status(self, metrics: dict[str, float]) -> None:
-        """Progress for RLJob.status (operator folds it in); a no-op outside a cluster."""
-        try:
-            from rljob_worker.status_report import report_progress
-        except ImportError:
+    def _publish_status(self, metrics: dict[str, float], force: bool = False) -> None:
+        """Progress for RLJob.status (the operator folds it in); a no-op outside a cluster."""
+        if not self.is_main:
             return
-        report_progress(self, metrics)
+        if self._status_reporter is None:
+            from rljob_worker.status_report import StatusReporter
+
+            self._status_reporter = StatusReporter.from_environ(self.ctx.job_name, self.ctx.namespace)
+        self._status_reporter.report(
+            step=self.step, total_steps=self.total_steps, reward_mean=metrics.get("reward/mean"),
+            val_reward_mean=(getattr(self, "last_validation", None) or {}).get("val/reward_mean"),
+            last_checkpoint=self.checkpoints.last_committed, force=force)
 
 
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
