@@ -129,6 +129,23 @@ def test_dist_checkpoint_round_trip_tp1(hf_dirs, tmp_path):
     assert actor.update(batch, H.seq_nll_loss, 2) == fresh.update(batch, H.seq_nll_loss, 2)
 
 
+def test_frozen_reference_actor(hf_dirs, tmp_path):
+    ids, mask = H.sample_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    actor = _actor(hf_dirs["qwen2"], lr=1e-2)
+    ref = MegatronActor.from_hf(hf_dirs["qwen2"], ParallelConfig(), OptimConfig(lr=1e-2), trainable=False)
+    assert ref.optimizer is None and not any(p.requires_grad for p in ref.core.parameters())
+    torch.testing.assert_close(
+        ref.compute_logprobs(batch, 4), actor.compute_logprobs(batch, 4), rtol=0, atol=0
+    )
+    with pytest.raises(RuntimeError, match="trainable=False"):
+        ref.update(batch, H.seq_nll_loss, 4)
+    actor.update(batch, H.seq_nll_loss, 4)
+    actor.save_checkpoint(tmp_path / "ckpt")
+    assert ref.load_checkpoint(tmp_path / "ckpt")["step"] == 1  # weights only from a training checkpoint
+    assert ref.eval_loss(ids, mask) == actor.eval_loss(ids, mask)
+
+
 def test_save_hf_checkpoint_loads_in_transformers(hf_dirs, tmp_path):
     actor = _actor(hf_dirs["qwen2"], lr=1e-2)
     ids, mask = H.sample_batch()

@@ -172,12 +172,14 @@ class MegatronActor:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         with_entropy: bool = False,
+        trainable: bool = True,
     ) -> MegatronActor:
         """Build the model from an HF checkpoint directory (config.json + safetensors).
 
         Initialises torch.distributed from the environment if needed, then megatron's model-parallel
         state and RNG. ``dtype``: compute dtype (bf16 on GPU keeps fp32 main params in the optimizer;
-        on CPU the parameters themselves have ``dtype``).
+        on CPU the parameters themselves have ``dtype``). ``trainable=False`` builds a frozen model
+        (a reference policy): no optimizer, no DDP, no gradient buffers; :meth:`update` refuses.
         """
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -206,7 +208,14 @@ class MegatronActor:
             core.cuda(torch.cuda.current_device())
         hf_weights.load_hf_weights(core, hf_dir, hf_config)
 
-        if on_gpu:
+        if not trainable:
+            core.requires_grad_(False)
+            model, optimizer = core, None
+            if on_gpu and dtype in (torch.bfloat16, torch.float16):
+                from megatron.core.transformer.module import Float16Module
+
+                model = Float16Module(mcfg.transformer_config, core)
+        elif on_gpu:
             model, optimizer = _gpu_wrap(core, mcfg, parallel, optim, dtype)
         else:
             model, optimizer = core, _cpu_adamw(core, optim)
@@ -320,6 +329,8 @@ class MegatronActor:
         over DP ranks, plus ``grad_norm`` and ``lr``. A non-finite grad norm skips the step
         (``skipped`` = 1).
         """
+        if self.optimizer is None:
+            raise RuntimeError("this actor was built with trainable=False (a frozen reference model)")
         with_entropy = self.loss_fn_needs_entropy if with_entropy is None else with_entropy
         lr = self.current_lr()
         micro_batches = list(_split(batch, micro_batch_size))
@@ -434,9 +445,11 @@ class MegatronActor:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         model_sd = self.core.sharded_state_dict()
-        if self.on_gpu and is_loading:
+        if self.optimizer is not None and self.on_gpu and is_loading:
             _init_distributed_optimizer_state(self.optimizer)
-        if self.on_gpu:
+        if self.optimizer is None:
+            optim_sd = None
+        elif self.on_gpu:
             # fully_reshardable: any TP/DP layout can load it (megatron 0.16's default format for
             # the distributed optimizer, fully_sharded_model_space, is deprecated and fails to save)
             optim_sd = self.optimizer.sharded_state_dict(
@@ -457,7 +470,10 @@ class MegatronActor:
             "model_type": self.mcfg.model_type,
             "padded_vocab_size": self.mcfg.padded_vocab_size,
         }
-        return {"model": model_sd, "optimizer": optim_sd, "rng": rng, "meta": meta}
+        out = {"model": model_sd, "optimizer": optim_sd, "rng": rng, "meta": meta}
+        if optim_sd is None:
+            del out["optimizer"]
+        return out
 
     def _cpu_optimizer_sharded_state_dict(self, model_sd) -> dict[str, Any]:
         from megatron.core.dist_checkpointing.optimizer import (
@@ -487,7 +503,8 @@ class MegatronActor:
         dist.barrier()
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict[str, Any]:
-        """Load model, optimizer state and (same TP only) RNG from ``ckpt_dir``; returns its meta."""
+        """Load model, optimizer state (not for a frozen actor) and (same TP only) RNG from
+        ``ckpt_dir``; returns its meta (``step``, ``tp``, ``model_type``, ``padded_vocab_size``)."""
         from megatron.core import dist_checkpointing
 
         ckpt_dir = os.fspath(ckpt_dir)
@@ -505,7 +522,9 @@ class MegatronActor:
         loaded = dist_checkpointing.load(sd, ckpt_dir)
         self.core.load_state_dict(loaded["model"], strict=True)
         step = int(meta.get("step", 0))
-        if self.on_gpu:
+        if self.optimizer is None:
+            pass  # frozen model: weights only
+        elif self.on_gpu:
             self.optimizer.load_state_dict(loaded["optimizer"])
         else:
             state = loaded["optimizer"]
