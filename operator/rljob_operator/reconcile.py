@@ -292,7 +292,6 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
         nonlocal conds
         conds = c.set_condition(conds, type_, status, reason, _clip(message), generation=generation, now=now)
 
-    put(c.ACCEPTED, *accepted)
     child_msg = (phase_cond or {}).get("message") or ""
     child_reason = (phase_cond or {}).get("reason")
 
@@ -302,9 +301,9 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     if succeeded:
         old = c.get_condition(old_conds, c.SUCCEEDED)
         msg = old["message"] if old and old.get("status") == c.TRUE else (child_msg or "Training finished.")
-        put(c.SUCCEEDED, c.TRUE, c.REASON_PYTORCHJOB_SUCCEEDED, msg)
+        succeeded_cond = (c.TRUE, c.REASON_PYTORCHJOB_SUCCEEDED, msg)
     else:
-        put(c.SUCCEEDED, c.FALSE, c.REASON_NOT_COMPLETED, "The job has not finished.")
+        succeeded_cond = (c.FALSE, c.REASON_NOT_COMPLETED, "The job has not finished.")
     if failed:
         old = c.get_condition(old_conds, c.FAILED)
         if old and old.get("status") == c.TRUE:
@@ -312,15 +311,16 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
         else:
             reason = child_reason if c.is_reason(child_reason) else c.REASON_PYTORCHJOB_FAILED
             msg = child_msg or f"PyTorchJob {ptj_name} failed."
-        put(c.FAILED, c.TRUE, reason, msg)
+        failed_cond = (c.TRUE, reason, msg)
     else:
-        put(c.FAILED, c.FALSE, c.REASON_NOT_FAILED, "The job has not failed.")
-
-    running = _running_condition(phase, ptj_name, child_msg, succeeded, failed, job is None,
-                                 will_create_ptj, suspend_requested, requeue is not None and bool(foreign))
-    put(c.RUNNING, *running)
-    put(c.SUSPENDED, *_suspended_condition(phase, ptj, suspend_requested, succeeded or failed,
-                                           old_conds, ptj_name, job is None))
+        failed_cond = (c.FALSE, c.REASON_NOT_FAILED, "The job has not failed.")
+    running_cond = _running_condition(phase, ptj_name, child_msg, succeeded, failed, job is None,
+                                      will_create_ptj, suspend_requested, requeue is not None and bool(foreign))
+    suspended_cond = _suspended_condition(phase, ptj, suspend_requested, succeeded or failed, old_conds, ptj_name,
+                                          job is None)
+    for type_, (status_, reason_, message_) in zip(
+            c.CONDITION_TYPES, (accepted, running_cond, succeeded_cond, failed_cond, suspended_cond)):
+        put(type_, status_, reason_, message_)
 
     # ------------------------------------------------------------------ status fields
     status = copy.deepcopy(old_status)

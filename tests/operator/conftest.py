@@ -11,3 +11,82 @@ from pathlib import Path
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def api_server() -> Iterator:
+    """The test API server (kmock + harness) with the RLJob and PyTorchJob CRDs applied."""
+    import opschema
+    from apiserver import ApiServerThread
+    from cluster import KubeClient
+
+    server = ApiServerThread(bookmark_interval=5.0).start()
+    kube = KubeClient(server.url)
+    kube.apply_crd(opschema.rljob_crd())
+    kube.apply_crd(opschema.pytorchjob_crd())
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def kube(api_server):
+    from cluster import KubeClient
+
+    return KubeClient(api_server.url)
+
+
+class OperatorHandle:
+    """The running operator of a test module; `restart(kill=True)` replaces the process."""
+
+    def __init__(self, api_server, workdir, **options):
+        self.api_server, self.workdir, self.options = api_server, workdir, options
+        self.kubeconfig = api_server.write_kubeconfig(workdir / "kubeconfig.json")
+        self.generation = 0
+        self.proc = None
+
+    def start(self):
+        from cluster import OperatorProcess
+
+        self.generation += 1
+        self.proc = OperatorProcess(self.kubeconfig, self.workdir / f"operator-{self.generation}.log",
+                                    **self.options).start()
+        self.proc.wait_ready()
+        return self
+
+    def restart(self, *, kill: bool = True):
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.stop()
+        return self.start()
+
+    def logs(self) -> str:
+        return "\n".join((self.workdir / f"operator-{g}.log").read_text(errors="replace")
+                         for g in range(1, self.generation + 1) if (self.workdir / f"operator-{g}.log").exists())
+
+    def __getattr__(self, name):
+        return getattr(self.proc, name)
+
+
+@pytest.fixture(scope="module")
+def operator(api_server, tmp_path_factory) -> Iterator[OperatorHandle]:
+    """`python -m rljob_operator --namespace 'rlj-*'` against the test API server (a subprocess)."""
+    import cluster
+
+    handle = OperatorHandle(api_server, tmp_path_factory.mktemp("operator"), namespaces=["rlj-*"],
+                            env={"RLJOB_RESYNC_SECONDS": str(cluster.RESYNC_SECONDS)}).start()
+    yield handle
+    handle.proc.stop()
+
+
+@pytest.fixture
+def ns(kube) -> str:
+    """A fresh namespace the operator serves."""
+    name = f"rlj-{uuid.uuid4().hex[:8]}"
+    kube.create_namespace(name)
+    return name

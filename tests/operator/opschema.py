@@ -161,14 +161,34 @@ def pytorchjob_webhook_errors(obj: dict[str, Any]) -> list[str]:
     return errors
 
 
+@functools.cache
+def _builtin_validator(kind: str, api_version: str) -> Any:
+    """kubernetes-validate's strict schema for a built-in kind, compiled once (its `validate()` re-reads
+    the schema files on every call, which is too slow for an API server)."""
+    import jsonschema.validators
+    import kubernetes_validate
+    from kubernetes_validate import utils
+    from referencing import Registry, Resource
+
+    version = [v for v in utils.all_versions() if utils.major_minor(v) <= utils.major_minor(KUBERNETES_VERSION)][-1]
+    schema_dir = f"kubernetes-json-schema/v{version}-local-strict"
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = utils.schema_contents(f"{schema_dir}/{kind.lower()}-{group_version}.json", version)
+    except FileNotFoundError:
+        raise kubernetes_validate.SchemaNotFoundError(version=version, kind=kind, api_version=api_version) from None
+    definitions = utils.schema_contents(f"{schema_dir}/_definitions.json", version)
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
 def builtin_errors(obj: dict[str, Any]) -> list[str]:
-    """Strict schema validation of a built-in kind (ConfigMap, Role, ...); custom kinds pass."""
+    """Strict schema validation of a built-in kind (ConfigMap, Role, ...); kinds without a schema pass."""
     import kubernetes_validate
 
     try:
-        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as exc:
-        return [f"{'.'.join(str(p) for p in exc.path)}: {exc.message}"]
+        validator = _builtin_validator(obj.get("kind", ""), obj.get("apiVersion", ""))
     except kubernetes_validate.SchemaNotFoundError:
         return []
-    return []
+    return sorted(f"{'.'.join(str(p) for p in err.absolute_path) or '(root)'}: {err.message}"
+                  for err in validator.iter_errors(obj))

@@ -1,0 +1,217 @@
+"""Thin kopf handlers: every trigger runs the same cycle -- read, `reconcile`, apply.
+
+    kopf run -m rljob_operator.handlers --namespace NS     (or: python -m rljob_operator -n NS)
+
+Triggers: RLJob create / update of `spec` / resume (operator start), a resync timer, PyTorchJob
+events (watched server-side by our managed-by label), and new worker progress annotations. One
+asyncio lock per RLJob serialises cycles for the same job across those triggers.
+
+Errors: a failed API call during apply writes `Running=False, reason CreateFailed` when nothing
+runs yet, then raises `kopf.TemporaryError` (kopf retries with backoff); for event-triggered
+cycles, where kopf does not retry, the cycle is re-run from a backoff timer instead.
+
+kopf settings (startup): no finalizer (nothing outside the cluster to clean up; children go by
+ownerReferences), standalone unless `--peering` is given, progress and diff-base in annotations
+(the RLJob status schema has no room for kopf's bookkeeping), bounded watch and request
+timeouts, server-side label selector on PyTorchJobs, events reported as `rljob-operator`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import kopf
+from rljob_api.models import GROUP, PLURAL, VERSION
+
+from rljob_operator import builders, kube_io, metrics
+from rljob_operator.progress import ANNOTATION as PROGRESS_ANNOTATION
+from rljob_operator.progress import is_newer
+from rljob_operator.reconcile import apply_failed_status, reconcile
+from rljob_operator.settings import OperatorSettings
+
+RLJOB = (GROUP, VERSION, PLURAL)
+PYTORCHJOB = ("kubeflow.org", "v1", "pytorchjobs")
+CONFLICT_RETRIES = 5
+EVENT_RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+SETTINGS = OperatorSettings.from_env()  # read once; the timer interval below needs it at import
+log = logging.getLogger("rljob_operator")
+
+
+@dataclasses.dataclass
+class _State:
+    api: kube_io.KubeApi | None = None
+    locks: dict[tuple[str, str], asyncio.Lock] = dataclasses.field(default_factory=dict)  # one per RLJob
+    retries: dict[tuple[str, str], asyncio.TimerHandle] = dataclasses.field(default_factory=dict)  # pending re-runs
+
+
+state = _State()
+
+
+# ---------------------------------------------------------------------------- the cycle
+
+
+async def run_cycle(namespace: str, name: str, *, trigger: str, ensure_all: bool = False, retry: int = 0) -> None:
+    """Read the RLJob and its children, plan, apply. Raises kopf.TemporaryError on API errors."""
+    assert state.api is not None, "the startup handler did not run"
+    api = state.api
+    key = (namespace, name)
+    lock = state.locks.setdefault(key, asyncio.Lock())
+    async with lock:
+        started = time.monotonic()
+        result = "error"
+        try:
+            for _ in range(CONFLICT_RETRIES):
+                body = await api.get_rljob(namespace, name)
+                if body is None:
+                    result = "gone"
+                    return
+                observed = await api.observe(body, now=kube_io.utc_now(), ensure_all=ensure_all)
+                plan = reconcile(body, observed, SETTINGS)
+                for note in plan.notes:
+                    log.warning("%s/%s: %s", namespace, name, note)
+                try:
+                    created = await api.apply(body, plan)
+                except kube_io.Conflict:
+                    result = "conflict"
+                    continue
+                except kube_io.ApiError as exc:
+                    await _report_failure(api, body, plan, exc)
+                    raise kopf.TemporaryError(str(exc), delay=_backoff(retry, exc)) from None
+                metrics.record_created(created)
+                metrics.record_conditions(namespace, name, plan.status or body.get("status"))
+                result = "ok" if plan.accepted else "invalid"
+                if plan.requeue_after is not None:
+                    result = "requeue"
+                    schedule(namespace, name, plan.requeue_after, trigger="requeue")
+                return
+            raise kopf.TemporaryError(f"{CONFLICT_RETRIES} write conflicts in a row", delay=1)
+        finally:
+            metrics.record_cycle(trigger, result, time.monotonic() - started)
+
+
+async def _report_failure(api: kube_io.KubeApi, body: dict[str, Any], plan: Any, exc: kube_io.ApiError) -> None:
+    """Errors become conditions: write CreateFailed (when nothing runs yet) before kopf retries."""
+    status = apply_failed_status(body, plan, str(exc), kube_io.utc_now())
+    if status is None:
+        return
+    try:
+        fresh = await api.get_rljob(body["metadata"]["namespace"], body["metadata"]["name"])
+        if fresh is not None and fresh.get("status") != status:
+            await api.write_status(fresh, status)
+    except kube_io.ApiError as again:
+        log.warning("could not record the failure in the status: %s", again)
+
+
+def _backoff(retry: int, exc: kube_io.ApiError) -> float:
+    base = 1.0 if exc.transient else 10.0
+    return min(60.0, base * (2 ** min(retry, 6)))
+
+
+def schedule(namespace: str, name: str, delay: float, *, trigger: str, attempt: int = 0) -> None:
+    """Run a cycle for the job after `delay` (one pending run per job; the earliest wins)."""
+    loop = asyncio.get_running_loop()
+    key = (namespace, name)
+    pending = state.retries.get(key)
+    if pending is not None and not pending.cancelled() and pending.when() <= loop.time() + delay:
+        return
+    if pending is not None:
+        pending.cancel()
+
+    def fire() -> None:
+        state.retries.pop(key, None)
+        asyncio.ensure_future(_run_in_background(namespace, name, trigger=trigger, attempt=attempt))
+
+    state.retries[key] = loop.call_later(delay, fire)
+
+
+async def _run_in_background(namespace: str, name: str, *, trigger: str, attempt: int = 0) -> None:
+    """A cycle where kopf will not retry (event handlers, timers of our own): retry here with backoff."""
+    try:
+        await run_cycle(namespace, name, trigger=trigger, retry=attempt)
+    except kopf.TemporaryError as exc:
+        delay = EVENT_RETRY_DELAYS[min(attempt, len(EVENT_RETRY_DELAYS) - 1)]
+        log.warning("%s/%s: %s; retrying in %.0fs", namespace, name, exc, delay)
+        schedule(namespace, name, delay, trigger="retry", attempt=attempt + 1)
+
+
+# ---------------------------------------------------------------------------- startup
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{GROUP}/finalizer"  # unused: no handler needs one
+    if not settings.peering.mandatory:
+        settings.peering.standalone = True
+    settings.posting.reporting_component = builders.MANAGER
+    settings.posting.event_name_prefix = "rljob-"
+    settings.watching.server_timeout = SETTINGS.watch_server_timeout
+    settings.watching.client_timeout = SETTINGS.watch_server_timeout + 60
+    settings.watching.connect_timeout = 10
+    settings.networking.request_timeout = SETTINGS.api_timeout_seconds
+    settings.networking.connect_timeout = 10
+    settings.watching.label_selectors[PYTORCHJOB[0], PYTORCHJOB[2]] = (
+        f"{builders.LABEL_MANAGED_BY}={builders.MANAGER}")
+    settings.execution.max_workers = 4  # no sync handlers; the API client has its own pool
+    state.api = kube_io.KubeApi(SETTINGS, on_error=metrics.record_api_error)
+    if metrics.start_server(SETTINGS.operator_metrics_port):
+        logger.info("serving operator metrics on :%d/metrics", SETTINGS.operator_metrics_port)
+
+
+@kopf.on.cleanup()
+async def shutdown(**_: Any) -> None:
+    for handle in state.retries.values():
+        handle.cancel()
+    if state.api is not None:
+        state.api.close()
+
+
+# ---------------------------------------------------------------------------- RLJob triggers
+
+
+@kopf.on.resume(*RLJOB)
+@kopf.on.create(*RLJOB)
+@kopf.on.update(*RLJOB, field="spec")
+async def rljob_changed(namespace: str, name: str, retry: int, **_: Any) -> None:
+    await run_cycle(namespace, name, trigger="change", retry=retry)
+
+
+@kopf.timer(*RLJOB, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
+async def resync(namespace: str, name: str, retry: int, **_: Any) -> None:
+    await run_cycle(namespace, name, trigger="resync", ensure_all=True, retry=retry)
+
+
+def _new_progress(type: str | None, annotations: dict[str, str], status: dict[str, Any], **_: Any) -> bool:
+    return type in ("ADDED", "MODIFIED") and is_newer(annotations.get(PROGRESS_ANNOTATION), status.get("trainer"))
+
+
+@kopf.on.event(*RLJOB, annotations={PROGRESS_ANNOTATION: kopf.PRESENT}, when=_new_progress)
+async def progress_reported(namespace: str, name: str, **_: Any) -> None:
+    await _run_in_background(namespace, name, trigger="progress")
+
+
+@kopf.on.event(*RLJOB, when=lambda type, **_: type == "DELETED")
+async def rljob_deleted(namespace: str, name: str, **_: Any) -> None:
+    key = (namespace, name)
+    metrics.forget(namespace, name)
+    handle = state.retries.pop(key, None)
+    if handle is not None:
+        handle.cancel()
+    lock = state.locks.get(key)
+    if lock is not None and not lock.locked():
+        state.locks.pop(key, None)
+
+
+# ---------------------------------------------------------------------------- PyTorchJob events
+
+
+@kopf.on.event(*PYTORCHJOB, labels={builders.LABEL_MANAGED_BY: builders.MANAGER, builders.LABEL_JOB: kopf.PRESENT},
+               when=lambda type, **_: type is not None)  # initial listings: the RLJob resume covers them
+async def pytorchjob_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    await _run_in_background(namespace, labels[builders.LABEL_JOB], trigger="pytorchjob")

@@ -1,0 +1,889 @@
+"""A Kubernetes API server for tests: kmock's HTTP scaffold plus the state and rules a kube-apiserver keeps.
+
+No kube-apiserver can be installed here, so the operator tests talk HTTP to this. kmock's
+`KubernetesScaffold` gives the aiohttp server, request parsing, API discovery (`/api`, `/apis`,
+`/apis/G/V`), Status-shaped errors and streamed responses. This layer adds what kmock's emulator
+lacks (each item is tested in test_apiserver.py):
+
+- `/api/v1/namespaces` (list, get, watch, create, delete), and namespaced creates need the namespace;
+- metadata the server owns: uid, resourceVersion (one global counter), creationTimestamp,
+  generation (bumped on spec changes of custom resources), generateName;
+- lists with `kind`, `apiVersion` and `metadata.resourceVersion`; label and field selectors;
+- CRDs: creating one registers its resource for discovery and serving; deleting one removes it;
+- admission-style validation of creates and patches: the CRD's openAPIV3Schema (strict: unknown
+  fields are rejected), its CEL `x-kubernetes-validations` (cel-python; transition rules on
+  updates), and strict kubernetes-validate schemas for the built-in kinds we create;
+- a real `/status` subresource: patches of the main resource ignore `.status`, patches of
+  `/status` ignore everything else;
+- merge patch (RFC 7386) and JSON patch (RFC 6902, `test` failing -> 422); a `metadata.
+  resourceVersion` in a merge patch is a precondition (409 Conflict), as on a real server;
+  no-op patches do not bump the resourceVersion;
+- deletion with finalizers (deletionTimestamp first), ownerReference garbage collection
+  (background and orphan propagation, several owners, dangling owners), asynchronously;
+- watches that honour `resourceVersion` (replay from an event log, `410 Expired` once compacted),
+  `timeoutSeconds`, `allowWatchBookmarks` (periodic BOOKMARKs), selectors;
+- fault injection: HTTP errors, delays before handling, delayed responses, dropped watches.
+
+Gaps, on purpose: no authn/authz (RBAC objects are stored, not enforced), no strategic merge
+(treated as a merge patch), no PUT/replace, no server-side apply, no foreground deletion (treated
+as background), no defaulting or pruning, watches with label selectors do not synthesize
+ADDED/DELETED when an object's labels move it in or out of the selection.
+
+Use `ApiServerThread` from tests (a server on its own event loop in a thread; talk to it over
+HTTP with `cluster.KubeClient`), or run it alone: `python tests/operator/apiserver.py --port 8001`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import copy
+import dataclasses
+import datetime
+import functools
+import json
+import random
+import re
+import string
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+import opschema
+from kmock._internal import rendering  # the Request/Response types kmock hands to handlers
+
+Key = tuple[str, str, str]  # (group, version, plural)
+
+VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+BUILTINS: dict[Key, tuple[str, bool]] = {
+    ("", "v1", "namespaces"): ("Namespace", False),
+    ("", "v1", "configmaps"): ("ConfigMap", True),
+    ("", "v1", "secrets"): ("Secret", True),
+    ("", "v1", "serviceaccounts"): ("ServiceAccount", True),
+    ("", "v1", "services"): ("Service", True),
+    ("", "v1", "pods"): ("Pod", True),
+    ("", "v1", "events"): ("Event", True),
+    ("events.k8s.io", "v1", "events"): ("Event", True),
+    ("rbac.authorization.k8s.io", "v1", "roles"): ("Role", True),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", True),
+    ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): ("CustomResourceDefinition", False),
+}
+STRICT_BUILTINS = {"ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding"}
+NAMESPACES: Key = ("", "v1", "namespaces")
+CRDS: Key = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_NS_PATH = re.compile(r"^/api/v1/namespaces(?:/([^/]+))?/?$")
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def api_version(key: Key) -> str:
+    return key[1] if key[0] == "" else f"{key[0]}/{key[1]}"
+
+
+# ---------------------------------------------------------------------------- patches
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (returns a new object)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            result.pop(k, None)
+        else:
+            result[k] = merge_patch(result.get(k), v)
+    return result
+
+
+class PatchError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise PatchError(422, f"invalid JSON pointer {path!r}")
+    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+
+
+def _walk(doc: Any, parts: list[str]) -> Any:
+    for p in parts:
+        if isinstance(doc, list):
+            doc = doc[int(p)]
+        elif isinstance(doc, dict):
+            doc = doc[p]
+        else:
+            raise KeyError(p)
+    return doc
+
+
+def json_patch(doc: Any, ops: Any) -> Any:
+    """RFC 6902 JSON patch (add, remove, replace, move, copy, test)."""
+    if not isinstance(ops, list):
+        raise PatchError(400, "a JSON patch must be a list of operations")
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        kind, parts = op.get("op"), _pointer(op.get("path", ""))
+        try:
+            if kind == "test":
+                if _walk(doc, parts) != op.get("value"):
+                    raise PatchError(422, f"the test operation failed at {op.get('path')}")
+                continue
+            if kind in ("move", "copy"):
+                value = copy.deepcopy(_walk(doc, _pointer(op["from"])))
+                if kind == "move":
+                    doc = json_patch(doc, [{"op": "remove", "path": op["from"]}])
+                doc = json_patch(doc, [{"op": "add", "path": op["path"], "value": value}])
+                continue
+            if not parts:
+                if kind in ("add", "replace"):
+                    doc = copy.deepcopy(op["value"])
+                    continue
+                raise PatchError(422, "cannot remove the whole document")
+            parent, last = _walk(doc, parts[:-1]), parts[-1]
+            if kind == "add":
+                if isinstance(parent, list):
+                    parent.insert(len(parent) if last == "-" else int(last), copy.deepcopy(op["value"]))
+                else:
+                    parent[last] = copy.deepcopy(op["value"])
+            elif kind == "remove":
+                del parent[int(last) if isinstance(parent, list) else last]
+            elif kind == "replace":
+                _walk(parent, [last])  # must exist
+                parent[int(last) if isinstance(parent, list) else last] = copy.deepcopy(op["value"])
+            else:
+                raise PatchError(422, f"unsupported JSON patch operation {kind!r}")
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise PatchError(422, f"JSON patch {kind} {op.get('path')!r} failed: {exc!r}") from None
+    return doc
+
+
+# ---------------------------------------------------------------------------- selectors
+
+_SET_RE = re.compile(r"^\s*([^\s!=]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
+
+
+def parse_label_selector(text: str | None) -> Callable[[dict[str, str]], bool]:
+    """Equality (=, ==, !=), set (in, notin) and existence (k, !k) requirements, ANDed."""
+    if not text:
+        return lambda labels: True
+    reqs: list[Callable[[dict[str, str]], bool]] = []
+    for part in re.split(r",(?![^()]*\))", text):
+        part = part.strip()
+        if not part:
+            continue
+        m = _SET_RE.match(part)
+        if m:
+            k, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}
+            if op == "in":
+                reqs.append(lambda lb, k=k, vs=values: lb.get(k) in vs)
+            else:
+                reqs.append(lambda lb, k=k, vs=values: lb.get(k) not in vs)
+        elif "!=" in part:
+            k, v = (s.strip() for s in part.split("!=", 1))
+            reqs.append(lambda lb, k=k, v=v: lb.get(k) != v)
+        elif "=" in part:
+            k, v = (s.strip() for s in part.replace("==", "=").split("=", 1))
+            reqs.append(lambda lb, k=k, v=v: lb.get(k) == v)
+        elif part.startswith("!"):
+            key = part[1:].strip()
+            reqs.append(lambda lb, k=key: k not in lb)
+        else:
+            reqs.append(lambda lb, k=part: k in lb)
+    return lambda labels: all(r(labels) for r in reqs)
+
+
+def parse_field_selector(text: str | None) -> Callable[[dict[str, Any]], bool]:
+    """metadata.name / metadata.namespace with = or !=."""
+    if not text:
+        return lambda obj: True
+    reqs = []
+    for part in text.split(","):
+        neg = "!=" in part
+        field, value = (s.strip() for s in re.split(r"!=|==|=", part, maxsplit=1))
+        reqs.append((field.split("."), value, neg))
+
+    def check(obj: dict[str, Any]) -> bool:
+        for path, value, neg in reqs:
+            try:
+                actual = _walk(obj, path)
+            except (KeyError, IndexError, ValueError):
+                actual = None
+            if (actual == value) == neg:
+                return False
+        return True
+
+    return check
+
+
+# ---------------------------------------------------------------------------- CEL
+
+@functools.cache
+def _cel_program(rule: str) -> Any:
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def cel_errors(schema: dict[str, Any], value: Any, old: Any, path: str) -> list[tuple[str, str]]:
+    """(field, message) for every failing x-kubernetes-validations rule, walking schema and value together."""
+    import celpy
+
+    out: list[tuple[str, str]] = []
+    for rule in schema.get("x-kubernetes-validations") or []:
+        text = rule["rule"]
+        bindings = {"self": celpy.json_to_cel(value)}
+        if "oldSelf" in text:
+            if old is None:
+                continue  # transition rules apply to updates only
+            bindings["oldSelf"] = celpy.json_to_cel(old)
+        try:
+            result = _cel_program(text).evaluate(bindings)
+            ok = not isinstance(result, celpy.CELEvalError) and bool(result)
+        except Exception as exc:  # noqa: BLE001 - a rule that cannot evaluate fails validation, as on a server
+            ok, rule = False, {**rule, "message": f"{rule.get('message') or text} (evaluation error: {exc})"}
+        if not ok:
+            out.append((path + rule.get("fieldPath", ""), rule.get("message") or f"failed rule: {text}"))
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        for k, v in value.items():
+            sub = props.get(k) if k in props else (schema.get("additionalProperties")
+                                                    if isinstance(schema.get("additionalProperties"), dict) else None)
+            if sub:
+                out.extend(cel_errors(sub, v, old.get(k) if isinstance(old, dict) else None, f"{path}.{k}"))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            out.extend(cel_errors(schema["items"], v, None, f"{path}[{i}]"))
+    return out
+
+
+# ---------------------------------------------------------------------------- server state
+
+@dataclasses.dataclass
+class Kind:
+    kind: str
+    namespaced: bool
+    custom: bool = False
+    status_subresource: bool = False
+    schema: dict[str, Any] | None = None  # the openAPIV3Schema of a CRD version
+    validator: Any = None
+    singular: str = ""
+    shortnames: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Watcher:
+    key: Key
+    namespace: str | None
+    labels: Callable[[dict[str, str]], bool]
+    fields: Callable[[dict[str, Any]], bool]
+    queue: asyncio.Queue
+
+    def matches(self, ns: str | None, obj: dict[str, Any]) -> bool:
+        if self.namespace is not None and ns != self.namespace:
+            return False
+        return self.labels(obj.get("metadata", {}).get("labels") or {}) and self.fields(obj)
+
+
+@dataclasses.dataclass
+class Fault:
+    """Make matching requests fail or hang. `status=None` serves them normally after the delays."""
+
+    method: str | None
+    path: re.Pattern[str]
+    status: int | None = 500
+    times: int | None = 1  # None: forever
+    delay: float = 0.0  # before the request is handled
+    delay_response: float = 0.0  # after it was handled, before the response goes out
+    hits: int = 0
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.times is None or self.times > 0) and (self.method is None or self.method == method) and bool(
+            self.path.search(path))
+
+
+_DROP = object()  # a sentinel that ends a watch stream
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesScaffold):
+    bookmark_interval: float = 10.0
+    gc_delay: float = 0.05
+    log_size: int = 20000
+    validate_builtins: bool = True
+    max_requests_kept: int = 20000
+
+    _kinds: dict[Key, Kind] = attrs.field(factory=dict, init=False)
+    _store: dict[Key, dict[tuple[str | None, str], dict[str, Any]]] = attrs.field(
+        factory=lambda: collections.defaultdict(dict), init=False)
+    _uids: dict[str, tuple[Key, str | None, str]] = attrs.field(factory=dict, init=False)
+    _rv: int = attrs.field(default=1000, init=False)
+    _log: dict[Key, collections.deque] = attrs.field(factory=lambda: collections.defaultdict(collections.deque),
+                                                     init=False)
+    _floor: dict[Key, int] = attrs.field(factory=lambda: collections.defaultdict(int), init=False)
+    _watchers: set[int] = attrs.field(factory=set, init=False)
+    _watcher_objs: dict[int, Watcher] = attrs.field(factory=dict, init=False)
+    _faults: list[Fault] = attrs.field(factory=list, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for key, (kind, namespaced) in BUILTINS.items():
+            self._register(key, Kind(kind=kind, namespaced=namespaced, singular=kind.lower()))
+        for ns in ("default", "kube-system"):
+            self._put(NAMESPACES, None, self._stamp(NAMESPACES, {"metadata": {"name": ns}}), "ADDED")
+
+    # ------------------------------------------------------------------ registry
+
+    def _register(self, key: Key, kind: Kind) -> None:
+        self._kinds[key] = kind
+        self.resources[kmock.resource(*key)] = kmock.ResourceInfo(
+            kind=kind.kind, namespaced=kind.namespaced, singular=kind.singular or kind.kind.lower(), verbs=VERBS,
+            shortnames=kind.shortnames, categories=kind.categories,
+            subresources={"status"} if kind.status_subresource else set())
+
+    def _unregister(self, key: Key) -> None:
+        self._kinds.pop(key, None)
+        self.resources.pop(kmock.resource(*key), None)
+        for (ns, name), obj in list(self._store.get(key, {}).items()):
+            self._remove(key, ns, name)
+
+    def _register_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            if not version.get("served", True):
+                continue
+            schema = (version.get("schema") or {}).get("openAPIV3Schema")
+            self._register((spec["group"], version["name"], names["plural"]), Kind(
+                kind=names["kind"], namespaced=spec.get("scope", "Namespaced") == "Namespaced", custom=True,
+                status_subresource="status" in (version.get("subresources") or {}), schema=schema,
+                validator=opschema.crd_validator(crd, version["name"]) if schema else None,
+                singular=names.get("singular", names["kind"].lower()), shortnames=tuple(names.get("shortNames", ())),
+                categories=tuple(names.get("categories", ()))))
+
+    # ------------------------------------------------------------------ storage primitives (no awaits inside)
+
+    def _stamp(self, key: Key, obj: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        kind = self._kinds[key]
+        obj["apiVersion"], obj["kind"] = api_version(key), kind.kind
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+        if kind.namespaced:
+            meta["namespace"] = namespace or meta.get("namespace")
+        else:
+            meta.pop("namespace", None)
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = now_rfc3339()
+        for server_owned in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):
+            meta.pop(server_owned, None)
+        if kind.custom:
+            meta["generation"] = 1
+            if kind.status_subresource:
+                obj.pop("status", None)  # the status of a new object comes from the status subresource only
+        if key == NAMESPACES:
+            obj["status"] = {"phase": "Active"}
+        return obj
+
+    def _put(self, key: Key, ns: str | None, obj: dict[str, Any], event: str) -> dict[str, Any]:
+        self._rv += 1
+        obj["metadata"]["resourceVersion"] = str(self._rv)
+        name = obj["metadata"]["name"]
+        self._store[key][(ns, name)] = obj
+        self._uids[obj["metadata"]["uid"]] = (key, ns, name)
+        self._emit(key, ns, {"type": event, "object": obj})
+        return obj
+
+    def _remove(self, key: Key, ns: str | None, name: str, propagation: str = "Background") -> dict[str, Any]:
+        obj = copy.deepcopy(self._store[key].pop((ns, name)))
+        self._rv += 1
+        obj["metadata"]["resourceVersion"] = str(self._rv)
+        self._uids.pop(obj["metadata"]["uid"], None)
+        self._emit(key, ns, {"type": "DELETED", "object": obj})
+        if key == CRDS:
+            spec = obj["spec"]
+            for version in spec["versions"]:
+                self._unregister((spec["group"], version["name"], spec["names"]["plural"]))
+        if key == NAMESPACES:
+            for other, objs in list(self._store.items()):
+                for (ons, oname) in [k for k in objs if k[0] == name]:
+                    self._remove(other, ons, oname)
+        self._schedule_gc(obj["metadata"]["uid"], orphan=propagation == "Orphan")
+        return obj
+
+    def _emit(self, key: Key, ns: str | None, event: dict[str, Any]) -> None:
+        log = self._log[key]
+        log.append((self._rv, ns, event))
+        while len(log) > self.log_size:
+            rv, _, _ = log.popleft()
+            self._floor[key] = rv
+        for wid in list(self._watchers):
+            w = self._watcher_objs[wid]
+            if w.key == key and w.matches(ns, event["object"]):
+                w.queue.put_nowait((self._rv, event))
+
+    # ------------------------------------------------------------------ garbage collection
+
+    def _schedule_gc(self, uid: str, *, orphan: bool) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_later(self.gc_delay, self._collect, uid, orphan)
+
+    def _collect(self, owner_uid: str, orphan: bool) -> None:
+        """Dependents of a gone owner: drop the reference (orphan, or other live owners) or delete them."""
+        if owner_uid in self._uids:
+            return  # the owner is back (same uid cannot come back, but be safe)
+        for key, objs in list(self._store.items()):
+            for (ns, name), obj in list(objs.items()):
+                refs = obj["metadata"].get("ownerReferences") or []
+                if not any(r.get("uid") == owner_uid for r in refs):
+                    continue
+                alive = [r for r in refs if r.get("uid") != owner_uid and r.get("uid") in self._uids]
+                if orphan or alive:
+                    new = copy.deepcopy(obj)
+                    new["metadata"]["ownerReferences"] = [r for r in refs if r.get("uid") != owner_uid]
+                    self._put(key, ns, new, "MODIFIED")
+                else:
+                    self._delete(key, ns, name, propagation="Background")
+
+    def _check_dangling(self, key: Key, ns: str | None, name: str) -> None:
+        obj = self._store.get(key, {}).get((ns, name))
+        if obj is None:
+            return
+        refs = obj["metadata"].get("ownerReferences") or []
+        if refs and not any(r.get("uid") in self._uids for r in refs):
+            self._delete(key, ns, name, propagation="Background")
+
+    def _delete(self, key: Key, ns: str | None, name: str, *, propagation: str) -> dict[str, Any]:
+        obj = self._store[key][(ns, name)]
+        if obj["metadata"].get("finalizers"):
+            if obj["metadata"].get("deletionTimestamp"):
+                return obj
+            new = copy.deepcopy(obj)
+            new["metadata"]["deletionTimestamp"] = now_rfc3339()
+            new["metadata"]["deletionGracePeriodSeconds"] = 0
+            return self._put(key, ns, new, "MODIFIED")
+        return self._remove(key, ns, name, propagation)
+
+    # ------------------------------------------------------------------ validation
+
+    def _invalid(self, key: Key, obj: dict[str, Any], old: dict[str, Any] | None) -> list[tuple[str, str]]:
+        kind = self._kinds[key]
+        meta = obj.get("metadata") or {}
+        name = meta.get("name") or ""
+        causes: list[tuple[str, str]] = []
+        if not _NAME.match(name) or len(name) > 253:
+            causes.append(("metadata.name", f"{name!r} is not a valid DNS subdomain name"))
+        for k, v in (meta.get("labels") or {}).items():
+            if not isinstance(v, str) or len(v) > 63:
+                causes.append((f"metadata.labels.{k}", "label values must be strings of at most 63 characters"))
+        if kind.validator is not None:
+            for err in kind.validator.iter_errors(obj):
+                causes.append(("." .join(str(p) for p in err.absolute_path) or "(root)", err.message))
+            if not causes:
+                causes.extend(cel_errors(kind.schema or {}, obj, old, ""))
+        elif self.validate_builtins and kind.kind in STRICT_BUILTINS:
+            causes.extend((e.split(":", 1)[0], e.split(":", 1)[-1].strip()) for e in opschema.builtin_errors(obj))
+        return causes
+
+    # ------------------------------------------------------------------ HTTP entry points
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        m = _NS_PATH.match(raw_request.path)
+        if m is None:
+            return await super().__call__(raw_request)
+        # kmock's path parser cannot read /api/v1/namespaces[/NAME]: build the request here.
+        body = await raw_request.read()
+        try:
+            data = json.loads(body) if body else None
+        except ValueError:
+            data = None
+        method = raw_request.method.upper()
+        name = m.group(1)
+        action = (kmock.action.WATCH if method == "GET" and raw_request.query.get("watch") in ("true", "1") else
+                  kmock.action.FETCH if method == "GET" and name else kmock.action.LIST if method == "GET" else
+                  kmock.action.CREATE if method == "POST" else kmock.action.UPDATE if method == "PATCH" else
+                  kmock.action.DELETE if method == "DELETE" else None)
+        request = rendering.Request(
+            id=len(self._requests), raw_request=raw_request, url=raw_request.url, method=method,
+            params=dict(raw_request.query), headers=dict(raw_request.headers), body=body, text=body.decode(),
+            data=data, action=action, resource=kmock.resource(*NAMESPACES), namespace=None, name=name)
+        self._requests.append(request)
+        try:
+            return await self._handle(request)
+        except rendering.StreamingError as exc:
+            return exc.args[0]
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        if res is None or res.plural is None:
+            return await super()._handle(request)  # discovery and non-Kubernetes paths: kmock's scaffold
+        if len(self._requests) > self.max_requests_kept:
+            del self._requests[: len(self._requests) - self.max_requests_kept // 2]
+        fault = next((f for f in self._faults if f.matches(request.method.value, request.url.path_qs)), None)
+        if fault is not None:
+            fault.hits += 1
+            if fault.times is not None:
+                fault.times -= 1
+            if fault.delay:
+                await asyncio.sleep(fault.delay)
+            if fault.status is not None:
+                return error(fault.status, "InternalError" if fault.status >= 500 else "Injected",
+                             f"injected fault for {request.method.value} {request.url.path}")
+        response = await self._serve(request, (res.group, res.version, res.plural))
+        if fault is not None and fault.delay_response:
+            await asyncio.sleep(fault.delay_response)
+        return response
+
+    async def _serve(self, request: rendering.Request, key: Key) -> aiohttp.web.StreamResponse:
+        kind = self._kinds.get(key)
+        if kind is None:
+            return error(404, "NotFound", f"the server could not find the requested resource ({'/'.join(key)})")
+        ns = request.namespace if kind.namespaced else None
+        if kind.namespaced and request.name is not None and ns is None:
+            return error(404, "NotFound", "a namespaced object needs a namespace in the URL")
+        action = request.action
+        if action == kmock.action.WATCH:
+            stream = self._watch(request, key, kind, ns)
+            return await rendering.Response(payload=stream)(request)
+        if action == kmock.action.LIST:
+            return self._list(request, key, kind, ns)
+        if action == kmock.action.FETCH:
+            obj = self._store[key].get((ns, request.name))
+            if obj is None:
+                return not_found(kind, request.name)
+            return aiohttp.web.json_response(obj)
+        if action == kmock.action.CREATE:
+            return self._create(request, key, kind, ns)
+        if action == kmock.action.UPDATE:
+            return self._patch(request, key, kind, ns)
+        if action == kmock.action.DELETE:
+            return self._delete_request(request, key, kind, ns)
+        return error(405, "MethodNotAllowed", f"{request.method.value} is not supported by this test server")
+
+    def _list(self, request: rendering.Request, key: Key, kind: Kind, ns: str | None) -> aiohttp.web.Response:
+        labels = parse_label_selector(request.params.get("labelSelector"))
+        fields = parse_field_selector(request.params.get("fieldSelector"))
+        items = [obj for (ons, _), obj in sorted(self._store[key].items(), key=lambda kv: (kv[0][0] or "", kv[0][1]))
+                 if (ns is None or ons == ns) and labels(obj["metadata"].get("labels") or {}) and fields(obj)]
+        return aiohttp.web.json_response({
+            "apiVersion": api_version(key), "kind": f"{kind.kind}List",
+            "metadata": {"resourceVersion": str(self._rv), "continue": ""}, "items": items,
+        })
+
+    def _create(self, request: rendering.Request, key: Key, kind: Kind, ns: str | None) -> aiohttp.web.Response:
+        body = request.data
+        if not isinstance(body, dict):
+            return error(400, "BadRequest", "the request body must be a JSON object")
+        if request.subresource:
+            return error(405, "MethodNotAllowed", f"cannot create the {request.subresource} subresource")
+        body_ns = (body.get("metadata") or {}).get("namespace")
+        if kind.namespaced and body_ns and body_ns != ns:
+            return error(400, "BadRequest", f"the namespace of the object ({body_ns}) does not match the URL ({ns})")
+        if kind.namespaced and (None, ns) not in self._store[NAMESPACES]:
+            return error(404, "NotFound", f'namespaces "{ns}" not found')
+        if not (body.get("metadata") or {}).get("name") and not (body.get("metadata") or {}).get("generateName"):
+            return error(422, "Invalid", "metadata.name or metadata.generateName is required")
+        obj = self._stamp(key, body, ns)
+        name = obj["metadata"]["name"]
+        if (ns, name) in self._store[key]:
+            return error(409, "AlreadyExists", f'{kind.kind.lower()}s "{name}" already exists',
+                         {"name": name, "kind": kind.kind.lower() + "s"})
+        causes = self._invalid(key, obj, None)
+        if causes:
+            return invalid(kind, name, causes)
+        self._put(key, ns, obj, "ADDED")
+        if key == CRDS:
+            self._register_crd(obj)
+            established = copy.deepcopy(obj)
+            established["status"] = {"acceptedNames": obj["spec"]["names"], "storedVersions": [
+                v["name"] for v in obj["spec"]["versions"] if v.get("storage")], "conditions": [
+                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
+                 "lastTransitionTime": now_rfc3339()}]}
+            obj = self._put(key, ns, established, "MODIFIED")
+        refs = obj["metadata"].get("ownerReferences") or []
+        if refs and not any(r.get("uid") in self._uids for r in refs):  # owners gone (or never existed)
+            asyncio.get_running_loop().call_later(self.gc_delay, self._check_dangling, key, ns, name)
+        return aiohttp.web.json_response(obj, status=201)
+
+    def _patch(self, request: rendering.Request, key: Key, kind: Kind, ns: str | None) -> aiohttp.web.Response:
+        old = self._store[key].get((ns, request.name))
+        if old is None:
+            return not_found(kind, request.name)
+        if request.subresource not in (None, "status") or (request.subresource == "status"
+                                                            and not kind.status_subresource):
+            return error(404, "NotFound", f"no {request.subresource} subresource")
+        content_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        body = request.data
+        try:
+            if content_type in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+                if not isinstance(body, dict):
+                    raise PatchError(400, "a merge patch must be a JSON object")
+                wanted_rv = (body.get("metadata") or {}).get("resourceVersion")
+                if wanted_rv is not None and wanted_rv != old["metadata"]["resourceVersion"]:
+                    return error(409, "Conflict", f'Operation cannot be fulfilled on {kind.kind.lower()}s "{request.name}": '
+                                 "the object has been modified; please apply your changes to the latest version and try again")
+                new = merge_patch(old, body)
+            elif content_type == "application/json-patch+json":
+                new = json_patch(old, body)
+            else:
+                return error(415, "UnsupportedMediaType", f"unsupported patch content type {content_type!r}")
+        except PatchError as exc:
+            return error(exc.status, "Invalid" if exc.status == 422 else "BadRequest", str(exc))
+        if not isinstance(new, dict):
+            return error(422, "Invalid", "the patched object is not an object")
+        if kind.status_subresource:
+            if request.subresource == "status":
+                status = new.get("status")
+                new = copy.deepcopy(old)
+                if status is None:
+                    new.pop("status", None)
+                else:
+                    new["status"] = status
+            elif "status" in old:
+                new["status"] = copy.deepcopy(old["status"])
+            else:
+                new.pop("status", None)
+        meta, old_meta = new.setdefault("metadata", {}), old["metadata"]
+        for owned in ("name", "namespace", "uid", "creationTimestamp", "resourceVersion", "generation",
+                      "deletionTimestamp", "deletionGracePeriodSeconds"):
+            if owned in old_meta:
+                meta[owned] = old_meta[owned]
+            else:
+                meta.pop(owned, None)
+        new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+        if kind.custom and "generation" in old_meta and _spec_part(new) != _spec_part(old):
+            meta["generation"] = old_meta["generation"] + 1
+        if new == old:
+            return aiohttp.web.json_response(old)  # a no-op: no new resourceVersion, no event
+        causes = self._invalid(key, new, old)
+        if causes:
+            return invalid(kind, request.name, causes)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            return aiohttp.web.json_response(self._remove(key, ns, request.name))
+        return aiohttp.web.json_response(self._put(key, ns, new, "MODIFIED"))
+
+    def _delete_request(self, request: rendering.Request, key: Key, kind: Kind,
+                        ns: str | None) -> aiohttp.web.Response:
+        obj = self._store[key].get((ns, request.name))
+        if obj is None:
+            return not_found(kind, request.name)
+        options = request.data if isinstance(request.data, dict) else {}
+        pre = options.get("preconditions") or {}
+        if pre.get("uid") and pre["uid"] != obj["metadata"]["uid"]:
+            return error(409, "Conflict", "the UID in the precondition does not match the object")
+        if pre.get("resourceVersion") and pre["resourceVersion"] != obj["metadata"]["resourceVersion"]:
+            return error(409, "Conflict", "the resourceVersion in the precondition does not match the object")
+        propagation = options.get("propagationPolicy") or request.params.get("propagationPolicy") or "Background"
+        if options.get("orphanDependents") is True:
+            propagation = "Orphan"
+        return aiohttp.web.json_response(self._delete(key, ns, request.name, propagation=propagation))
+
+    async def _watch(self, request: rendering.Request, key: Key, kind: Kind,
+                     ns: str | None) -> AsyncIterator[Any]:
+        params = request.params
+        watcher = Watcher(key, ns, parse_label_selector(params.get("labelSelector")),
+                          parse_field_selector(params.get("fieldSelector")), asyncio.Queue())
+        since = params.get("resourceVersion")
+        bookmarks = params.get("allowWatchBookmarks") in ("true", "1")
+        timeout = float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+        if since in (None, "", "0"):
+            initial = [{"type": "ADDED", "object": obj} for (ons, _), obj in self._store[key].items()
+                       if watcher.matches(ons, obj)]
+            last = self._rv
+        elif int(since) < self._floor[key]:
+            yield b""
+            yield {"type": "ERROR", "object": {
+                "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "code": 410,
+                "reason": "Expired", "message": f"too old resource version: {since} ({self._floor[key]})"}}
+            return
+        else:
+            initial = [event for rv, ons, event in self._log[key] if rv > int(since) and watcher.matches(ons, event["object"])]
+            last = int(since)
+        wid = id(watcher)
+        self._watcher_objs[wid] = watcher
+        self._watchers.add(wid)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            yield b""  # send the headers now, as a server does
+            for event in initial:
+                last = max(last, int(event["object"]["metadata"]["resourceVersion"]))
+                yield event
+            while True:
+                wait = self.bookmark_interval if bookmarks else None
+                if deadline is not None:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        return
+                    wait = remaining if wait is None else min(wait, remaining)
+                try:
+                    item = await asyncio.wait_for(watcher.queue.get(), wait)
+                except TimeoutError:
+                    if bookmarks and (deadline is None or loop.time() < deadline):
+                        yield {"type": "BOOKMARK", "object": {"apiVersion": api_version(key), "kind": kind.kind,
+                                                              "metadata": {"resourceVersion": str(last)}}}
+                    continue
+                if item is _DROP:
+                    return
+                last, event = item
+                yield event
+        finally:
+            self._watchers.discard(wid)
+            self._watcher_objs.pop(wid, None)
+
+    # ------------------------------------------------------------------ test controls (call on the loop)
+
+    def inject(self, *, method: str | None = None, path: str = ".*", status: int | None = 500,
+               times: int | None = 1, delay: float = 0.0, delay_response: float = 0.0) -> Fault:
+        fault = Fault(method and method.upper(), re.compile(path), status, times, delay, delay_response)
+        self._faults.append(fault)
+        return fault
+
+    def clear_faults(self) -> None:
+        self._faults.clear()
+
+    def drop_watches(self) -> int:
+        """End every open watch stream (as an API server restart or a load balancer would)."""
+        for wid in list(self._watchers):
+            self._watcher_objs[wid].queue.put_nowait(_DROP)
+        return len(self._watchers)
+
+    def compact(self) -> int:
+        """Forget the event log: watches resuming from an older resourceVersion get 410 Expired."""
+        for key in list(self._kinds):
+            self._log[key].clear()
+            self._floor[key] = self._rv
+        return self._rv
+
+    def watch_count(self) -> int:
+        return len(self._watchers)
+
+    def request_log(self) -> list[tuple[str, str]]:
+        return [(r.method.value, r.url.path_qs) for r in self._requests]
+
+    def get(self, key: Key, ns: str | None, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self._store[key].get((ns, name)))
+
+
+def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status", "apiVersion", "kind")}
+
+
+def error(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> aiohttp.web.Response:
+    body = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "code": code,
+            "reason": reason, "message": message}
+    if details:
+        body["details"] = details
+    return aiohttp.web.json_response(body, status=code)
+
+
+def not_found(kind: Kind, name: str | None) -> aiohttp.web.Response:
+    return error(404, "NotFound", f'{kind.kind.lower()}s "{name}" not found', {"name": name})
+
+
+def invalid(kind: Kind, name: str, causes: list[tuple[str, str]]) -> aiohttp.web.Response:
+    text = ", ".join(f"{field}: {message}" for field, message in causes)
+    return error(422, "Invalid", f'{kind.kind} "{name}" is invalid: {text}',
+                 {"name": name, "kind": kind.kind,
+                  "causes": [{"reason": "FieldValueInvalid", "field": f, "message": m} for f, m in causes]})
+
+
+# ---------------------------------------------------------------------------- running it
+
+class ApiServerThread:
+    """An ApiServer on its own event loop in a daemon thread; `call()` runs code on that loop."""
+
+    def __init__(self, *, port: int = 0, **options: Any):
+        self._port, self._options = port, options
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="apiserver", daemon=True)
+        self._error: BaseException | None = None
+        self.server: ApiServer | None = None
+        self.url = ""
+
+    def start(self, timeout: float = 10.0) -> ApiServerThread:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("the test API server did not start")
+        if self._error is not None:
+            raise RuntimeError("the test API server failed to start") from self._error
+        return self
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            self.server = ApiServer(**self._options)
+            async with self.server, kmock.Server(self.server, port=self._port or None) as http:
+                self.url = str(http.url).rstrip("/")
+                self._loop = asyncio.get_running_loop()
+                self._ready.set()
+                await self._stop.wait()
+                self.server.drop_watches()
+                await asyncio.sleep(0.05)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self._error = exc
+            self._ready.set()
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run fn(*args, **kwargs) on the server's loop (where its state lives) and return the result."""
+        assert self._loop is not None
+
+        async def run() -> Any:
+            return fn(*args, **kwargs)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": self.url}}],
+            "users": [{"name": "test", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": namespace}}],
+        }))
+        return path
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+
+def main(argv: Iterable[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="a Kubernetes API server for tests (kmock + harness)")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--kubeconfig", type=Path, help="write a kubeconfig for it here")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    thread = ApiServerThread(port=args.port).start()
+    if args.kubeconfig:
+        thread.write_kubeconfig(args.kubeconfig)
+    print(f"serving on {thread.url}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        thread.stop()
+
+
+if __name__ == "__main__":
+    main()

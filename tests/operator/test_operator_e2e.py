@@ -1,0 +1,343 @@
+"""The real operator process (`python -m rljob_operator`) against the test API server over HTTP.
+
+The tests play the user (kubectl-like HTTP calls), the training-operator (patching PyTorchJob
+status) and the worker (the progress annotation), and assert what the RLJob shows.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import opschema
+import pytest
+import yaml
+from cluster import (
+    CONFIGMAPS,
+    PYTORCHJOBS,
+    RESYNC_SECONDS,
+    RLJOBS,
+    ROLEBINDINGS,
+    ROLES,
+    SECRETS,
+    SERVICEACCOUNTS,
+    KubeClient,
+    wait_until,
+)
+from rljob_operator import builders
+from rljob_operator import conditions as c
+from rljob_operator.progress import encode_progress, patch_progress
+
+pytestmark = pytest.mark.timeout(120)
+
+# Event-driven reactions must land well within the resync period (conftest.RESYNC_SECONDS = 10 s),
+# so a test cannot pass because the resync timer covered for a missing watch or handler.
+EVENT_DRIVEN = 5.0
+CHILD_KINDS = [(SERVICEACCOUNTS, "{}-worker"), (ROLES, "{}-progress"), (ROLEBINDINGS, "{}-progress"),
+               (CONFIGMAPS, "{}-spec"), (PYTORCHJOBS, "{}")]
+
+
+def rljob(name: str = "job", **spec_changes: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((opschema.REPO / "examples" / "quickstart.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    for path, value in spec_changes.items():
+        node = doc["spec"]
+        *parents, leaf = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return doc
+
+
+class Eventually:
+    def __init__(self, kube: KubeClient, operator: Any):
+        self.kube, self.operator = kube, operator
+
+    def __call__(self, check, what: str, timeout: float = EVENT_DRIVEN):
+        return wait_until(check, timeout=timeout, what=what, on_timeout=lambda: self.operator.logs()[-6000:])
+
+    def condition(self, ns: str, name: str, type_: str, status: str, reason: str | None = None,
+                  timeout: float = EVENT_DRIVEN) -> dict[str, Any]:
+        def check():
+            cond = self.kube.condition(ns, name, type_)
+            return cond if cond and cond["status"] == status and (reason is None or cond["reason"] == reason) else None
+
+        return self(check, f"{name}: {type_}={status} {reason or ''}", timeout)
+
+    def event(self, ns: str, name: str, reason: str, timeout: float = EVENT_DRIVEN) -> dict[str, Any]:
+        def check():
+            return next((e for e in self.kube.events_for(ns, name) if e["reason"] == reason), None)
+
+        return self(check, f"{name}: event {reason}", timeout)
+
+
+@pytest.fixture
+def eventually(kube: KubeClient, operator) -> Eventually:
+    return Eventually(kube, operator)
+
+
+def start_running(kube: KubeClient, eventually: Eventually, ns: str, name: str, **spec: Any) -> dict[str, Any]:
+    kube.create(RLJOBS, ns, rljob(name, **spec))
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, name), "the PyTorchJob")
+    kube.set_pytorchjob_conditions(ns, name, ("Created", "True", "PyTorchJobCreated"),
+                                   ("Running", "True", "PyTorchJobRunning"), startTime="2026-11-26T10:00:00Z")
+    eventually.condition(ns, name, c.RUNNING, "True", c.REASON_PYTORCHJOB_RUNNING)
+    return kube.get(PYTORCHJOBS, ns, name)
+
+
+# ---------------------------------------------------------------------------- creation and status
+
+
+def test_rljob_becomes_a_pytorchjob_with_owned_children(kube: KubeClient, operator, eventually: Eventually,
+                                                        ns: str) -> None:
+    job = kube.create(RLJOBS, ns, rljob("alpha"))
+    ptj = eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "alpha"), "the PyTorchJob")
+    for resource, pattern in CHILD_KINDS:
+        child = kube.get(resource, ns, pattern.format("alpha"))
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "rljob.dev/v1alpha1", "kind": "RLJob", "name": "alpha", "uid": job["metadata"]["uid"],
+            "controller": True, "blockOwnerDeletion": True}]
+        assert child["metadata"]["labels"][builders.LABEL_JOB] == "alpha"
+    assert opschema.pytorchjob_schema_errors(ptj) == [] and opschema.pytorchjob_webhook_errors(ptj) == []
+    assert ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] == [
+        "torchrun", "-m", "rljob_worker", "--spec", "/etc/rljob/spec.json"]
+    accepted = eventually.condition(ns, "alpha", c.ACCEPTED, "True", c.REASON_SPEC_ACCEPTED)
+    assert accepted["observedGeneration"] == 1
+    status = kube.get(RLJOBS, ns, "alpha")["status"]
+    assert status["observedGeneration"] == 1 and status["pytorchJobName"] == "alpha"
+    assert [x["type"] for x in status["conditions"]] == list(c.CONDITION_TYPES)
+    assert opschema.rljob_schema_errors(kube.get(RLJOBS, ns, "alpha")) == []
+    eventually.event(ns, "alpha", c.REASON_SPEC_ACCEPTED)
+    created = eventually.event(ns, "alpha", c.EVENT_CREATED)
+    assert created["type"] == "Normal" and created["involvedObject"]["uid"] == job["metadata"]["uid"]
+
+
+def test_training_operator_lifecycle_is_mirrored(kube: KubeClient, operator, eventually: Eventually,
+                                                 api_server, ns: str) -> None:
+    start_running(kube, eventually, ns, "beta")
+    status = kube.get(RLJOBS, ns, "beta")["status"]
+    assert status["startTime"] == "2026-11-26T10:00:00Z"
+    eventually.event(ns, "beta", c.EVENT_RUNNING)
+    # The worker reports progress through the annotation; the operator folds it into status.trainer.
+    patch_progress(encode_progress(15, total_steps=30, reward_mean=0.75,
+                                   last_checkpoint={"step": 10, "uri": "file:///ckpt/step_000010"}),
+                   name="beta", namespace=ns, api_base=api_server.url)
+    trainer = eventually(lambda: (kube.get(RLJOBS, ns, "beta")["status"].get("trainer") or {}).get("step") == 15
+                         and kube.get(RLJOBS, ns, "beta")["status"]["trainer"], "trainer progress")
+    assert trainer["progressPercentage"] == 50 and trainer["rewardMean"] == 0.75
+    assert trainer["lastCheckpoint"] == {"step": 10, "uri": "file:///ckpt/step_000010"}
+    # A malformed report is ignored; the status keeps the last good one.
+    kube.patch(RLJOBS, ns, "beta", {"metadata": {"annotations": {"rljob.dev/progress": '{"step": "x", "time": "t"}'}}})
+    kube.set_pytorchjob_conditions(ns, "beta", ("Created", "True", "PyTorchJobCreated"),
+                                   ("Running", "False", "PyTorchJobRunning"),
+                                   ("Succeeded", "True", "PyTorchJobSucceeded"),
+                                   completionTime="2026-11-26T11:00:00Z")
+    eventually.condition(ns, "beta", c.SUCCEEDED, "True", c.REASON_PYTORCHJOB_SUCCEEDED)
+    status = kube.get(RLJOBS, ns, "beta")["status"]
+    assert status["completionTime"] == "2026-11-26T11:00:00Z"
+    assert status["trainer"]["step"] == 15
+    assert c.get_condition(status["conditions"], c.RUNNING)["reason"] == c.REASON_COMPLETED
+    eventually.event(ns, "beta", c.EVENT_SUCCEEDED)
+    # A finished job's PyTorchJob (e.g. removed by ttlSecondsAfterFinished) is not recreated.
+    kube.delete(PYTORCHJOBS, ns, "beta")
+    time.sleep(2.0)
+    assert kube.maybe_get(PYTORCHJOBS, ns, "beta") is None
+    assert kube.condition(ns, "beta", c.SUCCEEDED)["status"] == "True"
+
+
+def test_failure_reason_and_message_come_from_the_pytorchjob(kube: KubeClient, operator, eventually: Eventually,
+                                                             ns: str) -> None:
+    start_running(kube, eventually, ns, "gamma")
+    kube.set_pytorchjob_conditions(ns, "gamma", ("Created", "True", "PyTorchJobCreated"),
+                                   ("Failed", "True", "BackoffLimitExceeded"))
+    failed = eventually.condition(ns, "gamma", c.FAILED, "True", "BackoffLimitExceeded")
+    assert failed["message"] == "PyTorchJob gamma is failed."
+    event = eventually.event(ns, "gamma", c.EVENT_FAILED)
+    assert event["type"] == "Warning" and "BackoffLimitExceeded" in event["message"]
+    assert kube.get(RLJOBS, ns, "gamma")["status"]["completionTime"]
+
+
+def test_invalid_spec_is_reported_once_and_creates_nothing(kube: KubeClient, operator, eventually: Eventually,
+                                                           api_server, ns: str) -> None:
+    # Passes the CRD schema and its CEL rules, fails the operator's cross-field validation.
+    kube.create(RLJOBS, ns, rljob("bad", rollout__valN=4, rollout__valTemperature=0.0))
+    cond = eventually.condition(ns, "bad", c.ACCEPTED, "False", c.REASON_INVALID_SPEC)
+    assert "spec.rollout.valN" in cond["message"]
+    event = eventually.event(ns, "bad", c.REASON_INVALID_SPEC)
+    assert event["type"] == "Warning"
+    for resource, pattern in CHILD_KINDS:
+        assert kube.maybe_get(resource, ns, pattern.format("bad")) is None
+    # No retry storm: a resync reconciles it again (result "invalid") and writes and posts nothing.
+    status_path = f"/namespaces/{ns}/rljobs/bad/status"
+    writes = lambda: sum(1 for m, p in api_server.call(api_server.server.request_log)
+                         if m == "PATCH" and p.startswith("/apis/rljob.dev") and status_path in p)
+    before = writes()
+    invalid_cycles = operator.metric("rljob_operator_reconciles_total", trigger="resync", result="invalid")
+    eventually(lambda: operator.metric("rljob_operator_reconciles_total", trigger="resync", result="invalid")
+               > invalid_cycles, "a resync of the invalid job", timeout=RESYNC_SECONDS + 5)
+    assert writes() == before
+    assert len([e for e in kube.events_for(ns, "bad") if e["reason"] == c.REASON_INVALID_SPEC]) == 1
+    # Fixing the spec creates the job.
+    kube.patch(RLJOBS, ns, "bad", {"spec": {"rollout": {"valN": 1}}})
+    eventually.condition(ns, "bad", c.ACCEPTED, "True")
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "bad"), "the PyTorchJob after the fix")
+    assert kube.condition(ns, "bad", c.ACCEPTED)["observedGeneration"] == 2
+
+
+# ---------------------------------------------------------------------------- lifecycle
+
+
+def test_suspend_and_resume(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    start_running(kube, eventually, ns, "delta")
+    kube.patch(RLJOBS, ns, "delta", {"spec": {"suspend": True}})
+    eventually(lambda: kube.get(PYTORCHJOBS, ns, "delta")["spec"]["runPolicy"]["suspend"] is True,
+               "runPolicy.suspend on the PyTorchJob")
+    eventually.condition(ns, "delta", c.SUSPENDED, "False", c.REASON_SUSPENDING)
+    kube.set_pytorchjob_conditions(ns, "delta", ("Created", "True", "PyTorchJobCreated"),
+                                   ("Running", "False", "PyTorchJobSuspended"),
+                                   ("Suspended", "True", "PyTorchJobSuspended"))
+    eventually.condition(ns, "delta", c.SUSPENDED, "True", c.REASON_SUSPENDED)
+    eventually.condition(ns, "delta", c.RUNNING, "False", c.REASON_JOB_SUSPENDED)
+    eventually.event(ns, "delta", c.REASON_SUSPENDED)
+    uid = kube.get(PYTORCHJOBS, ns, "delta")["metadata"]["uid"]
+    kube.patch(RLJOBS, ns, "delta", {"spec": {"suspend": False}})
+    eventually(lambda: kube.get(PYTORCHJOBS, ns, "delta")["spec"]["runPolicy"]["suspend"] is False,
+               "runPolicy.suspend false")
+    eventually.condition(ns, "delta", c.SUSPENDED, "False", c.REASON_RESUMED)
+    eventually.event(ns, "delta", c.REASON_RESUMED)
+    assert kube.get(PYTORCHJOBS, ns, "delta")["metadata"]["uid"] == uid, "suspend alone never recreates"
+
+
+def test_spec_changes_are_rejected_while_running_and_applied_while_suspended(
+        kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    ptj = start_running(kube, eventually, ns, "eps")
+    launched_hash = ptj["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH]
+    kube.patch(RLJOBS, ns, "eps", {"spec": {"training": {"lr": 0.01}}})
+    cond = eventually.condition(ns, "eps", c.ACCEPTED, "False", c.REASON_SPEC_CHANGE_REJECTED)
+    assert "spec.training.lr" in cond["message"] and cond["observedGeneration"] == 2
+    eventually.event(ns, "eps", c.REASON_SPEC_CHANGE_REJECTED)
+    assert kube.get(PYTORCHJOBS, ns, "eps")["metadata"]["uid"] == ptj["metadata"]["uid"]
+    assert '"lr": 0.003' in kube.get(CONFIGMAPS, ns, "eps-spec")["data"]["spec.json"]
+    assert kube.condition(ns, "eps", c.RUNNING)["status"] == "True"
+    # Suspending applies it: the PyTorchJob is replaced by a suspended one from the new spec.
+    kube.patch(RLJOBS, ns, "eps", {"spec": {"suspend": True}})
+    eventually.event(ns, "eps", c.EVENT_SPEC_CHANGE_APPLIED)
+    new = eventually(lambda: (p := kube.maybe_get(PYTORCHJOBS, ns, "eps")) and p["metadata"]["uid"] != ptj[
+        "metadata"]["uid"] and p, "the replacement PyTorchJob")
+    assert new["spec"]["runPolicy"]["suspend"] is True
+    assert new["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] != launched_hash
+    assert '"lr": 0.01' in kube.get(CONFIGMAPS, ns, "eps-spec")["data"]["spec.json"]
+    eventually.condition(ns, "eps", c.ACCEPTED, "True")
+    eventually.condition(ns, "eps", c.SUSPENDED, "True", c.REASON_SUSPENDED)
+    kube.patch(RLJOBS, ns, "eps", {"spec": {"suspend": False}})
+    eventually(lambda: kube.get(PYTORCHJOBS, ns, "eps")["spec"]["runPolicy"]["suspend"] is False, "resumed")
+
+
+def test_hand_deleted_pytorchjob_is_recreated(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    ptj = start_running(kube, eventually, ns, "zeta")
+    kube.delete(PYTORCHJOBS, ns, "zeta")
+    again = eventually(lambda: (p := kube.maybe_get(PYTORCHJOBS, ns, "zeta")) and p["metadata"]["uid"] != ptj[
+        "metadata"]["uid"] and p, "the recreated PyTorchJob")
+    assert again["metadata"]["ownerReferences"] == ptj["metadata"]["ownerReferences"]
+    eventually.event(ns, "zeta", c.EVENT_RECREATED)
+    assert len(kube.items(PYTORCHJOBS, ns)) == 1
+
+
+def test_deleting_the_rljob_leaves_nothing_behind(kube: KubeClient, operator, eventually: Eventually,
+                                                  ns: str) -> None:
+    start_running(kube, eventually, ns, "eta")
+    kube.create(RLJOBS, ns, rljob("bystander"))
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "bystander"), "the bystander's PyTorchJob")
+    kube.delete(RLJOBS, ns, "eta")
+    for resource, pattern in CHILD_KINDS:
+        eventually(lambda r=resource, p=pattern: kube.maybe_get(r, ns, p.format("eta")) is None,
+                   f"{pattern.format('eta')} garbage-collected")
+    for resource, pattern in CHILD_KINDS:
+        assert kube.maybe_get(resource, ns, pattern.format("bystander")) is not None
+    time.sleep(1.0)
+    assert kube.maybe_get(PYTORCHJOBS, ns, "eta") is None, "nothing recreates children of a deleted RLJob"
+
+
+def test_credentials_are_referenced_never_copied_or_logged(kube: KubeClient, operator, eventually: Eventually,
+                                                           ns: str) -> None:
+    secret_value = "s3cr3t-do-not-leak-4711"
+    kube.create(SECRETS, ns, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3"},
+                              "stringData": {}, "data": {"id": "aWQ=", "key": "czNjcjN0LWRvLW5vdC1sZWFrLTQ3MTE="}})
+    kube.create(RLJOBS, ns, rljob("theta", s3={"endpoint": "http://minio:9000", "credentialsSecretRef": {
+        "name": "s3", "accessKeyIdKey": "id", "secretAccessKeyKey": "key"}}, checkpoint__uri="s3://ckpt/rl"))
+    ptj = eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "theta"), "the PyTorchJob")
+    env = {e["name"]: e for e in ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
+        "env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "s3", "key": "key"}}
+    everything = str(kube.items(CONFIGMAPS, ns)) + str(ptj) + operator.logs()
+    assert secret_value not in everything and "czNjcjN0" not in everything
+
+
+def test_resync_restores_children_deleted_by_hand(kube: KubeClient, operator, eventually: Eventually,
+                                                  ns: str) -> None:
+    """Nothing watches ConfigMaps or Roles; the level-based resync timer brings them back."""
+    start_running(kube, eventually, ns, "xi")
+    cm = kube.get(CONFIGMAPS, ns, "xi-spec")
+    kube.delete(CONFIGMAPS, ns, "xi-spec")
+    kube.delete(ROLES, ns, "xi-progress")
+    eventually(lambda: kube.maybe_get(CONFIGMAPS, ns, "xi-spec") and kube.maybe_get(ROLES, ns, "xi-progress"),
+               "the ConfigMap and Role recreated by the resync", timeout=RESYNC_SECONDS + 5)
+    assert kube.get(CONFIGMAPS, ns, "xi-spec")["data"] == cm["data"]
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+def test_api_errors_become_a_condition_and_are_retried(kube: KubeClient, operator, eventually: Eventually,
+                                                       api_server, ns: str) -> None:
+    fault = api_server.call(api_server.server.inject, method="POST", path=f"/namespaces/{ns}/pytorchjobs$",
+                            status=500, times=6)
+    kube.create(RLJOBS, ns, rljob("iota"))
+    cond = eventually.condition(ns, "iota", c.RUNNING, "False", c.REASON_CREATE_FAILED)
+    assert "500" in cond["message"]
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "iota"), "the PyTorchJob after the errors", timeout=20)
+    assert fault.hits == 6
+    eventually.condition(ns, "iota", c.RUNNING, "False", c.REASON_PENDING)
+    assert len(kube.items(PYTORCHJOBS, ns)) == 1
+    assert operator.metric("rljob_operator_api_errors_total", verb="create", code="500") >= 6
+
+
+def test_expired_watches_are_relisted(kube: KubeClient, operator, eventually: Eventually, api_server,
+                                      ns: str) -> None:
+    start_running(kube, eventually, ns, "kappa")
+    api_server.call(api_server.server.compact)
+    before = len(api_server.call(api_server.server.request_log))
+    assert api_server.call(api_server.server.drop_watches) >= 2
+    # kopf resumes from its last resourceVersion, gets 410 Expired, and lists again.
+    eventually(lambda: any(m == "GET" and "/rljobs" in p and "watch" not in p
+                           for m, p in api_server.call(api_server.server.request_log)[before:]), "a fresh list")
+    kube.set_pytorchjob_conditions(ns, "kappa", ("Succeeded", "True", "PyTorchJobSucceeded"))
+    eventually.condition(ns, "kappa", c.SUCCEEDED, "True")
+    kube.create(RLJOBS, ns, rljob("lambda"))
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "lambda"), "a PyTorchJob after the relist")
+
+
+def test_operator_metrics(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    start_running(kube, eventually, ns, "mu")
+    assert operator.metric("rljob_operator_reconciles_total", result="ok") > 0
+    assert operator.metric("rljob_operator_reconcile_duration_seconds_count", trigger="change") > 0
+    assert operator.metric("rljob_operator_children_created_total", kind="PyTorchJob") >= 1
+    eventually(lambda: operator.metric("rljob_operator_rljobs", condition="Running", status="True") >= 1,
+               "the jobs-by-condition gauge")
+    assert operator.metric("process_resident_memory_bytes") > 0
+
+
+def test_restart_mid_reconcile_creates_no_duplicates(kube: KubeClient, operator, eventually: Eventually,
+                                                     api_server, ns: str) -> None:
+    """SIGKILL the operator while its PyTorchJob create is in flight (the server commits it but the
+    answer is slow); the next operator finds what exists and creates nothing twice."""
+    api_server.call(api_server.server.inject, method="POST", path=f"/namespaces/{ns}/pytorchjobs$", status=None,
+                    delay_response=30.0)
+    kube.create(RLJOBS, ns, rljob("nu"))
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "nu"), "the PyTorchJob committed")
+    operator.restart(kill=True)
+    eventually.condition(ns, "nu", c.RUNNING, "False", c.REASON_PENDING)
+    for resource, _ in CHILD_KINDS:
+        assert len(kube.items(resource, ns)) == 1, resource
+    kube.set_pytorchjob_conditions(ns, "nu", ("Running", "True", "PyTorchJobRunning"))
+    eventually.condition(ns, "nu", c.RUNNING, "True")
+    api_server.call(api_server.server.clear_faults)
