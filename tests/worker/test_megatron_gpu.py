@@ -86,6 +86,12 @@ def test_bf16_trains_and_checkpoints(hf_dirs, tmp_path, distributed_optimizer):
     assert all(torch.equal(exported[k], files[k].to(torch.bfloat16)) for k in files)
     res = actor.compute_logprobs(batch, 2, with_entropy=True)
     assert (res["logprobs"] - H.hf_logprobs(hf, ids, mask)).abs().max() < 0.1
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    ref = MegatronActor.from_hf(
+        hf_dirs["qwen2"], ParallelConfig(), OptimConfig(lr=1e-2), dtype=torch.bfloat16, trainable=False
+    )
+    torch.testing.assert_close(ref.compute_logprobs(batch, 2)["logprobs"], res["logprobs"], rtol=0, atol=0)
     loss0 = actor.eval_loss(ids, mask)
     history = [actor.update(batch, H.seq_nll_loss, micro_batch_size=2, with_entropy=True) for _ in range(5)]
     assert all(m["skipped"] == 0 and m["grad_norm"] > 0 for m in history)
