@@ -128,7 +128,8 @@ class GRPOTrainer:
                                            seed=t.seed)
         a = spec.algorithm
         self.use_ref = a.kl_coef > 0
-        self.ref = (MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed)
+        self.ref = (MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed,
+                                            trainable=False)
                     if self.use_ref else None)
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
         self.loss_config = algo.LossConfig(
