@@ -45,23 +45,27 @@ class PromptDataset:
         return len(self.records)
 
 
-def read_parquet_rows(path: str, fetch: Callable[[str], str] | None = None) -> list[dict]:
-    """Rows of a parquet file; `fetch` turns an s3:// URI into a local path (the storage module)."""
+def read_parquet_rows(path: str, fetch: Callable[[str], str] | None = None,
+                      setting: str = "spec.data.trainFiles") -> list[dict]:
+    """Rows of a parquet file; `fetch` turns an s3:// URI into a local path (the storage module).
+
+    Errors name `setting` (the spec field the path came from) and the file.
+    """
     import pyarrow.parquet as pq
 
     local = path
     if path.startswith("s3://"):
         if fetch is None:
-            raise DataError(f"{path}: s3:// data needs object storage settings (spec.s3)")
+            raise DataError(f"{setting}: {path}: s3:// data needs object storage settings (spec.s3)")
         local = fetch(path)
     elif path.startswith("file://"):
         local = path[len("file://"):]
     if not Path(local).exists():
-        raise DataError(f"data file {path} does not exist")
+        raise DataError(f"{setting}: data file {path} does not exist")
     try:
         return pq.read_table(local).to_pylist()
     except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a bad file
-        raise DataError(f"data file {path} is not readable parquet: {exc}") from None
+        raise DataError(f"{setting}: data file {path} is not readable parquet: {exc}") from None
 
 
 def render_prompt(raw: Any, tokenizer, apply_chat_template: bool) -> str:
@@ -78,11 +82,16 @@ def render_prompt(raw: Any, tokenizer, apply_chat_template: bool) -> str:
 def build_dataset(rows: list[dict], spec: DataSpec, tokenizer, source: str) -> PromptDataset:
     """Tokenise rows and apply the length policy. Raises DataError naming the setting on bad data."""
     key = spec.prompt_key
-    if rows and key not in rows[0]:
+    if not rows:
+        raise DataError(f"{source}: the data has no rows")
+    if key not in rows[0]:
         raise DataError(f"spec.data.promptKey {key!r} is not a column of {source}; columns: {sorted(rows[0])}")
     out = PromptDataset(records=[])
     for i, row in enumerate(rows):
-        text = render_prompt(row[key], tokenizer, spec.apply_chat_template)
+        try:
+            text = render_prompt(row[key], tokenizer, spec.apply_chat_template)
+        except DataError as exc:
+            raise DataError(f"{source} row {i}, column spec.data.promptKey={key!r}: {exc}") from None
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > spec.max_prompt_length:
             policy = spec.prompt_overflow
@@ -117,13 +126,15 @@ def load_datasets(spec: DataSpec, tokenizer, seed: int, fetch=None) -> tuple[Pro
         train = build_dataset(train_rows, spec, tokenizer, f"synthetic/{spec.synthetic.task}")
         val = build_dataset(val_rows, spec, tokenizer, "synthetic-val") if val_rows else None
         return train, val
-    train_rows = [r for f in spec.train_files for r in read_parquet_rows(f, fetch)]
+    train_rows = [r for i, f in enumerate(spec.train_files)
+                  for r in read_parquet_rows(f, fetch, f"spec.data.trainFiles[{i}]")]
     if not train_rows:
         raise DataError(f"spec.data.trainFiles {spec.train_files}: no rows")
     train = build_dataset(train_rows, spec, tokenizer, ",".join(spec.train_files))
     val = None
     if spec.val_files:
-        val_rows = [r for f in spec.val_files for r in read_parquet_rows(f, fetch)]
+        val_rows = [r for i, f in enumerate(spec.val_files)
+                    for r in read_parquet_rows(f, fetch, f"spec.data.valFiles[{i}]")]
         val = build_dataset(val_rows, spec, tokenizer, ",".join(spec.val_files))
     return train, val
 
