@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: cannot read --spec {args.spec}: {exc}", file=sys.stderr)
         return 2
     except RLJobValidationError as exc:
-        print("rljob worker: invalid spec:\n" + "\n".join(f"  {e}" for e in exc.errors), file=sys.stderr)
+        print(f"rljob worker: invalid spec: {exc}", file=sys.stderr)  # one line: errors joined by '; '
         return 2
 
     from rljob_worker.trainer import RunContext, run
