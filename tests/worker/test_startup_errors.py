@@ -1,0 +1,157 @@
+"""Bad input stops `python -m rljob_worker --spec spec.json` at start-up with one clear line.
+
+Each case runs the real worker as a single process (no torchrun) from the quickstart spec with
+one setting broken, and expects: exit code 2 within a bound, one error line naming the spec
+field, and no traceback. The worker processes start together: each spends most of its ~6 CPU
+seconds importing torch and megatron, so they overlap instead of queueing. A worker that
+hangs is sent SIGABRT at the bound, and faulthandler puts its threads' stacks in the failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from rljob_worker.builtin_models import materialize_builtin
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240  # generous for a loaded 2-core CI box (each case takes ~10 s alone); a hang fails instead
+
+
+def quickstart_spec() -> dict:
+    spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())["spec"]
+    spec["metrics"]["enabled"] = False
+    return spec
+
+
+def parquet_spec(path: Path, **data) -> dict:
+    spec = quickstart_spec()
+    spec["data"] = {"trainFiles": [str(path)], "maxPromptLength": 16, "maxResponseLength": 16, **data}
+    return spec
+
+
+def verl_rows(key: str = "prompt") -> list[dict]:
+    return [{key: f"{i}+1=", "data_source": "t", "reward_model": {"ground_truth": "7"}, "extra_info": {"index": i}}
+            for i in range(8)]
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@dataclass
+class Case:
+    spec: dict | None  # None: --spec points at `spec_file` as it is
+    setting: str  # must appear in the error line
+    spec_file: str | None = None
+    also: str = ""  # another fragment the line must contain
+
+
+def build_cases(tmp: Path) -> dict[str, Case]:
+    missing = parquet_spec(tmp / "missing.parquet")
+    not_parquet = tmp / "train.parquet"
+    not_parquet.write_text("prompt,answer\n1+1=,2\n")
+    no_key = parquet_spec(write_parquet(tmp / "question.parquet", verl_rows(key="question")))
+    bad_model = quickstart_spec()
+    bad_model["model"]["path"] = str(tmp / "no-such-model")
+    bad_reward = quickstart_spec()
+    bad_reward["reward"]["function"] = "no_such_reward_module:score"
+    bad_tp = quickstart_spec()
+    bad_tp["megatron"]["tensorModelParallelSize"] = 3
+    (tmp / "garbage.json").write_text("{not json")
+    return {
+        "model path does not exist": Case(bad_model, "spec.model.path", also="no-such-model"),
+        "parquet does not exist": Case(missing, "spec.data.trainFiles[0]", also="missing.parquet"),
+        "parquet is not parquet": Case(parquet_spec(not_parquet), "spec.data.trainFiles[0]", also="not readable parquet"),
+        "prompt key missing": Case(no_key, "spec.data.promptKey", also="'question'"),
+        "reward does not import": Case(bad_reward, "spec.reward.function", also="no_such_reward_module"),
+        "spec file missing": Case(None, "--spec", spec_file="no-such-spec.json", also="No such file"),
+        "spec file not JSON": Case(None, "--spec", spec_file="garbage.json"),
+        "TP 3 on 1 GPU": Case(bad_tp, "spec.megatron.tensorModelParallelSize", also="not divisible"),
+    }
+
+
+@dataclass
+class Outcome:
+    case: Case
+    returncode: int
+    stderr: str
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+    tmp = tmp_path_factory.mktemp("startup")
+    workdir = tmp / "workdir"
+    # builtin://tiny-qwen2 resolves to <RLJOB_WORKDIR>/models/tiny-qwen2; build it once for all cases
+    materialize_builtin("tiny-qwen2", workdir / "models" / "tiny-qwen2")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_")) and k not in
+           {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+    env.update(RLJOB_WORKDIR=str(workdir), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    running = {}
+    cases = build_cases(tmp)
+    assert sorted(cases) == sorted(CASE_NAMES)
+    for name, case in cases.items():
+        spec_path = tmp / (case.spec_file or f"{len(running)}.json")
+        if case.spec is not None:
+            spec_path.write_text(json.dumps(case.spec))
+        proc = subprocess.Popen([sys.executable, "-m", "rljob_worker", "--spec", str(spec_path)], env=env,
+                                cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        running[name] = (proc, time.monotonic())
+    results = {}
+    for name, (proc, start) in running.items():
+        try:
+            _, stderr = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack into stderr
+            try:
+                _, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, stderr = proc.communicate()
+            stderr += f"\n[killed after {TIMEOUT_S}s]"
+        results[name] = Outcome(cases[name], proc.returncode, stderr, time.monotonic() - start)
+    return results
+
+
+CASE_NAMES = [
+    "model path does not exist",
+    "parquet does not exist",
+    "parquet is not parquet",
+    "prompt key missing",
+    "reward does not import",
+    "spec file missing",
+    "spec file not JSON",
+    "TP 3 on 1 GPU",
+]
+
+
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ rank\d+ (INFO|WARNING) ")
+
+
+def non_log_lines(stderr: str) -> list[str]:
+    """stderr without the worker's own log lines (which have their timestamped format)."""
+    return [line for line in stderr.splitlines() if line.strip() and not LOG_LINE.match(line)]
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_bad_input_stops_the_worker_with_one_clear_line(outcomes, name):
+    out = outcomes[name]
+    case = out.case
+    assert out.returncode == 2, f"exit {out.returncode} after {out.seconds:.0f}s; stderr:\n{out.stderr}"
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = non_log_lines(out.stderr)  # no traceback, warning dump or progress bar: just the error
+    assert len(lines) == 1 and lines[0].startswith("rljob worker: "), out.stderr
+    assert case.setting in lines[0] and case.also in lines[0], lines[0]
