@@ -1,13 +1,12 @@
-"""Fixtures for the observability tests: simulated trainers, an operator stand-in, a real Prometheus.
+"""Fixtures for the observability tests: simulated trainers, the operator metrics exporter, a real Prometheus.
 
 ``observed_run`` (session) starts:
 
 - three ``fake_trainer.py`` processes driving the real :class:`TrainerTelemetry`: ``healthy``
   (steps forever), ``diverged`` (the same with NaN reward and loss) and ``sick`` (reward
   collapse, failing checkpoints, then a hang inside a stage), all in namespace ``obs_support.NAMESPACE``;
-- an operator stand-in: a prometheus-client exporter in this process that serves the operator
-  metric names the Fleet dashboard and the operator alerts use (``rljob_operator_*``), because
-  the operator's own metrics module is not part of what these tests start;
+- the operator's real metrics module (``rljob_operator.metrics``) served from this process and
+  fed made-up reconciles, API errors and RLJob conditions (the operator itself is not started);
 - the REAL Debian Prometheus (``prometheus_server_session`` from tests/conftest.py) scraping
   all of them every second and evaluating a copy of the alert rules whose thresholds are shortened
   by ``obs_support.RULE_REWRITES`` (15 minutes of silence is too long to wait for in a test).
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from obs_support import FakeTrainer, ObservedRun, OperatorStandIn, write_test_rules
+from obs_support import FakeTrainer, ObservedRun, OperatorExporter, write_test_rules
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +35,7 @@ def observed_run(prometheus_server_session, tmp_path_factory: pytest.TempPathFac
         started.append(diverged)
         sick = FakeTrainer("sick", "sick", tmp / "sick.log")
         started.append(sick)
-        operator = OperatorStandIn()
+        operator = OperatorExporter()
         started.append(operator)
         rules = write_test_rules(tmp / "alerts.test.rules.yaml")
         targets = [healthy.target, diverged.target, sick.target, operator.target]

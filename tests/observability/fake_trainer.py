@@ -75,19 +75,20 @@ def healthy(tel: TrainerTelemetry, diverged: bool = False) -> None:
         step += 1
         t0 = time.perf_counter()
         run_stages(tel)
-        if step % 2 == 0:
-            with tel.stage("checkpoint"):
-                time.sleep(0.01)
-            tel.record_checkpoint(step, time.time())
+        reward = 0.2 + 0.6 * (1 - math.exp(-step / 30))
+        tel.record_step(step, step_metrics(step, reward, 0.2, diverged), time.perf_counter() - t0)
         # Simulated: this machine has no GPU, and record_gpu_memory() reads torch.cuda.
         tel.set_gpu_memory(allocated_bytes=20 * GIB, reserved_bytes=24 * GIB, max_allocated_bytes=30 * GIB,
                            total_bytes=80 * GIB)
-        reward = 0.2 + 0.6 * (1 - math.exp(-step / 30))
-        tel.record_step(step, step_metrics(step, reward, 0.2, diverged), time.perf_counter() - t0)
+        # As in the real trainer, validation and checkpoints follow the step, outside its time.
         if step % 5 == 0:
             with tel.stage("validation"):
                 time.sleep(0.01)
             tel.record_validation(step, {"val/reward_mean": reward, "val/accuracy": reward * 0.9})
+        if step % 2 == 0:
+            with tel.stage("checkpoint"):
+                time.sleep(0.01)
+            tel.record_checkpoint(step, time.time())
 
 
 def sick(tel: TrainerTelemetry) -> None:
@@ -95,12 +96,12 @@ def sick(tel: TrainerTelemetry) -> None:
     for step, reward in enumerate(rewards, start=1):
         t0 = time.perf_counter()
         run_stages(tel, scale=8.0)  # ~1.1 s steps: Prometheus (1 s scrapes) sees every reward
+        std = 0.2 if reward > 0 else 0.0
+        tel.record_step(step, step_metrics(step, reward, std), time.perf_counter() - t0)
         if step == 2:
             with tel.stage("checkpoint"):
                 time.sleep(0.01)
             tel.record_checkpoint(step, time.time())
-        std = 0.2 if reward > 0 else 0.0
-        tel.record_step(step, step_metrics(step, reward, std), time.perf_counter() - t0)
     with tel.stage("actor_update"):  # the hang: no heartbeat from here on
         while True:
             time.sleep(3600)

@@ -1,13 +1,17 @@
 """Helpers of the observability tests (imported by conftest.py and the test modules).
 
 Constants (paths, the live test's rule rewrites and expected alerts), the simulated trainer
-process (:class:`FakeTrainer`, running ``fake_trainer.py``) and the operator stand-in exporter.
+process (:class:`FakeTrainer`, running ``fake_trainer.py``), the operator's metrics exporter fed
+made-up reconciles (:class:`OperatorExporter`) and dashboard helpers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RULES_FILE = REPO / "charts" / "rljob-operator" / "files" / "alerts.rules.yaml"
 DASHBOARD_DIR = REPO / "charts" / "rljob-operator" / "dashboards"
+DASHBOARD_FILES = sorted(DASHBOARD_DIR.glob("*.json"))
 NAMESPACE = "ml-test"
 
 #: Per alert: (text in the expression, its replacement) pairs and the ``for`` used in the live test.
@@ -125,42 +130,41 @@ class FakeTrainer:
         self._log.close()
 
 
-# --------------------------------------------------------------------------- operator stand-in
+# --------------------------------------------------------------------------- operator metrics
 
 
-class OperatorStandIn:
-    """Serves the operator metric names with made-up values (stand-in for rljob_operator.metrics).
+class OperatorExporter:
+    """The operator's REAL metrics module (rljob_operator.metrics), served from this process and fed
+    made-up reconciles by a thread (the operator itself is not what these tests start).
 
-    Names and labels as the operator team specified them: rljob_operator_reconciles_total{result},
-    rljob_operator_errors_total, rljob_operator_reconcile_seconds (histogram),
-    rljob_operator_jobs{condition}. A thread "reconciles" every 0.1 s; every 5th one is an error.
+    Every 0.1 s a reconcile cycle (every 5th one an error, every 7th an API error); RLJobs with the
+    conditions Running (2), Succeeded (1) and Failed (1) True.
     """
 
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+        from prometheus_client import REGISTRY, start_http_server
+        from rljob_operator import metrics
 
-        self.registry = CollectorRegistry()
-        reconciles = Counter("rljob_operator_reconciles", "Reconciles by result.", ["result"], registry=self.registry)
-        errors = Counter("rljob_operator_errors", "Handler errors.", registry=self.registry)
-        latency = Histogram("rljob_operator_reconcile_seconds", "Reconcile latency.", registry=self.registry)
-        jobs = Gauge("rljob_operator_jobs", "RLJobs by condition.", ["condition"], registry=self.registry)
-        for condition, n in {"Accepted": 4, "Running": 2, "Succeeded": 1, "Failed": 1, "Suspended": 0}.items():
-            jobs.labels(condition=condition).set(n)
+        jobs = {"train-a": "Running", "train-b": "Running", "done": "Succeeded", "broken": "Failed"}
+        for name, true_type in jobs.items():
+            metrics.record_conditions("ml-ops", name, {"conditions": [
+                {"type": t, "status": "True" if t in (true_type, "Accepted") else "False"}
+                for t in ("Accepted", "Running", "Succeeded", "Failed", "Suspended")]})
         self._stop = threading.Event()
 
         def loop() -> None:
             i = 0
             while not self._stop.wait(0.1):
                 i += 1
-                failed = i % 5 == 0
-                reconciles.labels(result="error" if failed else "success").inc()
-                if failed:
-                    errors.inc()
-                latency.observe(0.005 + 0.01 * (i % 7))
+                metrics.record_cycle("timer", "error" if i % 5 == 0 else "ok", 0.005 + 0.01 * (i % 7))
+                if i % 7 == 0:
+                    metrics.record_api_error("patch", 409 if i % 2 else 500)
+                if i % 3 == 0:
+                    metrics.record_created([{"kind": "PyTorchJob"}, {"kind": "ConfigMap"}])
 
-        self._thread = threading.Thread(target=loop, name="operator-stand-in", daemon=True)
+        self._thread = threading.Thread(target=loop, name="operator-metrics", daemon=True)
         self._thread.start()
-        self.server, _ = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.server, _ = start_http_server(0, addr="127.0.0.1", registry=REGISTRY)
         self.target = f"127.0.0.1:{self.server.server_port}"
 
     def stop(self) -> None:
@@ -177,7 +181,7 @@ class ObservedRun:
     healthy: FakeTrainer
     diverged: FakeTrainer
     sick: FakeTrainer
-    operator: OperatorStandIn
+    operator: OperatorExporter
     rules_path: Path
 
 
@@ -192,3 +196,48 @@ def wait_until(check, timeout: float, interval: float = 0.25, what: str = "condi
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}"
                         + (f"; last seen: {last()}" if last is not None else ""))
         time.sleep(interval)
+
+
+# --------------------------------------------------------------------------- dashboards
+
+#: A Grafana variable reference: ${name}, ${name:format}, $name or [[name]].
+VAR_REF = re.compile(r"\$\{(\w+)(?::[\w]+)?\}|\$(\w+)|\[\[(\w+)(?::\w+)?\]\]")
+#: Grafana's interval variables as the live tests fill them in (scrapes every second: 1m is plenty).
+RATE_SUBSTITUTIONS = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
+
+
+def load_dashboard(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def all_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))  # collapsed rows keep their panels inside
+    return out
+
+
+def dashboard_targets() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(file name, panel, target) for every query of every dashboard."""
+    return [(path.name, panel, target) for path in DASHBOARD_FILES for panel in all_panels(load_dashboard(path))
+            for target in panel.get("targets", [])]
+
+
+def strings(node: Any) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [s for v in node.values() for s in strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in strings(v)]
+    return []
+
+
+def substitute_vars(expr: str, values: dict[str, str]) -> str:
+    """Replace every variable reference by its value (KeyError for a variable not in ``values``)."""
+    return VAR_REF.sub(lambda m: values[m.group(1) or m.group(2) or m.group(3)], expr)
+
+
+def finite_values(result: list[dict[str, Any]]) -> list[float]:
+    return [v for r in result if math.isfinite(v := float(r["value"][1]))]

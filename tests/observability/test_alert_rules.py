@@ -53,7 +53,7 @@ def test_rules_are_well_formed():
 
 def test_every_rule_evaluates_on_real_data_and_fires_where_expected(observed_run):
     """Each alert expression runs on a real Prometheus against the simulated trainers (and the operator
-    stand-in), returns data where its condition holds, and stays quiet for the healthy run."""
+    metrics exporter), returns data where its condition holds, and stays quiet for the healthy run."""
     prom = observed_run.prom
 
     def firing() -> dict[str, set[str]]:

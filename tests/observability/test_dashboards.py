@@ -1,20 +1,28 @@
 """The Grafana dashboards: structure (valid model, unique ids, layout, variables) and every PromQL
-expression run against a real Prometheus that scrapes simulated trainers and the operator stand-in."""
+expression run against a real Prometheus that scrapes simulated trainers and the operator's metrics module."""
 from __future__ import annotations
 
-import json
-import math
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from obs_support import DASHBOARD_DIR, NAMESPACE, wait_until
+from obs_support import (
+    DASHBOARD_FILES,
+    NAMESPACE,
+    RATE_SUBSTITUTIONS,
+    VAR_REF,
+    all_panels,
+    dashboard_targets,
+    finite_values,
+    load_dashboard,
+    strings,
+    substitute_vars,
+    wait_until,
+)
 
-DASHBOARD_FILES = sorted(DASHBOARD_DIR.glob("*.json"))
 EXPECTED_TITLES = {"rljob / RL training", "rljob / Throughput and cost", "rljob / Fleet"}
 DS_REF = {"type": "prometheus", "uid": "${datasource}"}
 # Grafana's global variables, which need no definition in the dashboard.
@@ -22,59 +30,26 @@ BUILTIN_VARS = {"__rate_interval", "__interval", "__interval_ms", "__range", "__
                 "__from", "__to", "__dashboard", "__user", "__org", "__name", "__all", "timeFilter"}
 # What the live test substitutes for each variable: the simulated healthy run and 1m windows
 # (the run is scraped every second, so 1m holds plenty of samples).
-SUBSTITUTIONS = {"namespace": NAMESPACE, "rljob": "healthy", "__rate_interval": "1m", "__interval": "15s",
-                 "__range": "5m"}
-VAR_REF = re.compile(r"\$\{(\w+)(?::[\w]+)?\}|\$(\w+)|\[\[(\w+)(?::\w+)?\]\]")
-
-
-def load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
-
-
-def all_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for panel in dashboard["panels"]:
-        out.append(panel)
-        out.extend(panel.get("panels", []))  # collapsed rows keep their panels inside
-    return out
-
-
-def strings(node: Any) -> list[str]:
-    if isinstance(node, str):
-        return [node]
-    if isinstance(node, dict):
-        return [s for v in node.values() for s in strings(v)]
-    if isinstance(node, list):
-        return [s for v in node for s in strings(v)]
-    return []
+SUBSTITUTIONS = {**RATE_SUBSTITUTIONS, "namespace": NAMESPACE, "rljob": "healthy"}
 
 
 def substitute(expr: str) -> str:
-    def repl(m: re.Match[str]) -> str:
-        name = m.group(1) or m.group(2) or m.group(3)
-        return SUBSTITUTIONS[name]
-
-    return VAR_REF.sub(repl, expr)
-
-
-def targets() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    return [(path.name, panel, target) for path in DASHBOARD_FILES for panel in all_panels(load(path))
-            for target in panel.get("targets", [])]
+    return substitute_vars(expr, SUBSTITUTIONS)
 
 
 # --------------------------------------------------------------------------- structure
 
 
 def test_the_three_dashboards_exist():
-    assert {load(p)["title"] for p in DASHBOARD_FILES} == EXPECTED_TITLES
-    uids = [load(p)["uid"] for p in DASHBOARD_FILES]
+    assert {load_dashboard(p)["title"] for p in DASHBOARD_FILES} == EXPECTED_TITLES
+    uids = [load_dashboard(p)["uid"] for p in DASHBOARD_FILES]
     assert len(set(uids)) == len(uids)
     assert all(re.fullmatch(r"[a-z0-9-]{1,40}", uid) for uid in uids)
 
 
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
 def test_dashboard_model(path: Path):
-    d = load(path)
+    d = load_dashboard(path)
     assert d["id"] is None, "a provisioned dashboard must not carry a database id"
     assert isinstance(d["schemaVersion"], int) and d["schemaVersion"] >= 36
     assert "rljob" in d["tags"]
@@ -105,7 +80,7 @@ def test_dashboard_model(path: Path):
 
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
 def test_variables(path: Path):
-    d = load(path)
+    d = load_dashboard(path)
     variables = {v["name"]: v for v in d["templating"]["list"]}
     ds = variables["datasource"]
     assert (ds["type"], ds["query"]) == ("datasource", "prometheus")
@@ -124,19 +99,15 @@ def test_variables(path: Path):
 
 
 def test_every_variable_substitution_is_known():
-    for _file, _panel, target in targets():
+    for _file, _panel, target in dashboard_targets():
         substitute(target["expr"])  # KeyError names a variable the live test cannot fill in
 
 
 # --------------------------------------------------------------------------- live
 
 
-def finite_values(result: list[dict[str, Any]]) -> list[float]:
-    return [v for r in result if math.isfinite(v := float(r["value"][1]))]
-
-
-@pytest.mark.parametrize(("file", "panel", "target"), targets(),
-                         ids=[f"{f}:{p['id']}:{t['refId']}" for f, p, t in targets()])
+@pytest.mark.parametrize(("file", "panel", "target"), dashboard_targets(),
+                         ids=[f"{f}:{p['id']}:{t['refId']}" for f, p, t in dashboard_targets()])
 def test_panel_expression_returns_data(observed_run, file, panel, target):
     """No parse error (the query raises at once), and some finite value for the simulated runs."""
     prom = observed_run.prom
@@ -151,7 +122,7 @@ def test_panel_expression_returns_data(observed_run, file, panel, target):
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
 def test_variable_queries_list_the_running_job(observed_run, path: Path):
     prom = observed_run.prom
-    for v in load(path)["templating"]["list"]:
+    for v in load_dashboard(path)["templating"]["list"]:
         if v["type"] != "query":
             continue
         query = substitute(v["query"]["query"])
