@@ -36,8 +36,8 @@ REASON_SPEC_ACCEPTED = "SpecAccepted"  # True: the spec is valid; children exist
 REASON_INVALID_SPEC = "InvalidSpec"  # False: validation failed; the message names every field; nothing created
 REASON_SPEC_CHANGE_REJECTED = "SpecChangeRejected"  # False: a launch-time field changed while not suspended
 # Running
-REASON_CREATING = "Creating"  # False: the PyTorchJob is being created
-REASON_PENDING = "Pending"  # False: the PyTorchJob exists; pods are not running yet
+REASON_CREATING = "Creating"  # False: waiting for an old or foreign object with the PyTorchJob's name to go
+REASON_PENDING = "Pending"  # False: the PyTorchJob exists (or was just created); pods are not running yet
 REASON_PYTORCHJOB_RUNNING = "PyTorchJobRunning"  # True: the PyTorchJob reports Running
 REASON_RESTARTING = "Restarting"  # False: the PyTorchJob restarts failed pods
 REASON_JOB_SUSPENDED = "JobSuspended"  # False: suspended

@@ -18,6 +18,7 @@ timeouts, server-side label selector on PyTorchJobs, events reported as `rljob-o
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import time
@@ -54,8 +55,13 @@ state = _State()
 # ---------------------------------------------------------------------------- the cycle
 
 
-async def run_cycle(namespace: str, name: str, *, trigger: str, ensure_all: bool = False, retry: int = 0) -> None:
-    """Read the RLJob and its children, plan, apply. Raises kopf.TemporaryError on API errors."""
+async def run_cycle(namespace: str, name: str, *, trigger: str, ensure_all: bool = False, retry: int = 0,
+                    body: Any = None) -> None:
+    """Read the RLJob and its children, plan, apply. Raises kopf.TemporaryError on API errors.
+
+    `body` is the RLJob as kopf just saw it; it saves one read on the first attempt (a stale one is
+    caught by the resourceVersion-guarded status write, and the next attempt reads it fresh).
+    """
     assert state.api is not None, "the startup handler did not run"
     api = state.api
     key = (namespace, name)
@@ -64,8 +70,11 @@ async def run_cycle(namespace: str, name: str, *, trigger: str, ensure_all: bool
         started = time.monotonic()
         result = "error"
         try:
-            for _ in range(CONFLICT_RETRIES):
-                body = await api.get_rljob(namespace, name)
+            for attempt in range(CONFLICT_RETRIES):
+                if attempt or body is None:
+                    body = await api.get_rljob(namespace, name)
+                else:
+                    body = copy.deepcopy({k: body[k] for k in body})  # kopf's view -> a plain dict
                 if body is None:
                     result = "gone"
                     return
@@ -178,8 +187,8 @@ async def shutdown(**_: Any) -> None:
 @kopf.on.resume(*RLJOB)
 @kopf.on.create(*RLJOB)
 @kopf.on.update(*RLJOB, field="spec")
-async def rljob_changed(namespace: str, name: str, retry: int, **_: Any) -> None:
-    await run_cycle(namespace, name, trigger="change", retry=retry)
+async def rljob_changed(namespace: str, name: str, retry: int, body: kopf.Body, **_: Any) -> None:
+    await run_cycle(namespace, name, trigger="change", retry=retry, body=body)
 
 
 @kopf.timer(*RLJOB, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)

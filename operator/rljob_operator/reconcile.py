@@ -405,8 +405,8 @@ def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: boo
     if phase == PHASE_ABSENT:
         if invalid:
             return c.FALSE, c.REASON_NOT_STARTED, "Nothing runs because the spec is invalid."
-        if will_create:
-            return c.FALSE, c.REASON_CREATING, f"Creating PyTorchJob {ptj_name}."
+        if will_create:  # the status is written after the creates succeeded
+            return c.FALSE, c.REASON_PENDING, f"PyTorchJob {ptj_name} exists; waiting for its pods to run."
         return c.FALSE, c.REASON_NOT_STARTED, "No PyTorchJob exists."
     if phase == PHASE_SUSPENDED:
         return c.FALSE, c.REASON_PENDING, f"Resuming PyTorchJob {ptj_name}."
@@ -461,12 +461,12 @@ def _transition_events(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]
 def apply_failed_status(body: Mapping[str, Any], plan: Plan, error: str, now: str) -> dict[str, Any] | None:
     """The status to write when applying `plan` failed with a (retried) API error, or None to write nothing.
 
-    Only a job whose PyTorchJob does not exist yet gets `Running=False, reason CreateFailed`; for a
+    Only a job whose PyTorchJob is being created gets `Running=False, reason CreateFailed`; for a
     running job the error is logged and retried without touching its conditions.
     """
     status = copy.deepcopy(plan.status if plan.status is not None else (body.get("status") or {}))
-    running = c.get_condition(status.get("conditions"), c.RUNNING)
-    if running is None or running.get("reason") not in (c.REASON_CREATING, c.REASON_CREATE_FAILED):
+    creating = any(item.body.get("kind") == builders.PYTORCHJOB_KIND for item in plan.create)
+    if not creating:
         return None
     generation = (body.get("metadata") or {}).get("generation")
     status["observedGeneration"] = generation

@@ -12,7 +12,8 @@ lacks (each item is tested in test_apiserver.py):
 - CRDs: creating one registers its resource for discovery and serving; deleting one removes it;
 - admission-style validation of creates and patches: the CRD's openAPIV3Schema (strict: unknown
   fields are rejected), its CEL `x-kubernetes-validations` (cel-python; transition rules on
-  updates), and strict kubernetes-validate schemas for the built-in kinds we create;
+  updates; unchanged values are not re-checked, as with validation ratcheting), and strict
+  kubernetes-validate schemas for the built-in kinds we create;
 - a real `/status` subresource: patches of the main resource ignore `.status`, patches of
   `/status` ignore everything else;
 - merge patch (RFC 7386) and JSON patch (RFC 6902, `test` failing -> 422); a `metadata.
@@ -242,6 +243,8 @@ def cel_errors(schema: dict[str, Any], value: Any, old: Any, path: str) -> list[
     import celpy
 
     out: list[tuple[str, str]] = []
+    if old is not None and value == old:
+        return out  # validation ratcheting (Kubernetes >= 1.30): an unchanged value is not re-checked
     for rule in schema.get("x-kubernetes-validations") or []:
         text = rule["rule"]
         bindings = {"self": celpy.json_to_cel(value)}
@@ -337,6 +340,7 @@ class ApiServer(kmock.KubernetesScaffold):
     _watchers: set[int] = attrs.field(factory=set, init=False)
     _watcher_objs: dict[int, Watcher] = attrs.field(factory=dict, init=False)
     _faults: list[Fault] = attrs.field(factory=list, init=False)
+    _served: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -532,6 +536,10 @@ class ApiServer(kmock.KubernetesScaffold):
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
+        if request.url.path == "/harness/stats":  # for benchmarks that run this server as a subprocess
+            return aiohttp.web.json_response({"requests": self._served, "watches": len(self._watchers),
+                                              "objects": sum(len(v) for v in self._store.values())})
+        self._served += 1
         if res is None or res.plural is None:
             return await super()._handle(request)  # discovery and non-Kubernetes paths: kmock's scaffold
         if len(self._requests) > self.max_requests_kept:
@@ -874,8 +882,18 @@ def main(argv: Iterable[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="a Kubernetes API server for tests (kmock + harness)")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--kubeconfig", type=Path, help="write a kubeconfig for it here")
+    parser.add_argument("--crd", type=Path, action="append", default=[], help="apply this CRD file at start")
+    parser.add_argument("--bookmark-interval", type=float, default=30.0)
+    parser.add_argument("--no-validate-builtins", action="store_true",
+                        help="skip kubernetes-validate for built-in kinds (CRD schemas are still enforced)")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    thread = ApiServerThread(port=args.port).start()
+    thread = ApiServerThread(port=args.port, bookmark_interval=args.bookmark_interval,
+                             validate_builtins=not args.no_validate_builtins).start()
+    from cluster import KubeClient
+
+    for path in args.crd:
+        for doc in opschema.load_yaml_all(path):
+            KubeClient(thread.url).apply_crd(doc)
     if args.kubeconfig:
         thread.write_kubeconfig(args.kubeconfig)
     print(f"serving on {thread.url}", flush=True)

@@ -166,7 +166,7 @@ def wait_until(check: Callable[[], Any], *, timeout: float = 15.0, interval: flo
             result = check()
             if result:
                 return result
-        except (AssertionError, KeyError, TypeError, ApiError) as exc:
+        except (AssertionError, KeyError, TypeError, ApiError, OSError) as exc:
             last_exc = exc
         if time.monotonic() > deadline:
             extra = on_timeout() if on_timeout else ""

@@ -35,6 +35,11 @@ def load_yaml(path: Path) -> Any:
         return yaml.load(fh, Loader=_Loader)
 
 
+def load_yaml_all(path: Path) -> list[Any]:
+    with open(path, "rb") as fh:
+        return [doc for doc in yaml.load_all(fh, Loader=_Loader) if doc]
+
+
 @functools.cache
 def pytorchjob_crd() -> dict[str, Any]:
     """The training-operator v1 PyTorchJob CRD (tests/operator/vendor, else ../shared/vendor)."""

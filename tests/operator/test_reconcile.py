@@ -97,7 +97,7 @@ def test_new_job_creates_every_child_and_reports_creating() -> None:
     assert not plan.patch and not plan.delete
     assert summary(plan) == {
         c.ACCEPTED: ("True", c.REASON_SPEC_ACCEPTED),
-        c.RUNNING: ("False", c.REASON_CREATING),
+        c.RUNNING: ("False", c.REASON_PENDING),  # the status is written after the creates
         c.SUCCEEDED: ("False", c.REASON_NOT_COMPLETED),
         c.FAILED: ("False", c.REASON_NOT_FAILED),
         c.SUSPENDED: ("False", c.REASON_NOT_SUSPENDED),
@@ -171,18 +171,19 @@ def test_conditions_mirror_the_pytorchjob(ptj_conds, running, succeeded, failed,
     created = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
     ptj = ptj_of(created, *ptj_conds, startTime=T1, completionTime=T2)
     plan = reconcile(created, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(created)), SETTINGS)
-    assert (cond(plan, c.RUNNING)["status"], cond(plan, c.RUNNING)["reason"]) == running
-    assert (cond(plan, c.SUCCEEDED)["status"], cond(plan, c.SUCCEEDED)["reason"]) == succeeded
-    assert (cond(plan, c.FAILED)["status"], cond(plan, c.FAILED)["reason"]) == failed
+    status = plan.status if plan.status is not None else created["status"]
+    assert (cond(status, c.RUNNING)["status"], cond(status, c.RUNNING)["reason"]) == running
+    assert (cond(status, c.SUCCEEDED)["status"], cond(status, c.SUCCEEDED)["reason"]) == succeeded
+    assert (cond(status, c.FAILED)["status"], cond(status, c.FAILED)["reason"]) == failed
     assert [(e.type, e.reason) for e in plan.events] == events
     assert plan.create == () and plan.delete == ()
     if running[0] == "True" or succeeded[0] == "True" or failed[0] == "True" or running[1] == c.REASON_RESTARTING:
-        assert plan.status["startTime"] == T1
+        assert status["startTime"] == T1
     if succeeded[0] == "True" or failed[0] == "True":
-        assert plan.status["completionTime"] == T2
-        assert cond(plan, c.SUCCEEDED if succeeded[0] == "True" else c.FAILED)["message"] == (
+        assert status["completionTime"] == T2
+        assert cond(status, c.SUCCEEDED if succeeded[0] == "True" else c.FAILED)["message"] == (
             f"{ptj_conds[-1][0]} message")
-    assert_valid_status(plan.status)
+    assert_valid_status(status)
 
 
 def test_finished_job_is_sticky_and_not_recreated() -> None:
@@ -202,7 +203,7 @@ def test_hand_deleted_pytorchjob_is_recreated_before_the_job_finished() -> None:
     kinds = [cr.body["kind"] for cr in plan.create]
     assert kinds == ["ServiceAccount", "Role", "RoleBinding", "PyTorchJob"], "the ConfigMap is still there"
     assert plan.create[-1].event.reason == c.EVENT_RECREATED
-    assert cond(plan, c.RUNNING)["reason"] == c.REASON_CREATING
+    assert cond(plan, c.RUNNING)["reason"] == c.REASON_PENDING
 
 
 def test_pytorchjob_being_deleted_is_waited_for() -> None:
@@ -365,10 +366,9 @@ def test_transition_times_change_only_with_status() -> None:
     body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
     ptj = ptj_of(body, ("Created", "PyTorchJobCreated"))
     first = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
-    # Running: False/Creating -> False/Pending keeps the transition time (status unchanged).
-    assert cond(first, c.RUNNING)["lastTransitionTime"] == T0
-    assert cond(first, c.RUNNING)["reason"] == c.REASON_PENDING
-    body = step(body, first)
+    # Seeing the PyTorchJob it created changes nothing: no second status write.
+    assert first.status is None
+    assert cond(body["status"], c.RUNNING)["reason"] == c.REASON_PENDING
     again = reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
     assert again.status is None
     ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
