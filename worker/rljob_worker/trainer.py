@@ -42,7 +42,7 @@ from rljob_worker.batching import pad_batch, scatter_response_values, slice_batc
 from rljob_worker.data import EpochSampler, load_datasets
 from rljob_worker.distributed import DistEnv, dist_env_from_environ, init_distributed
 from rljob_worker.rewards import resolve_reward, score_all
-from rljob_worker.rollout import SamplingParams, make_engine
+from rljob_worker.rollout import RolloutOutput, SamplingParams, make_engine
 
 log = logging.getLogger("rljob.trainer")
 
@@ -233,8 +233,7 @@ class GRPOTrainer:
 
         # 1. rollout + reward + advantages on rank 0, then the batch goes to every rank.
         #    batch tensors are (N, T): N = prompts x n responses, T = prompt + response columns.
-        with self.telemetry.stage("rollout"):
-            payload = self._rollout_and_score(metrics) if self.is_main else None
+        payload = self._rollout_and_score(metrics) if self.is_main else None  # stages: rollout, reward
         payload = self._broadcast(payload)
         batch = payload["batch"]
         metrics.update(payload["metrics"])
@@ -277,22 +276,12 @@ class GRPOTrainer:
     def _rollout_and_score(self, metrics: dict[str, float]) -> dict[str, Any]:
         """Rank 0: sample n responses per prompt, score them, compute advantages (N,) and build the batch."""
         spec, n = self.spec, self.spec.rollout.n
-        indices = self.sampler.next_batch()
-        records = [self.train_set.records[i] for i in indices]
-        params = SamplingParams(n=n, temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
-                                top_k=spec.rollout.top_k, max_new_tokens=spec.data.max_response_length,
-                                seed=spec.training.seed * 1_000_003 + self.step)
-        start = time.perf_counter()
-        out = self.engine.generate([r.prompt_ids for r in records], params)
-        rollout_s = time.perf_counter() - start
+        records, responses, rewards, rollout_s, generated = self._sample_and_score(self.prompts_per_step)
+        if spec.algorithm.dynamic_sampling:
+            records, responses, rewards = self._dynamic_sampling(records, responses, rewards, metrics)
+            rollout_s, generated = rollout_s + self._refill_seconds, generated + self._refill_tokens
         prompts = [r for r in records for _ in range(n)]
-        texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        extras = [{**r.extra, "max_response_length": spec.data.max_response_length, "data_source": r.data_source}
-                  for r in prompts]
-        with self.telemetry.stage("reward"):
-            rewards = torch.tensor(score_all(self.reward_fn, [r.prompt_text for r in prompts], texts,
-                                             [r.ground_truth for r in prompts], extras,
-                                             timeout_s=spec.reward.timeout_seconds), dtype=torch.float32)
+        out = RolloutOutput([r[0] for r in responses], [r[1] for r in responses], [r[2] for r in responses])
         lengths = torch.tensor([len(r) for r in out.response_ids], dtype=torch.float32)
         shaped = rewards.clone()
         ob = spec.algorithm.overlong_buffer
@@ -303,7 +292,6 @@ class GRPOTrainer:
         batch = pad_batch([r.prompt_ids for r in prompts], out.response_ids, self.pad_id)
         batch["advantages"] = algo.broadcast_to_tokens(advantages, batch["response_mask"])
         batch["rollout_logprobs"] = scatter_response_values(out.response_logprobs, batch["response_mask"])
-        generated = float(lengths.sum())
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
@@ -313,6 +301,60 @@ class GRPOTrainer:
             **{f"advantage/{k}": v for k, v in adv_metrics.items()},
         })
         return {"batch": batch, "metrics": metrics}
+
+    def _sample_and_score(self, num_prompts: int):
+        """Draw `num_prompts` prompts, sample n responses each and score them.
+
+        Returns (records (P,), responses (P*n,) of (ids, logprobs, finished), rewards (P*n,), seconds, tokens).
+        """
+        spec, n = self.spec, self.spec.rollout.n
+        indices = [i for _ in range(num_prompts // self.prompts_per_step) for i in self.sampler.next_batch()]
+        records = [self.train_set.records[i] for i in indices]
+        params = SamplingParams(n=n, temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
+                                top_k=spec.rollout.top_k, max_new_tokens=spec.data.max_response_length,
+                                seed=spec.training.seed * 1_000_003 + self.step * 131 + self.sampler.position)
+        with self.telemetry.stage("rollout"):
+            start = time.perf_counter()
+            out = self.engine.generate([r.prompt_ids for r in records], params)
+            seconds = time.perf_counter() - start
+        prompts = [r for r in records for _ in range(n)]
+        texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        extras = [{**r.extra, "max_response_length": spec.data.max_response_length, "data_source": r.data_source}
+                  for r in prompts]
+        with self.telemetry.stage("reward"):
+            rewards = torch.tensor(score_all(self.reward_fn, [r.prompt_text for r in prompts], texts,
+                                             [r.ground_truth for r in prompts], extras,
+                                             timeout_s=spec.reward.timeout_seconds), dtype=torch.float32)
+        responses = list(zip(out.response_ids, out.response_logprobs, out.finished))
+        return records, responses, rewards, seconds, float(sum(len(r) for r in out.response_ids))
+
+    def _dynamic_sampling(self, records, responses, rewards, metrics):
+        """DAPO: keep prompt groups whose rewards differ (the others carry no gradient) and refill
+        from the next prompts, at most algorithm.maxRefillBatches extra batches. If still short, the
+        batch is completed with zero-variance groups (zero advantage: no gradient) to keep its shape."""
+        n, want = self.spec.rollout.n, self.prompts_per_step
+        kept_groups, spare_groups = [], []
+        self._refill_seconds, self._refill_tokens, refills = 0.0, 0.0, 0
+
+        def split(records, responses, rewards):
+            keep = algo.nonzero_variance_groups(rewards, n).tolist()
+            for g, ok in enumerate(keep):
+                group = (records[g], responses[g * n:(g + 1) * n], rewards[g * n:(g + 1) * n])
+                (kept_groups if ok else spare_groups).append(group)
+
+        split(records, responses, rewards)
+        first_kept = len(kept_groups)
+        while len(kept_groups) < want and refills < self.spec.algorithm.max_refill_batches:
+            refills += 1
+            more = self._sample_and_score(self.prompts_per_step)
+            self._refill_seconds += more[3]
+            self._refill_tokens += more[4]
+            split(*more[:3])
+        groups = (kept_groups + spare_groups)[:want]
+        metrics["dynamic_sampling/kept_group_fraction"] = first_kept / want
+        metrics["dynamic_sampling/refills"] = float(refills)
+        return ([g[0] for g in groups], [resp for g in groups for resp in g[1]],
+                torch.cat([g[2] for g in groups]))
 
     def _loss_fn(self, single_update: bool):
         config = self.loss_config
