@@ -7,7 +7,9 @@ Measures, in one run and on the same server:
     same files one after the other with boto3's default transfer settings;
 (b) training stall per save: a loop of fake training steps (fixed CPU work in numpy, which like
     torch kernels releases the GIL) saving every few steps, synchronously (``blocking=True``) and
-    in the background (``blocking=False``). Stall = loop wall time - the same loop without saves.
+    in the background (``blocking=False``). Two numbers per mode: the time the loop is blocked
+    inside ``save()``, and the loop slowdown (wall time - the same loop without saves), which
+    also counts CPU the upload takes from the training steps (large on a machine of few cores).
 
     python bench/checkpoint.py                 # 256 MB checkpoint
     python bench/checkpoint.py --mb 1024 --repeats 3
@@ -106,8 +108,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=256, help="checkpoint size in MB")
     ap.add_argument("--repeats", type=int, default=3, help="throughput repeats (median reported)")
-    ap.add_argument("--steps", type=int, default=16, help="fake training steps in the stall loop")
-    ap.add_argument("--save-every", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=30, help="fake training steps in the stall loop")
+    ap.add_argument("--save-every", type=int, default=10,
+                    help="steps between saves (production: the upload finishes well within this)")
     ap.add_argument("--step-seconds", type=float, default=1.0, help="CPU work per fake training step")
     ap.add_argument("--workers", type=int, default=8, help="CheckpointManager file threads")
     args = ap.parse_args()
@@ -145,48 +148,52 @@ def main() -> None:
                 t_mgr.append(time.perf_counter() - t0)
             raw_s, mgr_s = statistics.median(t_raw), statistics.median(t_mgr)
 
-            # (b) training stall per save
+            # (b) training stall per save: base, sync, background, base again (load drifts here)
             step_fn = make_train_step(args.step_seconds)
             n_saves = args.steps // args.save_every
-            base = train_loop(step_fn, args.steps, args.save_every)
-            sync_mgr = CheckpointManager(store, "sync", max_to_keep=2, max_workers=args.workers)
-            sync_wall = train_loop(step_fn, args.steps, args.save_every,
-                                      lambda s: sync_mgr.save(local, s, {}, "bench", blocking=True))
-            async_mgr = CheckpointManager(store, "async", max_to_keep=2, max_workers=args.workers)
-            save_calls: list[float] = []
+            base1 = train_loop(step_fn, args.steps, args.save_every)
+            runs = {}
+            for mode in ("sync", "background"):
+                mgr = CheckpointManager(store, mode, max_to_keep=2, max_workers=args.workers)
+                blocked: list[float] = []
+                handles = []
 
-            def async_save(s: int) -> None:
+                def save(step: int, mgr=mgr, blocked=blocked, handles=handles, mode=mode) -> None:
+                    t0 = time.perf_counter()
+                    handles.append(mgr.save(local, step, {}, "bench", blocking=mode == "sync"))
+                    blocked.append(time.perf_counter() - t0)
+
+                wall = train_loop(step_fn, args.steps, args.save_every, save)
                 t0 = time.perf_counter()
-                async_mgr.save(local, s, {}, "bench")
-                save_calls.append(time.perf_counter() - t0)
-
-            async_wall = train_loop(step_fn, args.steps, args.save_every, async_save)
-            t0 = time.perf_counter()
-            async_mgr.wait()
-            drain = time.perf_counter() - t0
-            assert [r.step for r in async_mgr.list_committed()][-1] == args.steps
+                mgr.wait()
+                drain = time.perf_counter() - t0
+                assert mgr.latest_committed().step == args.steps
+                runs[mode] = (wall, blocked, drain, [h.seconds for h in handles])
+            base2 = train_loop(step_fn, args.steps, args.save_every)
         finally:
             server.stop()
 
-    sync_stall = (sync_wall - base) / n_saves
-    async_stall = (async_wall - base) / n_saves
+    base = (base1 + base2) / 2
     print()
     print(f"(a) upload throughput (median of {args.repeats})      seconds     MB/s")
     print(f"    boto3 upload_file, file by file     {raw_s:8.2f} {nbytes / 1e6 / raw_s:8.1f}")
     print(f"    CheckpointManager.save(blocking)    {mgr_s:8.2f} {nbytes / 1e6 / mgr_s:8.1f}")
     print(f"    ratio save / raw boto3 (MB/s)       {raw_s / mgr_s:8.2f}x")
     print()
-    print(f"(b) training stall, {args.steps} steps of {base / args.steps:.2f} s, a save every {args.save_every} "
-          f"steps ({n_saves} saves)")
-    print("                                  loop s   stall/save s")
-    print(f"    no saves                      {base:7.2f}        -")
-    print(f"    synchronous save              {sync_wall:7.2f}   {sync_stall:8.2f}")
-    print(f"    background save               {async_wall:7.2f}   {async_stall:8.2f}"
-          f"   (save() call max {max(save_calls) * 1000:.0f} ms; final wait {drain:.2f} s)")
-    ratio = sync_stall / async_stall if async_stall > 0.01 else float("inf")
-    print(f"    stall ratio sync / background          {ratio:8.1f}x"
-          + ("" if async_stall > 0.01 else " (background stall below timer noise)"))
-
+    print(f"(b) training stall: {args.steps} steps of ~{base / args.steps:.2f} s CPU work, a save every "
+          f"{args.save_every} steps ({n_saves} saves); loop without saves {base1:.1f} s before, {base2:.1f} s after")
+    print("                        loop s   blocked in save() per save   loop slowdown per save   uploads s")
+    stall = {}
+    for mode, (wall, blocked, drain, upl) in runs.items():
+        stall[mode] = (wall - base) / n_saves
+        print(f"    {mode:<18} {wall:7.1f}   {statistics.mean(blocked):12.3f} s              "
+              f"{stall[mode]:8.2f} s           {', '.join(f'{u:.1f}' for u in upl)}"
+              + (f"  (+ final wait {drain:.1f} s)" if mode == "background" else ""))
+    b_sync = statistics.mean(runs["sync"][1])
+    b_bg = max(statistics.mean(runs["background"][1]), 1e-6)
+    slowdown = (f"loop slowdown {stall['sync'] / stall['background']:.1f}x" if stall["background"] > 0.01
+                else "loop slowdown of the background run below noise")
+    print(f"    ratio sync / background: blocked time {b_sync / b_bg:,.0f}x, {slowdown}")
 
 if __name__ == "__main__":
     main()

@@ -245,14 +245,17 @@ class _StoreBase:
 
     def upload_dir(self, local_dir, prefix: str, max_workers: int = 8) -> list[FileEntry]:
         files = _iter_local_files(Path(local_dir))
+        # Each file's sha256 is computed while it uploads (hashlib releases the GIL), so on a
+        # machine with spare cores the checksum costs no wall time.
+        with ThreadPoolExecutor(max_workers=max(1, min(4, max_workers)), thread_name_prefix="rljob-hash") as hasher:
 
-        def one(item: tuple[str, Path, int]) -> FileEntry:
-            rel, path, size = item
-            digest = sha256_file(path)
-            self.put_file(path, _join(prefix, rel))
-            return FileEntry(rel, size, digest)
+            def one(item: tuple[str, Path, int]) -> FileEntry:
+                rel, path, size = item
+                digest = hasher.submit(sha256_file, path)
+                self.put_file(path, _join(prefix, rel))
+                return FileEntry(rel, size, digest.result())
 
-        entries = _run_parallel(one, files, max_workers)
+            entries = _run_parallel(one, files, max_workers)
         return sorted(entries, key=lambda e: e.rel_path)
 
     def download_dir(self, prefix: str, local_dir, max_workers: int = 8, rel_paths=None) -> list[FileEntry]:
