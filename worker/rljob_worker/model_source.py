@@ -54,6 +54,24 @@ def resolve_model_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Pa
     return local
 
 
+def resolve_tokenizer_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Path:
+    """spec.model.tokenizerPath as a local folder (same sources as the model, no weights needed)."""
+    path = spec.model.tokenizer_path
+    if path.startswith("s3://"):
+        from rljob_worker.storage import open_store
+
+        target = Path(workdir) / "tokenizers" / hashlib.sha256(path.encode()).hexdigest()[:16]
+        if local_rank == 0 and not (target / ".complete").exists():
+            open_store(path, endpoint_url=spec.s3.endpoint, region=spec.s3.region).download_dir("", target)
+            (target / ".complete").touch()
+        _barrier()
+        return target
+    local = Path(path[len("file://"):] if path.startswith("file://") else path)
+    if not local.is_dir():
+        raise ModelSourceError(f"spec.model.tokenizerPath {path}: no such folder")
+    return local
+
+
 def fetch_file(uri: str, spec: RLJobSpec, dest_dir: Path) -> str:
     """Download one s3:// object (a parquet file) to dest_dir and return the local path."""
     from rljob_worker.storage import open_store, parse_uri

@@ -87,25 +87,31 @@ class GRPOTrainer:
         init_distributed(env)
         self.is_main = env.rank == 0
         self.device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        if self.device.type == "cpu":
-            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
-
-            apply_cpu_patches()
         self._seed_everything(spec.training.seed)
         self.dtype = _torch_dtype(spec.model.dtype.value, self.device)
 
+        # Configuration first (cheap, and the usual mistakes): reward, model folder, tokenizer, data.
+        self.reward_fn = resolve_reward(spec.reward.function)
+        self.reward_pool = _reward_pool(spec.reward.num_workers) if self.is_main else None
         from rljob_worker.model_source import resolve_model_dir
 
         self.model_dir = resolve_model_dir(spec, self.ctx.workdir, local_rank=env.local_rank)
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=spec.model.trust_remote_code)
+        tokenizer_dir = self.model_dir
+        if spec.model.tokenizer_path:
+            from rljob_worker.model_source import resolve_tokenizer_dir
+
+            tokenizer_dir = resolve_tokenizer_dir(spec, self.ctx.workdir, local_rank=env.local_rank)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=spec.model.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
-
-        self.reward_fn = resolve_reward(spec.reward.function)
         self.train_set, self.val_set = load_datasets(spec.data, self.tokenizer, spec.training.seed,
                                                      fetch=self._fetcher())
+        if self.device.type == "cpu":
+            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
+
+            apply_cpu_patches()
         self.prompts_per_step = spec.training.train_batch_size_per_node * spec.nnodes
         self.sampler = EpochSampler(len(self.train_set), self.prompts_per_step, spec.training.seed, spec.data.shuffle)
         self.total_steps = self._total_steps()
@@ -324,7 +330,8 @@ class GRPOTrainer:
         with self.telemetry.stage("reward"):
             rewards = torch.tensor(score_all(self.reward_fn, [r.prompt_text for r in prompts], texts,
                                              [r.ground_truth for r in prompts], extras,
-                                             timeout_s=spec.reward.timeout_seconds), dtype=torch.float32)
+                                             pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds),
+                                   dtype=torch.float32)
         responses = list(zip(out.response_ids, out.response_logprobs, out.finished))
         return records, responses, rewards, seconds, float(sum(len(r) for r in out.response_ids))
 
@@ -409,7 +416,7 @@ class GRPOTrainer:
         texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         extras = [{**r.extra, "max_response_length": spec.data.max_response_length} for r in prompts]
         scores = score_all(self.reward_fn, [r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
-                           extras, timeout_s=spec.reward.timeout_seconds)
+                           extras, pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds)
         return {"val/reward_mean": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
 
     # ------------------------------------------------------------------ checkpoints
@@ -504,6 +511,17 @@ class GRPOTrainer:
             last_checkpoint=self.checkpoints.last_committed, force=force)
 
 
+def _reward_pool(num_workers: int):
+    """Processes that score rewards (reward.numWorkers > 0): slow or hanging reward code then times out
+    instead of stalling the step. Spawned, so they never inherit the trainer's threads or CUDA state."""
+    if num_workers <= 0:
+        return None
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
+
+
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for d in dicts for k in d}
     return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
@@ -526,6 +544,9 @@ def run(spec: RLJobSpec, ctx: RunContext) -> int:
         log.warning("%s; checkpoint committed, exiting %d", exc, EXIT_PREEMPTED)
         return EXIT_PREEMPTED
     finally:
+        pool = getattr(trainer, "reward_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         telemetry = getattr(trainer, "telemetry", None)
         if telemetry is not None:
             telemetry.close()
