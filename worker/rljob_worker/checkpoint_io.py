@@ -96,11 +96,14 @@ class CheckpointIO:
         self.last_committed = {"step": ref.step, "uri": ref.uri, "time": _utc_now()}
         self._fresh = True
 
-    def poll(self) -> dict[str, Any] | None:
-        """Rank 0: the newest checkpoint if it committed since the last poll (else None). Raises upload errors."""
+    def _collect(self) -> None:
         if self._pending is not None and self._pending.done():
             handle, self._pending = self._pending, None
-            self._committed(handle.wait())
+            self._committed(handle.wait())  # re-raises an upload error
+
+    def poll(self) -> dict[str, Any] | None:
+        """Rank 0: the newest checkpoint if it committed since the last poll (else None). Raises upload errors."""
+        self._collect()
         if self._fresh:
             self._fresh = False
             return self.last_committed
@@ -109,7 +112,7 @@ class CheckpointIO:
     def wait(self):
         if self.env.rank == 0 and self._pending is not None:
             self.manager.wait()
-            self.poll()
+            self._collect()  # leaves the commit for the trainer's next poll()
         _barrier()
         return self.last_ref
 
