@@ -5,7 +5,7 @@
 - three ``fake_trainer.py`` processes driving the real :class:`TrainerTelemetry`: ``healthy``
   (steps forever), ``diverged`` (the same with NaN reward and loss) and ``sick`` (reward
   collapse, failing checkpoints, then a hang inside a stage), all in namespace ``obs_support.NAMESPACE``;
-- the operator's real metrics module (``rljob_operator.metrics``) served from this process and
+- ``fake_operator.py``: the operator's real metrics module (``rljob_operator.metrics``) in its own process,
   fed made-up reconciles, API errors and RLJob conditions (the operator itself is not started);
 - the REAL Debian Prometheus (``prometheus_server_session`` from tests/conftest.py) scraping
   all of them every second and evaluating a copy of the alert rules whose thresholds are shortened
@@ -35,7 +35,7 @@ def observed_run(prometheus_server_session, tmp_path_factory: pytest.TempPathFac
         started.append(diverged)
         sick = FakeTrainer("sick", "sick", tmp / "sick.log")
         started.append(sick)
-        operator = OperatorExporter()
+        operator = OperatorExporter(tmp / "operator.log")
         started.append(operator)
         rules = write_test_rules(tmp / "alerts.test.rules.yaml")
         targets = [healthy.target, diverged.target, sick.target, operator.target]

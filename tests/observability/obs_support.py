@@ -85,17 +85,15 @@ def write_test_rules(dest: Path) -> Path:
 # --------------------------------------------------------------------------- simulated trainers
 
 
-class FakeTrainer:
-    """``fake_trainer.py`` in its own process (session); its /metrics port is read from stdout."""
+class ExporterProcess:
+    """A test script in its own process group that prints ``PORT <n>`` once it serves /metrics."""
 
-    def __init__(self, job: str, mode: str, log_path: Path):
-        self.job, self.mode, self.log_path = job, mode, log_path
+    def __init__(self, name: str, argv: list[str], log_path: Path):
+        self.name, self.log_path = name, log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "fake_trainer.py"), "--job", job, "--namespace", NAMESPACE, "--mode", mode],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
-            start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env, start_new_session=True)
         self.port = self._read_port(timeout=30)
 
     def _read_port(self, timeout: float) -> int:
@@ -106,12 +104,12 @@ class FakeTrainer:
         line = result[0] if result else ""
         if not line.startswith("PORT "):
             self.stop()
-            raise RuntimeError(f"fake trainer {self.job} did not print its port (got {line!r}); "
+            raise RuntimeError(f"{self.name} did not print its port (got {line!r}); "
                                f"log:\n{self.log_path.read_text()[-3000:]}")
         return int(line.split()[1])
 
     def go(self) -> None:
-        """Start training (the process waits for this after printing its port)."""
+        """Send the line the script waits for before it starts its work."""
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
@@ -130,47 +128,21 @@ class FakeTrainer:
         self._log.close()
 
 
-# --------------------------------------------------------------------------- operator metrics
+class FakeTrainer(ExporterProcess):
+    """``fake_trainer.py --mode MODE``: the real TrainerTelemetry driven with sleeps; trains after go()."""
+
+    def __init__(self, job: str, mode: str, log_path: Path):
+        self.job, self.mode = job, mode
+        super().__init__(f"fake trainer {job}", [str(HERE / "fake_trainer.py"), "--job", job, "--namespace",
+                                                 NAMESPACE, "--mode", mode], log_path)
 
 
-class OperatorExporter:
-    """The operator's REAL metrics module (rljob_operator.metrics), served from this process and fed
-    made-up reconciles by a thread (the operator itself is not what these tests start).
+class OperatorExporter(ExporterProcess):
+    """``fake_operator.py``: the operator's REAL metrics module fed made-up reconciles (own process, so
+    the pytest process's default registry, which operator tests read, is left alone)."""
 
-    Every 0.1 s a reconcile cycle (every 5th one an error, every 7th an API error); RLJobs with the
-    conditions Running (2), Succeeded (1) and Failed (1) True.
-    """
-
-    def __init__(self) -> None:
-        from prometheus_client import REGISTRY, start_http_server
-        from rljob_operator import metrics
-
-        jobs = {"train-a": "Running", "train-b": "Running", "done": "Succeeded", "broken": "Failed"}
-        for name, true_type in jobs.items():
-            metrics.record_conditions("ml-ops", name, {"conditions": [
-                {"type": t, "status": "True" if t in (true_type, "Accepted") else "False"}
-                for t in ("Accepted", "Running", "Succeeded", "Failed", "Suspended")]})
-        self._stop = threading.Event()
-
-        def loop() -> None:
-            i = 0
-            while not self._stop.wait(0.1):
-                i += 1
-                metrics.record_cycle("timer", "error" if i % 5 == 0 else "ok", 0.005 + 0.01 * (i % 7))
-                if i % 7 == 0:
-                    metrics.record_api_error("patch", 409 if i % 2 else 500)
-                if i % 3 == 0:
-                    metrics.record_created([{"kind": "PyTorchJob"}, {"kind": "ConfigMap"}])
-
-        self._thread = threading.Thread(target=loop, name="operator-metrics", daemon=True)
-        self._thread.start()
-        self.server, _ = start_http_server(0, addr="127.0.0.1", registry=REGISTRY)
-        self.target = f"127.0.0.1:{self.server.server_port}"
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.server.shutdown()
-        self.server.server_close()
+    def __init__(self, log_path: Path):
+        super().__init__("operator metrics", [str(HERE / "fake_operator.py")], log_path)
 
 
 @dataclasses.dataclass

@@ -125,24 +125,15 @@ def test_metrics_arrive_with_sane_values(worker_run):
     assert at_end(worker_run, f"rljob_rollout_tokens_per_second{{{sel}}}") > 0
     assert 0 < at_end(worker_run, f"rljob_response_length_mean_tokens{{{sel}}}") <= 16
     # Checkpoints at steps 2 and 4, committed during the run; heartbeat fresh at the end.
-    assert at_end(worker_run, f"rljob_last_checkpoint_step{{{sel}}}") in (2, STEPS)  # STEPS: see below
+    assert at_end(worker_run, f"rljob_last_checkpoint_step{{{sel}}}") == STEPS
+    assert at_end(worker_run, f"rljob_checkpoints_total{{{sel}}}") == 2
+    assert at_end(worker_run, f"rljob_checkpoint_interval_seconds_estimate{{{sel}}}") > 0
     started = at_end(worker_run, f"rljob_start_timestamp_seconds{{{sel}}}")
     assert started < at_end(worker_run, f"rljob_last_checkpoint_timestamp_seconds{{{sel}}}") <= t + 1
     assert t - at_end(worker_run, f"rljob_heartbeat_timestamp_seconds{{{sel}}}") < 30
     (info,) = prom.query(f"rljob_job_info{{{sel}}}", time=t)
     assert (info["metric"]["model"], info["metric"]["algorithm"], info["metric"]["nnodes"]) == (
         "builtin://tiny-qwen2", "grpo", "1")
-
-
-@pytest.mark.xfail(strict=False, reason=(
-    "the final checkpoint (committed in the background) never reaches record_checkpoint: "
-    "checkpoint_io.CheckpointIO.wait() calls poll() and drops its result, so the trainer's "
-    "_poll_checkpoint() after wait() finds nothing"))
-def test_every_committed_checkpoint_is_recorded(worker_run):
-    sel = f'rljob="{JOB}", namespace="{NS}", rank="0"'
-    assert at_end(worker_run, f"rljob_last_checkpoint_step{{{sel}}}") == STEPS
-    assert at_end(worker_run, f"rljob_checkpoints_total{{{sel}}}") == 2
-    assert at_end(worker_run, f"rljob_checkpoint_interval_seconds_estimate{{{sel}}}") > 0
 
 
 def test_dashboard_expressions_return_data_for_the_worker_run(worker_run):
