@@ -9,7 +9,7 @@ Modules, from pure to side-effecting:
 - ``progress``    the worker -> operator progress annotation (stdlib only; the worker imports it).
 - ``builders``    pure child builders: spec ConfigMap, PyTorchJob, progress RBAC, metrics objects.
 - ``reconcile``   the one pure, level-based ``reconcile(body, observed, settings) -> Plan``.
-- ``kube_io``     every Kubernetes API call (kubernetes client, kopf events).
+- ``kube_io``     every Kubernetes API call (kubernetes client), events included.
 - ``metrics``     the operator's Prometheus metrics (prometheus-client).
 - ``handlers``    thin kopf handlers: observe, reconcile, apply.
 

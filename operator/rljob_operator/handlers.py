@@ -2,9 +2,10 @@
 
     kopf run -m rljob_operator.handlers --namespace NS     (or: python -m rljob_operator -n NS)
 
-Triggers: RLJob create / update of `spec` / resume (operator start), a resync timer, PyTorchJob
-events (watched server-side by our managed-by label), and new worker progress annotations. One
-asyncio lock per RLJob serialises cycles for the same job across those triggers.
+Triggers: RLJob create / update of `spec` / resume (operator start), PyTorchJob events (watched
+server-side by our managed-by label), new worker progress annotations, and a per-job resync that
+every finished cycle schedules RLJOB_RESYNC_SECONDS ahead (our own timer: kopf's @kopf.timer would
+add a finalizer to every RLJob). One asyncio lock per RLJob serialises cycles for the same job.
 
 Errors: a failed API call during apply writes `Running=False, reason CreateFailed` when nothing
 runs yet, then raises `kopf.TemporaryError` (kopf retries with backoff); for event-triggered
@@ -96,6 +97,8 @@ async def run_cycle(namespace: str, name: str, *, trigger: str, ensure_all: bool
                 if plan.requeue_after is not None:
                     result = "requeue"
                     schedule(namespace, name, plan.requeue_after, trigger="requeue")
+                else:
+                    schedule(namespace, name, SETTINGS.resync_seconds, trigger="resync")
                 return
             raise kopf.TemporaryError(f"{CONFLICT_RETRIES} write conflicts in a row", delay=1)
         finally:
@@ -121,7 +124,11 @@ def _backoff(retry: int, exc: kube_io.ApiError) -> float:
 
 
 def schedule(namespace: str, name: str, delay: float, *, trigger: str, attempt: int = 0) -> None:
-    """Run a cycle for the job after `delay` (one pending run per job; the earliest wins)."""
+    """Run a cycle for the job after `delay` (one pending run per job; the earliest wins).
+
+    Every finished cycle schedules the job's next resync this way: a level-based timer per RLJob
+    without kopf's @kopf.timer, which would put a finalizer on every RLJob.
+    """
     loop = asyncio.get_running_loop()
     key = (namespace, name)
     pending = state.retries.get(key)
@@ -138,9 +145,9 @@ def schedule(namespace: str, name: str, delay: float, *, trigger: str, attempt: 
 
 
 async def _run_in_background(namespace: str, name: str, *, trigger: str, attempt: int = 0) -> None:
-    """A cycle where kopf will not retry (event handlers, timers of our own): retry here with backoff."""
+    """A cycle where kopf will not retry (event handlers, resyncs, requeues): retry here with backoff."""
     try:
-        await run_cycle(namespace, name, trigger=trigger, retry=attempt)
+        await run_cycle(namespace, name, trigger=trigger, retry=attempt, ensure_all=trigger == "resync")
     except kopf.TemporaryError as exc:
         delay = EVENT_RETRY_DELAYS[min(attempt, len(EVENT_RETRY_DELAYS) - 1)]
         log.warning("%s/%s: %s; retrying in %.0fs", namespace, name, exc, delay)
@@ -178,6 +185,7 @@ async def shutdown(**_: Any) -> None:
     for handle in state.retries.values():
         handle.cancel()
     if state.api is not None:
+        await state.api.drain_events()
         state.api.close()
 
 
@@ -189,11 +197,6 @@ async def shutdown(**_: Any) -> None:
 @kopf.on.update(*RLJOB, field="spec")
 async def rljob_changed(namespace: str, name: str, retry: int, body: kopf.Body, **_: Any) -> None:
     await run_cycle(namespace, name, trigger="change", retry=retry, body=body)
-
-
-@kopf.timer(*RLJOB, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
-async def resync(namespace: str, name: str, retry: int, **_: Any) -> None:
-    await run_cycle(namespace, name, trigger="resync", ensure_all=True, retry=retry)
 
 
 def _new_progress(type: str | None, annotations: dict[str, str], status: dict[str, Any], **_: Any) -> bool:

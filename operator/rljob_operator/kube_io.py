@@ -8,6 +8,9 @@ kopf event loop never blocks. Every call goes through `KubeApi._request`, which
   mid-reconcile never makes duplicates) and 409 on a guarded write as `Conflict`;
 - never logs request bodies (a spec names Secrets, never their values, but keep logs boring).
 
+Events are core/v1 Events posted in the background by this module (not through kopf.event, so
+that cycles started outside kopf's handler context -- retries, resyncs -- post them the same way).
+
 Status writes are merge patches of `/status` carrying `metadata.resourceVersion`, so a write
 computed from a stale read fails with `Conflict` instead of overwriting newer state.
 """
@@ -19,12 +22,12 @@ import json
 import logging
 import os
 import random
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import kopf
 import urllib3
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
@@ -46,6 +49,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     (builders.PYTORCHJOB_API_VERSION, builders.PYTORCHJOB_KIND): "pytorchjobs",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    ("v1", "Event"): "events",
     (API_VERSION, KIND): PLURAL,
 }
 RETRY_DELAYS = (0.2, 0.5, 1.0)  # in-call retries of transient failures, before the cycle gives up
@@ -104,8 +108,6 @@ def load_configuration(settings: OperatorSettings) -> k8s_client.Configuration:
         k8s_config.load_incluster_config(client_configuration=configuration)
     else:
         k8s_config.load_kube_config(client_configuration=configuration)
-    configuration.connection_pool_maxsize = settings.api_concurrency
-    configuration.retries = False  # retries are ours: bounded, logged and counted
     return configuration
 
 
@@ -113,9 +115,14 @@ class KubeApi:
     def __init__(self, settings: OperatorSettings, *, on_error: Callable[[str, int], None] | None = None,
                  configuration: k8s_client.Configuration | None = None):
         self.settings = settings
-        self._client = k8s_client.ApiClient(configuration or load_configuration(settings))
+        configuration = configuration or load_configuration(settings)
+        configuration.connection_pool_maxsize = settings.api_concurrency
+        configuration.retries = False  # retries are ours: bounded, logged and counted
+        self._client = k8s_client.ApiClient(configuration)
         self._executor = concurrent.futures.ThreadPoolExecutor(settings.api_concurrency, thread_name_prefix="kube-io")
         self._on_error = on_error or (lambda verb, status: None)
+        self._event_tasks: set[asyncio.Future] = set()
+        self._instance = socket.gethostname()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -246,8 +253,46 @@ class KubeApi:
                                 subresource="status")
 
     def post_event(self, body: Mapping[str, Any], event: Event) -> None:
-        """A Kubernetes Event on the RLJob (queued by kopf, posted in the background)."""
-        kopf.event(dict(body), type=event.type, reason=event.reason, message=event.message)
+        """A Kubernetes Event on the RLJob, posted in the background (an event lost to an API error is
+        logged and counted, never retried into a storm, and never fails the cycle)."""
+        task = asyncio.ensure_future(self._post_event(build_event(body, event, self._instance)))
+        self._event_tasks.add(task)
+        task.add_done_callback(self._event_tasks.discard)
+
+    async def _post_event(self, obj: dict[str, Any]) -> None:
+        try:
+            await self._request("event", "POST", path_for("v1", "Event", obj["metadata"]["namespace"]), obj,
+                                content_type="application/json")
+        except ApiError as exc:
+            log.warning("could not post event %s on %s: %s", obj["reason"], obj["involvedObject"]["name"], exc)
+
+    async def drain_events(self, timeout: float = 5.0) -> None:
+        """Wait for events still being posted (at shutdown)."""
+        if self._event_tasks:
+            await asyncio.wait(list(self._event_tasks), timeout=timeout)
+
+
+def build_event(body: Mapping[str, Any], event: Event, instance: str) -> dict[str, Any]:
+    """A core/v1 Event about the RLJob `body` (the shape `kubectl describe` shows)."""
+    meta = body["metadata"]
+    now = utc_now()
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": body.get("apiVersion", API_VERSION), "kind": body.get("kind", KIND),
+                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid"),
+                           "resourceVersion": meta.get("resourceVersion")},
+        "type": event.type,
+        "reason": event.reason,
+        "message": event.message[:1024],
+        "source": {"component": builders.MANAGER},
+        "reportingComponent": builders.MANAGER,
+        "reportingInstance": instance,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
 
 
 def utc_now() -> str:

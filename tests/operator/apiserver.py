@@ -74,7 +74,7 @@ BUILTINS: dict[Key, tuple[str, bool]] = {
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", True),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): ("CustomResourceDefinition", False),
 }
-STRICT_BUILTINS = {"ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding"}
+STRICT_BUILTINS = {"ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding", "Event"}
 NAMESPACES: Key = ("", "v1", "namespaces")
 CRDS: Key = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")

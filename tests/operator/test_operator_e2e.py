@@ -105,7 +105,9 @@ def test_rljob_becomes_a_pytorchjob_with_owned_children(kube: KubeClient, operat
     status = kube.get(RLJOBS, ns, "alpha")["status"]
     assert status["observedGeneration"] == 1 and status["pytorchJobName"] == "alpha"
     assert [x["type"] for x in status["conditions"]] == list(c.CONDITION_TYPES)
-    assert opschema.rljob_schema_errors(kube.get(RLJOBS, ns, "alpha")) == []
+    stored = kube.get(RLJOBS, ns, "alpha")
+    assert opschema.rljob_schema_errors(stored) == []
+    assert "finalizers" not in stored["metadata"], "no external side effects, so no finalizer"
     eventually.event(ns, "alpha", c.REASON_SPEC_ACCEPTED)
     created = eventually.event(ns, "alpha", c.EVENT_CREATED)
     assert created["type"] == "Normal" and created["involvedObject"]["uid"] == job["metadata"]["uid"]

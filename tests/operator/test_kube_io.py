@@ -1,0 +1,154 @@
+"""kube_io against the test API server over HTTP: idempotent creates, guarded writes, retries, timeouts."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import opschema
+import pytest
+import yaml
+from apiserver import ApiServerThread
+from cluster import CONFIGMAPS, RLJOBS, KubeClient
+from kubernetes import client as k8s_client
+from rljob_operator import kube_io
+from rljob_operator.reconcile import ChildRef
+from rljob_operator.settings import OperatorSettings
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ApiServerThread]:
+    thread = ApiServerThread().start()
+    KubeClient(thread.url).apply_crd(opschema.rljob_crd())
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture
+def ns(server: ApiServerThread) -> str:
+    name = f"io-{uuid.uuid4().hex[:8]}"
+    KubeClient(server.url).create_namespace(name)
+    return name
+
+
+def make_api(server: ApiServerThread, errors: list, timeout: float = 2.0) -> kube_io.KubeApi:
+    configuration = k8s_client.Configuration()
+    configuration.host = server.url
+    return kube_io.KubeApi(OperatorSettings(api_timeout_seconds=timeout, api_concurrency=4),
+                           on_error=lambda verb, status: errors.append((verb, status)), configuration=configuration)
+
+
+def configmap(ns: str, name: str = "cm") -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns}, "data": {"a": "b"}}
+
+
+def test_create_is_idempotent_and_get_reads_none_for_absent(server: ApiServerThread, ns: str) -> None:
+    errors: list = []
+    api = make_api(server, errors)
+
+    async def go():
+        assert await api.create(configmap(ns)) is True
+        assert await api.create(configmap(ns)) is False  # 409: already there
+        assert (await api.get("v1", "ConfigMap", ns, "cm"))["data"] == {"a": "b"}
+        assert await api.get("v1", "ConfigMap", ns, "absent") is None
+        assert await api.delete(ChildRef("v1", "ConfigMap", ns, "cm")) is True
+        assert await api.delete(ChildRef("v1", "ConfigMap", ns, "cm")) is False
+
+    asyncio.run(go())
+    api.close()
+    assert errors == []
+
+
+def test_status_writes_are_guarded_by_resource_version(server: ApiServerThread, ns: str) -> None:
+    doc = yaml.safe_load((opschema.REPO / "examples" / "quickstart.yaml").read_text())
+    doc["metadata"] = {"name": "guarded"}
+    KubeClient(server.url).create(RLJOBS, ns, doc)
+    api = make_api(server, [])
+
+    async def go():
+        body = await api.get_rljob(ns, "guarded")
+        await api.write_status(body, {"observedGeneration": 1, "pytorchJobName": "guarded"})
+        with pytest.raises(kube_io.Conflict):  # `body` is stale now
+            await api.write_status(body, {"observedGeneration": 1})
+        fresh = await api.get_rljob(ns, "guarded")
+        await api.write_status(fresh, {"observedGeneration": 1})  # the removed key becomes null in the patch
+        return await api.get_rljob(ns, "guarded")
+
+    final = asyncio.run(go())
+    api.close()
+    assert final["status"] == {"observedGeneration": 1}
+
+
+def test_transient_errors_and_timeouts_are_retried(server: ApiServerThread, ns: str) -> None:
+    errors: list = []
+    api = make_api(server, errors, timeout=0.5)
+    server.call(server.server.inject, method="POST", path=f"/namespaces/{ns}/configmaps$", status=503, times=2)
+    server.call(server.server.inject, method="GET", path=f"/namespaces/{ns}/configmaps/cm$", status=None,
+                delay=1.5, times=1)
+
+    async def go():
+        assert await api.create(configmap(ns)) is True
+        started = time.monotonic()
+        assert (await api.get("v1", "ConfigMap", ns, "cm"))["metadata"]["name"] == "cm"
+        return time.monotonic() - started
+
+    waited = asyncio.run(go())
+    api.close()
+    assert errors[:2] == [("create", 503), ("create", 503)]
+    assert ("get", 0) in errors, "the hung read timed out (no response) and was retried"
+    assert waited < 3
+
+
+def test_persistent_errors_raise_after_bounded_retries(server: ApiServerThread, ns: str) -> None:
+    errors: list = []
+    api = make_api(server, errors)
+    server.call(server.server.inject, method="POST", path=f"/namespaces/{ns}/configmaps$", status=500, times=None)
+    try:
+        with pytest.raises(kube_io.ApiError) as exc:
+            asyncio.run(api.create(configmap(ns)))
+        assert exc.value.status == 500 and exc.value.transient
+        assert len(errors) == len(kube_io.RETRY_DELAYS) + 1
+        server.call(server.server.clear_faults)
+        server.call(server.server.inject, method="POST", path=f"/namespaces/{ns}/configmaps$", status=403, times=1)
+        with pytest.raises(kube_io.ApiError) as exc:
+            asyncio.run(api.create(configmap(ns, "other")))
+        assert exc.value.status == 403 and not exc.value.transient  # not retried in the call
+    finally:
+        server.call(server.server.clear_faults)
+        api.close()
+    assert KubeClient(server.url).items(CONFIGMAPS, ns) == []
+
+
+def test_merge_diff() -> None:
+    assert kube_io.merge_diff({"a": 1, "b": {"c": 1, "d": 2}, "l": [1]}, {"b": {"c": 1, "d": 3}, "l": [1], "e": 0}) == {
+        "a": None, "b": {"d": 3}, "e": 0}
+
+
+def test_events_are_valid_core_v1_events() -> None:
+    from rljob_operator.reconcile import Event
+
+    body = {"apiVersion": "rljob.dev/v1alpha1", "kind": "RLJob",
+            "metadata": {"name": "j", "namespace": "ns", "uid": "u-1", "resourceVersion": "5"}}
+    event = kube_io.build_event(body, Event("Warning", "InvalidSpec", "x" * 5000), "operator-0")
+    assert opschema.builtin_errors(event) == []
+    assert event["involvedObject"] == {"apiVersion": "rljob.dev/v1alpha1", "kind": "RLJob", "name": "j",
+                                       "namespace": "ns", "uid": "u-1", "resourceVersion": "5"}
+    assert len(event["message"]) == 1024 and event["metadata"]["generateName"] == "j."
+
+
+def test_events_are_posted_in_the_background(server: ApiServerThread, ns: str) -> None:
+    from rljob_operator.reconcile import Event
+
+    api = make_api(server, [])
+    body = {"apiVersion": "rljob.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "j", "namespace": ns}}
+
+    async def go():
+        api.post_event(body, Event("Normal", "Created", "Created PyTorchJob j."))
+        await api.drain_events()
+
+    asyncio.run(go())
+    api.close()
+    events = KubeClient(server.url).events_for(ns, "j")
+    assert [(e["type"], e["reason"], e["source"]) for e in events] == [
+        ("Normal", "Created", {"component": "rljob-operator"})]
