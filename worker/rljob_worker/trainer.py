@@ -138,6 +138,7 @@ class GRPOTrainer:
                                             trainable=False)
                     if self.use_ref else None)
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
+        self._num_params = sum(p.numel() for p in self.actor.core.parameters()) * self.actor.tp_size
         self.loss_config = algo.LossConfig(
             clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
             kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_placement=a.kl_placement,
@@ -172,7 +173,8 @@ class GRPOTrainer:
 
         telemetry = TrainerTelemetry(job=self.ctx.job_name, namespace=self.ctx.namespace, rank=self.env.rank,
                                      model=self.spec.model.path, algorithm=self.spec.algorithm.name.value,
-                                     nnodes=self.spec.nnodes, tensorboard_dir=self.spec.metrics.tensorboard_dir
+                                     nnodes=self.spec.nnodes, save_freq=self.spec.checkpoint.save_freq,
+                                     tensorboard_dir=self.spec.metrics.tensorboard_dir
                                      if self.is_main else None)
         if self.spec.metrics.enabled and self.env.local_rank == 0:
             port = int(os.environ.get("RLJOB_METRICS_PORT", self.spec.metrics.port))
@@ -264,6 +266,7 @@ class GRPOTrainer:
                 self._fold_kl_into_advantages(local)
 
         # 4. actor update: ppoEpochs x mini-batches, each one optimizer step
+        update_start = time.perf_counter()
         with self.telemetry.stage("actor_update"):
             update_metrics = []
             for _ in range(spec.training.ppo_epochs):
@@ -273,11 +276,28 @@ class GRPOTrainer:
                         with_entropy=a.entropy_coeff > 0))
         for key, value in _mean_dicts(update_metrics).items():
             metrics[key if key.startswith("rollout/") else f"actor/{key}"] = value
+        metrics.update(self._training_throughput(local, time.perf_counter() - update_start))
 
         # 5. weight sync: stream HF-named tensors from megatron into the engine
         with self.telemetry.stage("weight_sync"):
             self._sync_weights()
         return metrics
+
+    def _training_throughput(self, local: dict[str, torch.Tensor], seconds: float) -> dict[str, float]:
+        """Tokens/s of the actor update over all data-parallel ranks, and MFU on a GPU.
+
+        FLOPs per token: 6 N (forward + backward of the weights) + 12 L h s (attention scores and
+        values, causal, forward + backward) with s the mean sequence length."""
+        tokens = float(local["attention_mask"].sum()) * self.spec.training.ppo_epochs * self.dp_size
+        out = {"throughput/train_tokens_per_s": tokens / max(seconds, 1e-9)}
+        if self.device.type == "cuda":
+            cfg = self.actor.hf_config
+            seq = float(local["attention_mask"].sum(-1).float().mean())
+            flops_per_token = 6 * self._num_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            peak = float(os.environ.get("RLJOB_PEAK_TFLOPS", "989")) * 1e12 * world
+            out["perf/mfu"] = tokens * flops_per_token / max(seconds, 1e-9) / peak
+        return out
 
     def _rollout_and_score(self, metrics: dict[str, float]) -> dict[str, Any]:
         """Rank 0: sample n responses per prompt, score them, compute advantages (N,) and build the batch."""
