@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["RLJOB_OPERATOR_METRICS_PORT"] = str(args.metrics_port)  # read by settings at import
     import kopf
 
-    kopf.configure(verbose=args.verbose, quiet=args.quiet)  # kopf's log format, with the object in each line
+    kopf.configure(verbose=args.verbose, quiet=args.quiet, log_prefix=True)  # [namespace/name] in each line
     for noisy in ("kubernetes", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

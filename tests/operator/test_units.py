@@ -98,3 +98,14 @@ def test_settings_from_env() -> None:
 def test_settings_errors_name_the_variable(env: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         OperatorSettings.from_env(env)
+
+
+def test_operator_cli_needs_a_scope() -> None:
+    from rljob_operator.__main__ import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["-A", "-n", "x"])
+    args = build_parser().parse_args(["-n", "team-a", "--namespace", "rl-*", "--metrics-port", "0"])
+    assert args.namespaces == ["team-a", "rl-*"] and args.metrics_port == 0 and args.peering is None
