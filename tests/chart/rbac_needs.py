@@ -103,7 +103,10 @@ class RecordingStore:
             obj = self.objects.get(obj_path)
             return (200, copy.deepcopy(obj)) if obj is not None else (404, {"reason": "NotFound"})
         if method == "POST":
-            item = f"{path}/{body['metadata']['name']}"
+            meta = body["metadata"]
+            name = meta.get("name") or f"{meta['generateName']}{next(self._rv)}"
+            body = {**body, "metadata": {**meta, "name": name}}
+            item = f"{path}/{name}"
             if item in self.objects:
                 return 409, {"reason": "AlreadyExists"}
             self.put(item, body)
@@ -187,6 +190,7 @@ def record_operator_calls(settings: Any, *, pod_monitor: bool, monkeypatch: Any)
     if events:
         needs.add(kopf_event_need())
     created = [b for method, _, b in store.requests if method == "POST"]
+    events += [b for b in created if b.get("kind") == "Event"]  # kube_io posts events itself
     return Recording(needs=needs, requests=store.requests, events=events, created=created)
 
 

@@ -41,7 +41,19 @@ def operator_needs(docs: list[dict[str, Any]], values: dict[str, Any], monkeypat
     kopf_ns, kopf_cluster = rbac_needs.kopf_needs(clusterwide=args.all_namespaces, standalone=args.peering is None,
                                                   settings=kopf_settings)
     cluster = kopf_cluster if values["rbac"]["clusterDiscovery"] else set()
-    return recording.needs | kopf_ns, cluster, recording, args
+    return recording.needs | kopf_ns | owner_reference_needs(recording), cluster, recording, args
+
+
+def owner_reference_needs(recording: rbac_needs.Recording) -> set[Need]:
+    """Creating a child with `blockOwnerDeletion: true` needs `update` on the owner's finalizers
+    subresource wherever the OwnerReferencesPermissionEnforcement admission plugin runs (OpenShift)."""
+    needs: set[Need] = set()
+    for body in recording.created:
+        for ref in body.get("metadata", {}).get("ownerReferences", []):
+            if ref.get("blockOwnerDeletion"):
+                group = ref["apiVersion"].split("/")[0] if "/" in ref["apiVersion"] else ""
+                needs.add((group, f"{ref['kind'].lower()}s/finalizers", "update"))
+    return needs
 
 
 def test_chart_rbac_equals_the_operators_needs(helm_bin: str, config: Path | None,
@@ -125,7 +137,7 @@ def test_derivation_exercises_every_request_kube_io_can_make(monkeypatch: pytest
     recorded_methods = {method for method, _, _ in recording.requests}
     assert source_methods <= recorded_methods, f"not exercised: {source_methods - recorded_methods}"
     kinds = {b["kind"] for b in recording.created}
-    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob", "Service", "PodMonitor"}
+    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob", "Service", "PodMonitor", "Event"}
     verbs = {(g, r, v) for g, r, v in recording.needs}
     assert ("kubeflow.org", "pytorchjobs", "delete") in verbs and ("", "configmaps", "patch") in verbs
     assert ("rljob.dev", "rljobs/status", "patch") in verbs

@@ -158,6 +158,9 @@ def test_every_live_request_is_allowed(chart_docs: list[dict[str, Any]], live_re
     # The walk reached what matters: kopf's watches, finalizer/annotation patches and events, our status writes.
     # ... and the lifecycle used every grant: the chart's RBAC is exactly what the real operator did.
     granted = roles[NS] | cluster
+    # Demanded only by the OwnerReferencesPermissionEnforcement admission plugin, which the test API
+    # server does not run: creating children with blockOwnerDeletion never shows up as a request.
+    granted -= {("rljob.dev", "rljobs/finalizers", "update")}
     assert used == granted, (f"granted but never used: {format_needs(granted - used)}; "
                              f"used but not granted: {format_needs(used - granted)}")
 

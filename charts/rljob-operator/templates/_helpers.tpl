@@ -120,6 +120,11 @@ tests/chart/test_rbac.py asserts that these rules equal what the operator's code
 - apiGroups: ["rljob.dev"]
   resources: ["rljobs/status"]
   verbs: ["patch"]
+# Children carry ownerReferences with blockOwnerDeletion; clusters enforcing owner-reference
+# permissions (OwnerReferencesPermissionEnforcement, e.g. OpenShift) require this to create them.
+- apiGroups: ["rljob.dev"]
+  resources: ["rljobs/finalizers"]
+  verbs: ["update"]
 # The child PyTorchJob: read, create, suspend/resume (patch), delete when a suspended job's spec
 # changed; kopf watches the ones labelled as ours.
 - apiGroups: ["kubeflow.org"]
