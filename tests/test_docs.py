@@ -16,7 +16,7 @@ def test_reference_is_generated_from_models():
 
 def test_reference_covers_every_seed_knob():
     text = reference_markdown()
-    for knob in ["tensor_model_parallel_size", "use_distributed_optimizer", "param_offload", "rollout.n",
+    for knob in ["tensor_model_parallel_size", "use_distributed_optimizer", "param_offload", "rollout.n)",
                  "save_freq", "max_actor_ckpt_to_keep", "resume_mode", "val_before_train", "test_freq",
                  "pipeline_model_parallel_size", "sequence_parallel", "kl_loss_type", "loss_agg_mode",
                  "gpu_memory_utilization", "ppo_micro_batch_size_per_gpu", "override_transformer_config"]:

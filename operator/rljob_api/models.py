@@ -201,7 +201,9 @@ class RolloutSpec(ApiModel):
     engine: RolloutEngine = _f(
         RolloutEngine.AUTO, "Rollout engine: vllm (production), hf (transformers; CPU and fallback), auto (vllm when importable on a GPU)."
     )
-    n: int = _f(8, "Samples per prompt, i.e. the GRPO group size. (verl: actor_rollout_ref.rollout.n)", ge=2, le=1024)
+    # Not `n`: YAML 1.1 parsers (kubectl's among them) read a bare `n` key as the boolean false.
+    samples_per_prompt: int = _f(
+        8, "Samples per prompt, i.e. the GRPO group size. (verl: actor_rollout_ref.rollout.n)", ge=2, le=1024)
     temperature: float = _f(1.0, "Sampling temperature. (verl: rollout.temperature)", ge=0, le=10)
     top_p: float = _f(1.0, "Nucleus sampling probability mass. (verl: rollout.top_p)", gt=0, le=1)
     top_k: int = _f(-1, "Top-k sampling; -1 disables. (verl: rollout.top_k)", ge=-1)

@@ -47,7 +47,7 @@ def reference_markdown() -> str:
         lines.append(f"- {rule['message']} (checked by the API server and the operator)")
     lines += [
         "- batch sizes: trainBatchSizePerNode a multiple of ppoMiniBatchSizePerNode; mini-batch responses",
-        "  (ppoMiniBatchSizePerNode x nnodes x rollout.n) divisible by the data-parallel size, and the per-rank",
+        "  (ppoMiniBatchSizePerNode x nnodes x rollout.samplesPerPrompt) divisible by the data-parallel size, and the per-rank",
         "  share a multiple of microBatchSizePerGpu (checked by the operator and `rljob validate`)",
         "",
     ]

@@ -80,6 +80,9 @@ def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]
         parent = full.rsplit(".", 1)[0] if "." in full else "spec"
         if err["type"] == "extra_forbidden":
             message = f"unknown field; check the spelling (fields are camelCase) against `rljob explain {parent}`"
+            if full.endswith(("rollout.n", "rollout.false")):
+                message = ("unknown field; the group size is rollout.samplesPerPrompt (verl's rollout.n; a bare "
+                           "`n:` key is read as the boolean false by kubectl's YAML parser)")
         elif err["type"] == "missing":
             message = f"required field is missing; add it (see `rljob explain {full}`)"
         elif err["type"] in {"model_type", "model_attributes_type", "dict_type"}:
@@ -235,15 +238,15 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             "spec.training.ppoMiniBatchSizePerNode",
             f"trainBatchSizePerNode={t.train_batch_size_per_node} must be a multiple of it ({t.ppo_mini_batch_size_per_node})"))
     if dp is not None:
-        if (train * r.n) % dp:
+        if (train * r.samples_per_prompt) % dp:
             errs.append(FieldError(
                 "spec.training.trainBatchSizePerNode",
-                f"global responses per step {train} x n={r.n} = {train * r.n} must divide evenly over {dp} data-parallel ranks"))
-        mini_responses = mini * r.n
+                f"global responses per step {train} x samplesPerPrompt={r.samples_per_prompt} = {train * r.samples_per_prompt} must divide evenly over {dp} data-parallel ranks"))
+        mini_responses = mini * r.samples_per_prompt
         if mini_responses % dp:
             errs.append(FieldError(
                 "spec.training.ppoMiniBatchSizePerNode",
-                f"mini-batch responses {mini} x n={r.n} = {mini_responses} must divide evenly over {dp} data-parallel ranks"))
+                f"mini-batch responses {mini} x samplesPerPrompt={r.samples_per_prompt} = {mini_responses} must divide evenly over {dp} data-parallel ranks"))
         elif (mini_responses // dp) % t.micro_batch_size_per_gpu:
             errs.append(FieldError(
                 "spec.training.microBatchSizePerGpu",

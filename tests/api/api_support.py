@@ -44,7 +44,7 @@ def gpu_job() -> dict[str, Any]:
             "gpusPerNode": 8,
             "model": {"path": "/models/qwen"},
             "data": {"trainFiles": ["/data/train.parquet"]},
-            "rollout": {"n": 8},
+            "rollout": {"samplesPerPrompt": 8},
             "training": {"trainBatchSizePerNode": 64, "ppoMiniBatchSizePerNode": 16, "microBatchSizePerGpu": 4},
         },
     }

@@ -98,8 +98,8 @@ BAD_INPUTS = {
     "scalar": ("just a string\n", ["(root): expected a mapping", "got a string"]),
     "wrong-kind": ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n",
                    ["kind: must be 'RLJob', got 'ConfigMap'", "apiVersion: must be 'rljob.dev/v1alpha1'"]),
-    "wrong-types": (HEAD + "  gpus_per_node: 8\n  rollout: {n: '8'}\n  suspend: yes please\n",
-                    ["spec.gpus_per_node: unknown field", "spec.rollout.n: Input should be a valid integer",
+    "wrong-types": (HEAD + "  gpus_per_node: 8\n  rollout: {samplesPerPrompt: '8'}\n  suspend: yes please\n",
+                    ["spec.gpus_per_node: unknown field", "spec.rollout.samplesPerPrompt: Input should be a valid integer",
                      "spec.suspend: Input should be a valid boolean"]),
     "non-mapping-section": ("apiVersion: rljob.dev/v1alpha1\nkind: RLJob\nmetadata: {name: x}\nspec:\n  megatron: tp2\n",
                             ["spec.model: required field is missing",
@@ -152,12 +152,12 @@ def test_validate_unreadable_paths(bad_inputs_run):
 
 
 def test_validate_multi_document_file(tmp_path):
-    docs = [gpu_job(), changed(gpu_job(), {"metadata.name": "second", "spec.rollout.n": 1})]
+    docs = [gpu_job(), changed(gpu_job(), {"metadata.name": "second", "spec.rollout.samplesPerPrompt": 1})]
     path = write(tmp_path, "multi.yaml", "---\n".join(yaml.safe_dump(d) for d in docs))
     code, out = rljob("validate", path)
     assert code == 1, out
     assert f"OK {path}#0: t:" in out
-    assert f"INVALID {path}#1" in out and "  spec.rollout.n: Input should be greater than or equal to 2" in out
+    assert f"INVALID {path}#1" in out and "  spec.rollout.samplesPerPrompt: Input should be greater than or equal to 2" in out
 
     both_ok = write(tmp_path, "ok.yaml", "---\n".join(yaml.safe_dump(changed(gpu_job(), {"metadata.name": n}))
                                                       for n in ("a", "b")) + "---\n")
@@ -208,8 +208,8 @@ def in_process(capsys, *args: str) -> tuple[int, str]:
 
 
 def test_explain_leaf_and_default_and_rlj_prefix(capsys):
-    code, out = in_process(capsys, "explain", "rlj.spec.rollout.n")
-    assert code == 0 and "FIELD: rlj.spec.rollout.n <integer>" in out and "group size" in out, out
+    code, out = in_process(capsys, "explain", "rlj.spec.rollout.samplesPerPrompt")
+    assert code == 0 and "FIELD: rlj.spec.rollout.samplesPerPrompt <integer>" in out and "group size" in out, out
     code, out = in_process(capsys, "explain")
     assert code == 0 and "FIELD: spec <object>" in out and "What to train and how." in out, out
     code, out = in_process(capsys, "explain", "status.conditions")

@@ -267,13 +267,13 @@ def test_every_field_has_a_description():
 
 def test_description_check_can_fail():
     schema = copy.deepcopy(crd_schema())
-    schema["properties"]["spec"]["properties"]["rollout"]["properties"]["n"]["description"] = " "
-    assert ("spec.rollout.n", "") in described_fields(schema)
+    schema["properties"]["spec"]["properties"]["rollout"]["properties"]["samplesPerPrompt"]["description"] = " "
+    assert ("spec.rollout.samplesPerPrompt", "") in described_fields(schema)
 
 
 def test_descriptions_show_defaults():
     spec = crd_schema()["properties"]["spec"]["properties"]
-    assert spec["rollout"]["properties"]["n"]["description"].endswith("Default: 8.")
+    assert spec["rollout"]["properties"]["samplesPerPrompt"]["description"].endswith("Default: 8.")
     assert "Default: low_var_kl." in spec["algorithm"]["properties"]["klEstimator"]["description"]
 
 
@@ -287,7 +287,7 @@ def test_enums_and_bounds_reach_the_schema():
     assert spec["algorithm"]["properties"]["klEstimator"]["enum"] == ["k1", "k2", "k3", "low_var_kl"]
     assert spec["algorithm"]["properties"]["lossAggregation"]["enum"] == [
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-    assert spec["rollout"]["properties"]["n"]["minimum"] == 2
+    assert spec["rollout"]["properties"]["samplesPerPrompt"]["minimum"] == 2
     top_p = spec["rollout"]["properties"]["topP"]
     assert top_p["minimum"] == 0 and top_p["exclusiveMinimum"] is True
     assert spec["model"]["properties"]["path"]["pattern"].startswith("^(s3://")

@@ -43,7 +43,7 @@ def test_examples_pass_the_crd_schema(validator, path):
     ({"spec.model.path": "models/qwen"}, "spec.model.path", "does not match"),
     ({"spec.checkpoint.uri": "gs://bucket/ckpt"}, "spec.checkpoint.uri", "does not match"),
     ({"spec.s3.endpoint": "minio:9000"}, "spec.s3.endpoint", "does not match"),
-    ({R + "n": 1}, "spec.rollout.n", "less than the minimum"),
+    ({R + "samplesPerPrompt": 1}, "spec.rollout.samplesPerPrompt", "less than the minimum"),
     ({R + "topP": 0}, "spec.rollout.topP", "less than or equal to the minimum"),
     ({"spec.nnodes": "2"}, "spec.nnodes", "is not of type 'integer'"),
     ({"spec.model.path": DELETE}, "spec.model", "'path' is a required property"),

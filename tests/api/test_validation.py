@@ -175,7 +175,7 @@ def test_siirl_qwen3_8b_recipe_translated():
     assert (s.nnodes, s.gpus_per_node) == (1, 8)
     assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size) == (2, 4, 1)
     assert m.sequence_parallel and m.use_distributed_optimizer
-    assert t.lr == 1e-6 and s.rollout.n == 8
+    assert t.lr == 1e-6 and s.rollout.samples_per_prompt == 8
     assert (s.data.max_prompt_length, s.data.max_response_length) == (1024, 2048)
     assert (c.save_freq, c.max_to_keep, c.resume_mode.value) == (30, 5, "auto")
     assert (t.test_freq, t.total_epochs, t.val_before_train) == (10, 30, True)

@@ -301,7 +301,7 @@ class GRPOTrainer:
 
     def _rollout_and_score(self, metrics: dict[str, float]) -> dict[str, Any]:
         """Rank 0: sample n responses per prompt, score them, compute advantages (N,) and build the batch."""
-        spec, n = self.spec, self.spec.rollout.n
+        spec, n = self.spec, self.spec.rollout.samples_per_prompt
         records, responses, rewards, rollout_s, generated = self._sample_and_score(self.prompts_per_step)
         if spec.algorithm.dynamic_sampling:
             records, responses, rewards = self._dynamic_sampling(records, responses, rewards, metrics)
@@ -333,7 +333,7 @@ class GRPOTrainer:
 
         Returns (records (P,), responses (P*n,) of (ids, logprobs, finished), rewards (P*n,), seconds, tokens).
         """
-        spec, n = self.spec, self.spec.rollout.n
+        spec, n = self.spec, self.spec.rollout.samples_per_prompt
         indices = [i for _ in range(num_prompts // self.prompts_per_step) for i in self.sampler.next_batch()]
         records = [self.train_set.records[i] for i in indices]
         params = SamplingParams(n=n, temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
@@ -359,7 +359,7 @@ class GRPOTrainer:
         """DAPO: keep prompt groups whose rewards differ (the others carry no gradient) and refill
         from the next prompts, at most algorithm.maxRefillBatches extra batches. If still short, the
         batch is completed with zero-variance groups (zero advantage: no gradient) to keep its shape."""
-        n, want = self.spec.rollout.n, self.prompts_per_step
+        n, want = self.spec.rollout.samples_per_prompt, self.prompts_per_step
         kept_groups, spare_groups = [], []
         self._refill_seconds, self._refill_tokens, refills = 0.0, 0.0, 0
 
