@@ -63,8 +63,9 @@ def test_target_token_learns(tmp_path):
     assert len(r) == 30
     assert r[:5].mean() < 0.3, r
     assert r[-5:].mean() > 0.9, r
-    # the loop trained for real: gradients flowed and responses were sampled
-    assert all(rec["actor/grad_norm"] > 0 for rec in records)
+    # the loop trained for real: gradients flowed while rewards still differed within groups
+    # (once every sample of a batch is perfect, advantages and gradients are zero by design)
+    assert all(rec["actor/grad_norm"] > 0 for rec in records[:10])
     assert {"actor/pg_loss", "actor/clip_fraction", "response_length/mean"} <= set(records[0])
 
 

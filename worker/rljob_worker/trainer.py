@@ -566,6 +566,9 @@ def run(spec: RLJobSpec, ctx: RunContext) -> int:
     finally:
         pool = getattr(trainer, "reward_pool", None)
         if pool is not None:
+            # A reward that hung past its timeout would keep the process alive: stop the workers.
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.kill()
             pool.shutdown(wait=False, cancel_futures=True)
         telemetry = getattr(trainer, "telemetry", None)
         if telemetry is not None:
