@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,4 +60,13 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
                           gpu_memory_utilization=gpu_memory_utilization)
     from rljob_worker.rollout.hf_engine import HFEngine
 
+    if device.type == "cuda" and os.environ.get("RLJOB_HF_STATIC", "") == "1":
+        # opt-in: the same HF weights with a static KV cache and a CUDA-graphed decode step
+        from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+
+        try:
+            return HFStaticEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
+                                  pad_token_id=pad_token_id)
+        except ValueError as exc:
+            logging.getLogger(__name__).warning("RLJOB_HF_STATIC=1 ignored: %s; using the HF engine", exc)
     return HFEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The one script the device runs (issues 5, 6, 13): every benchmark in one call, results under $OUT.
+#   bash bench/gpu_all.sh [sections...]
+#   sections: actor05 grpo actor15 rollout grpombs | grpokl grpo816 actor05w grpo15 grpo15trl trlnockpt
+# Each section is its own process with its own time limit; a failing section is reported and skipped.
+# Needs wheels (carry: [".whl/megatron_actor_gpu", ".whl/trl"]): megatron-core 0.16.1 cp312; trl 1.16, datasets,
+# dill, multiprocess, pydantic(+core, annotated-types, typing-inspection, typing-extensions). Keep the image's pyarrow.
+set -u
+SECTIONS=${*:-"actor05 grpo actor15 rollout grpombs"}
+OUT=${OUT:-/tmp/bench_out}
+mkdir -p "$OUT"
+LOG="$OUT/all.log"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/megatron_actor_gpu/megatron_core-*.whl .whl/trl/*.whl 2>&1 | grep -v -i "warning" | tail -3
+export PYTHONPATH=/tmp/site:$PWD/operator:$PWD/worker:$PWD/bench
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$LOG"
+python3 - <<'PY' 2>&1 | grep -v -i warn | tee -a "$LOG"
+import importlib
+for m in ("torch", "transformers", "trl", "datasets", "pyarrow", "megatron.core", "pydantic", "accelerate"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "?"))
+    except Exception as e:
+        print(m, "IMPORT FAILED", type(e).__name__, e)
+PY
+
+section() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v -i -E "warn|^\s*$|Loading weights|Writing model" | tee -a "$LOG"
+  echo "=== $name done: rc ${PIPESTATUS[0]}, $((SECONDS - t0))s" | tee -a "$LOG"
+}
+
+for s in $SECTIONS; do
+  case $s in
+    actor05) section actor05 120 python3 bench/actor_update.py --model 0.5b --mbs 4,8 ;;
+    actor15) section actor15 150 python3 bench/actor_update.py --model 1.5b --mbs 4,8 ;;
+    grpo) section grpo 330 python3 bench/grpo_step.py --variants rljob-static,trl,rljob-hf --timeout-each 110 ;;
+    rollout) section rollout 80 python3 bench/rollout.py ;;
+    grpo15) section grpo15 120 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16 --timeout-each 110 --tag _1.5b ;;
+    grpo15trl) section grpo15trl 240 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16,trl --timeout-each 115 --tag _1.5b ;;
+    grpo816) section grpo816 200 python3 bench/grpo_step.py --prompts 8 --n 16 --variants rljob-static:32,trl --timeout-each 110 --tag _8x16 ;;
+    grpokl) section grpokl 220 python3 bench/grpo_step.py --kl-coef 0.001 --variants rljob-static:32,trl --timeout-each 115 --tag _kl ;;
+    actor05w) section actor05w 110 python3 bench/actor_update.py --model 0.5b --mbs 4,8 --warmup 2 --systems hf-padded,hf-packed,megatron ;;
+    grpombs) section grpombs 200 python3 bench/grpo_step.py --variants rljob-static:32,rljob-static:64 --timeout-each 95 --tag _mbs ;;
+    trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
+    *) echo "unknown section $s" ;;
+  esac
+done
+echo; echo "################ SUMMARY ($(nvidia-smi --query-gpu=name --format=csv,noheader))"
+grep -h -E "^(## |\| |card |fp32 greedy)" "$LOG"

@@ -1,0 +1,146 @@
+"""Rollout engines on the GPU: the static-cache CUDA-graph engine vs the plain HF engine.
+
+    python bench/rollout.py [--model 0.5b --out DIR]
+
+Qwen2.5-0.5B shape, random init, 128-token prompts, 256 sampled tokens (EOS unreachable, so every
+row decodes all 256), temperature 1.
+1. correctness on the GPU: both engines in float32, greedy, 16 prompts x 64 tokens: identical
+   tokens expected (the graph path is the one under test), max |log-prob difference|;
+2. tokens/s (generated tokens / wall) of HFStaticEngine at batch 64 and 256 (bf16; one warm-up
+   call that captures the graph, then timed calls) and of HFEngine at batch 64;
+3. weight sync seconds per GB into the static engine (HF-named bf16 tensors already on the GPU).
+Writes ``rollout.json`` under --out and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import grpo_step
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n, length), generator=g).tolist()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_generate(engine, batch, params) -> float:
+    sync()
+    t0 = time.perf_counter()
+    out = engine.generate(batch, params)
+    sync()
+    assert all(len(r) == params.max_new_tokens for r in out.response_ids), "a row stopped early"
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="0.5b")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    from rljob_worker.rollout import SamplingParams
+    from rljob_worker.rollout.hf_engine import HFEngine
+    from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: smoke test only
+    card = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    paths = grpo_step.prepare(Path(tempfile.mkdtemp(prefix="rollout_bench_")), a.model, 8, 16, a.vocab)
+    kw = {"device": dev, "eos_token_id": a.vocab, "pad_token_id": 0}
+    res: dict = {"card": card, "model": a.model}
+
+    try:  # 1. correctness of the graph path
+        ref = HFEngine(paths["model_dir"], dtype=torch.float32, **kw)
+        st = HFStaticEngine(paths["model_dir"], dtype=torch.float32, **kw)
+        greedy = SamplingParams(n=1, temperature=0, max_new_tokens=64)
+        batch = prompts(16, a.prompt_len, a.vocab, 0)
+        x, y = ref.generate(batch, greedy), st.generate(batch, greedy)
+        same = sum(r1 == r2 for r1, r2 in zip(x.response_ids, y.response_ids))
+        prefix = [next((i for i, (u, v) in enumerate(zip(r1, r2)) if u != v), len(r1))
+                  for r1, r2 in zip(x.response_ids, y.response_ids)]
+        diff = max(abs(u - v) for r1, r2 in zip(x.response_logprobs, y.response_logprobs) for u, v in zip(r1, r2))
+        res["fp32_greedy"] = {"rows_identical": same, "rows": len(batch), "min_common_prefix": min(prefix),
+                              "max_abs_logprob_diff": diff, "graph_captures": st.graph_captures}
+        print("fp32 greedy check:", res["fp32_greedy"], flush=True)
+        del ref, st
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        res["fp32_greedy"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
+    rows = []
+    try:  # 2. throughput + 3. weight sync
+        st = HFStaticEngine(paths["model_dir"], dtype=torch.bfloat16, **kw)
+        for b in [int(x) for x in a.batches.split(",")]:
+            batch = prompts(b, a.prompt_len, a.vocab, b)
+            t0 = time.perf_counter()
+            timed_generate(st, batch, params)
+            first = time.perf_counter() - t0
+            times = [timed_generate(st, batch, params) for _ in range(2)]
+            rows.append({"engine": "hf-static (CUDA graph)", "batch": b, "first_call_s": first,
+                         "tokens_per_s": b * a.new_tokens / min(times), "decode_ms_per_step": 1e3 * min(times) / a.new_tokens})
+            print(rows[-1], flush=True)
+        named = [(n, p.detach().clone()) for n, p in st.model.named_parameters()]
+        gb = sum(t.numel() * t.element_size() for _, t in named) / 1e9
+        sync()
+        t0 = time.perf_counter()
+        st.update_weights(iter(named))
+        sync()
+        res["weight_sync"] = {"gb": gb, "s": time.perf_counter() - t0,
+                              "s_per_gb": (time.perf_counter() - t0) / gb}
+        print("weight sync:", res["weight_sync"], flush=True)
+        del st, named
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        rows.append({"engine": "hf-static", "error": f"{type(exc).__name__}: {exc}"})
+    try:
+        hf = HFEngine(paths["model_dir"], dtype=torch.bfloat16, **kw)
+        batch = prompts(64, a.prompt_len, a.vocab, 64)
+        hf.generate(batch[:8], SamplingParams(n=1, temperature=1.0, max_new_tokens=4, seed=0))
+        t = timed_generate(hf, batch, params)
+        rows.append({"engine": "hf (dynamic cache, eager)", "batch": 64, "tokens_per_s": 64 * a.new_tokens / t,
+                     "decode_ms_per_step": 1e3 * t / a.new_tokens})
+        print(rows[-1], flush=True)
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        rows.append({"engine": "hf", "error": f"{type(exc).__name__}: {exc}"})
+    res["rows"] = rows
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rollout.json").write_text(json.dumps(res, indent=1))
+    print(f"\n## rollout, {a.model}, 128-token prompts + {a.new_tokens} sampled, {card}")
+    print("| engine | batch | tokens/s | ms per decode step |")
+    print("|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['engine']} | ERROR {r['error'][:100]} | | |")
+        else:
+            print(f"| {r['engine']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['decode_ms_per_step']:.2f} |")
+    print("fp32 greedy check:", res.get("fp32_greedy"), "| weight sync:", res.get("weight_sync"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The static-KV-cache engine (CUDA-graphed on GPU; the same code eagerly on CPU) against HFEngine.
+
+Same tiny sharp-weight Qwen2 as test_rollout_hf: greedy continuations must be identical token for
+token, log-probs equal to float32 rounding, finished/EOS handling and seeded sampling unchanged,
+and weight sync must reach the tensors the static forward reads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from rljob_api.enums import RolloutEngine as EngineName
+from rljob_worker.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer, materialize_builtin
+from rljob_worker.rollout import SamplingParams, make_engine
+from rljob_worker.rollout.hf_engine import HFEngine
+from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+
+TOK = build_char_tokenizer()
+PROMPTS = [TOK(s, add_special_tokens=False)["input_ids"] for s in ["12+3=", "9=", "4444 8=", "0", "77+1=2 #"]]
+EOS_ID, PAD_ID = VOCAB.index(EOS), VOCAB.index(PAD)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def sharp_model_dir(tmp_path_factory):
+    """builtin://tiny-qwen2 with its 2-D weights redrawn at std 0.5 (prompt-dependent outputs)."""
+    from transformers import AutoModelForCausalLM
+
+    base = materialize_builtin("tiny-qwen2", tmp_path_factory.mktemp("tiny") / "tiny-qwen2")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    out = tmp_path_factory.mktemp("sharp")
+    model.save_pretrained(out)
+    build_char_tokenizer().save_pretrained(out)
+    return out
+
+
+def engines(model_dir, eos=EOS_ID):
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": eos, "pad_token_id": PAD_ID}
+    return HFEngine(str(model_dir), **kw), HFStaticEngine(str(model_dir), **kw)
+
+
+@pytest.fixture(scope="module")
+def pair(sharp_model_dir):
+    return engines(sharp_model_dir)
+
+
+@pytest.mark.parametrize("max_new", [1, 5, 12, 40])
+def test_greedy_output_equals_hf_engine(pair, max_new):
+    ref, static = pair
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=max_new)
+    a, b = ref.generate(PROMPTS, params), static.generate(PROMPTS, params)
+    assert b.response_ids == a.response_ids
+    assert b.finished == a.finished
+    for x, y in zip(a.response_logprobs, b.response_logprobs):
+        assert y == pytest.approx(x, abs=1e-4)
+
+
+def test_eos_never_sampled_runs_to_max_new_tokens(sharp_model_dir):
+    ref, static = engines(sharp_model_dir, eos=len(VOCAB) + 5)  # an id the model cannot produce
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=30)
+    a, b = ref.generate(PROMPTS, params), static.generate(PROMPTS, params)
+    assert b.response_ids == a.response_ids
+    assert all(len(r) == 30 for r in b.response_ids) and not any(b.finished)
+
+
+def test_seeded_sampling_matches_hf_engine(pair):
+    ref, static = pair
+    params = SamplingParams(n=4, temperature=1.0, top_p=0.9, max_new_tokens=10, seed=7)
+    a, b = ref.generate(PROMPTS, params), static.generate(PROMPTS, params)
+    assert b.response_ids == a.response_ids  # same logits (to rounding) + same generator draws
+    again = static.generate(PROMPTS, params)
+    assert again.response_ids == b.response_ids and again.response_logprobs == b.response_logprobs
+
+
+def test_sessions_are_reused_and_rebuilt_by_shape(pair):
+    _, static = pair
+    p = SamplingParams(n=1, temperature=0, max_new_tokens=6)
+    first = static.generate(PROMPTS, p)
+    s = static._session
+    assert static.generate(PROMPTS, p).response_ids == first.response_ids and static._session is s
+    alone = static.generate(PROMPTS[:1], p)  # another batch size: a new session, same continuation
+    assert static._session is not s and alone.response_ids[0] == first.response_ids[0]
+
+
+def test_weight_sync_reaches_the_static_forward(sharp_model_dir):
+    ref, static = engines(sharp_model_dir)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=8)
+    before = static.generate(PROMPTS, params)
+    gen = torch.Generator().manual_seed(1)
+    new = {name: torch.randn(p.shape, generator=gen) * 0.5 for name, p in ref.model.named_parameters()}
+    ref.update_weights(new.items())
+    static.update_weights(new.items())
+    a, b = ref.generate(PROMPTS, params), static.generate(PROMPTS, params)
+    assert b.response_ids == a.response_ids and b.response_ids != before.response_ids
+
+
+def test_make_engine_picks_static_only_on_cuda_with_the_env(monkeypatch, sharp_model_dir):
+    monkeypatch.setenv("RLJOB_HF_STATIC", "1")
+    eng = make_engine(EngineName.HF, str(sharp_model_dir), dtype=torch.float32, device=CPU,
+                      eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    assert type(eng) is HFEngine  # CPU keeps the plain engine
+
+
+def test_sliding_window_models_are_refused(sharp_model_dir, monkeypatch):
+    import transformers
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def with_sliding_layers(path, **kw):
+        model = real(path, **kw)
+        model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", with_sliding_layers)
+    with pytest.raises(ValueError, match="sliding"):
+        HFStaticEngine(str(sharp_model_dir), dtype=torch.float32, device=CPU, eos_token_id=EOS_ID,
+                       pad_token_id=PAD_ID)
