@@ -70,7 +70,16 @@ def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    # Written by hand: transformers' save_pretrained writes nothing on a process whose global
+    # torch.distributed rank is not 0, and every node builds its own copy.
+    from safetensors.torch import save_file
+
+    config.to_json_file(str(tmp / "config.json"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # HF convention: tied output weights live in embed_tokens
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     build_char_tokenizer().save_pretrained(tmp)
     (tmp / "rljob_builtin.json").write_text(json.dumps({"name": name, "seed": seed}))
     for child in tmp.iterdir():
