@@ -285,6 +285,7 @@ class Kind:
     singular: str = ""
     shortnames: tuple[str, ...] = ()
     categories: tuple[str, ...] = ()
+    printer_columns: tuple[dict[str, Any], ...] = ()  # a CRD version's additionalPrinterColumns
 
 
 @dataclasses.dataclass
@@ -376,7 +377,8 @@ class ApiServer(kmock.KubernetesScaffold):
                 status_subresource="status" in (version.get("subresources") or {}), schema=schema,
                 validator=opschema.crd_validator(crd, version["name"]) if schema else None,
                 singular=names.get("singular", names["kind"].lower()), shortnames=tuple(names.get("shortNames", ())),
-                categories=tuple(names.get("categories", ()))))
+                categories=tuple(names.get("categories", ())),
+                printer_columns=tuple(version.get("additionalPrinterColumns") or ())))
 
     # ------------------------------------------------------------------ storage primitives (no awaits inside)
 
@@ -570,13 +572,17 @@ class ApiServer(kmock.KubernetesScaffold):
         if action == kmock.action.WATCH:
             stream = self._watch(request, key, kind, ns)
             return await rendering.Response(payload=stream)(request)
+        wants_table = "as=Table" in request.headers.get("Accept", "")
         if action == kmock.action.LIST:
-            return self._list(request, key, kind, ns)
+            response = self._list(request, key, kind, ns)
+            if wants_table:
+                return aiohttp.web.json_response(as_table(kind, json.loads(response.text)["items"]))
+            return response
         if action == kmock.action.FETCH:
             obj = self._store[key].get((ns, request.name))
             if obj is None:
                 return not_found(kind, request.name)
-            return aiohttp.web.json_response(obj)
+            return aiohttp.web.json_response(as_table(kind, [obj]) if wants_table else obj)
         if action == kmock.action.CREATE:
             return self._create(request, key, kind, ns)
         if action == kmock.action.UPDATE:
@@ -788,6 +794,55 @@ class ApiServer(kmock.KubernetesScaffold):
 
     def get(self, key: Key, ns: str | None, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self._store[key].get((ns, name)))
+
+
+def jsonpath_values(obj: Any, path: str) -> list[Any]:
+    """The subset of kubectl JSONPath that printer columns use: `.a.b`, `[n]`, `[?(@.k=="v")]`."""
+    values = [obj]
+    parts = re.findall(r'\.([A-Za-z0-9_]+)|\[\?\(@\.([A-Za-z0-9_]+)=="([^"]*)"\)\]|\[(\d+)\]', path)
+    for field, fkey, fvalue, index in parts:
+        nxt: list[Any] = []
+        for v in values:
+            if field and isinstance(v, dict) and field in v:
+                nxt.append(v[field])
+            elif fkey and isinstance(v, list):
+                nxt.extend(item for item in v if isinstance(item, dict) and str(item.get(fkey)) == fvalue)
+            elif index and isinstance(v, list) and int(index) < len(v):
+                nxt.append(v[int(index)])
+        values = nxt
+    return values
+
+
+def _age(timestamp: str) -> str:
+    """A date cell as the API server prints it: the age, e.g. 42s, 5m, 3h, 2d."""
+    then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    seconds = int((datetime.datetime.now(datetime.timezone.utc) - then).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
+
+
+def as_table(kind: Kind, objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """Server-side printing (`Accept: ...;as=Table`), as the API server does for `kubectl get`: the
+    name, then the CRD's additionalPrinterColumns (priority 0 shown by default, wide shows all)."""
+    columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0}]
+    columns += [{"name": c["name"], "type": c["type"], "priority": c.get("priority", 0)} for c in kind.printer_columns]
+    if not kind.printer_columns:
+        columns.append({"name": "Age", "type": "date", "priority": 0})
+    rows = []
+    for obj in objects:
+        cells: list[Any] = [obj["metadata"]["name"]]
+        paths = [c["jsonPath"] for c in kind.printer_columns] or [".metadata.creationTimestamp"]
+        types = [c["type"] for c in kind.printer_columns] or ["date"]
+        for path, type_ in zip(paths, types):
+            found = jsonpath_values(obj, path)
+            value = found[0] if found else None
+            cells.append(_age(value) if type_ == "date" and value else value)
+        rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                                                 "metadata": obj["metadata"]}})
+    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {}, "columnDefinitions": columns,
+            "rows": rows}
 
 
 def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:

@@ -112,8 +112,9 @@ def test_apply_train_checkpoint_observe_with_two_pods_and_a_killed_worker(
     assert header.split()[:5] == ["NAME", "STEP", "REWARD", "RUNNING", "SUCCEEDED"], header
     assert row.split()[1] == "16" and row.split()[4] == "True", row
 
-    # Prometheus scraped the (restarted) master: the step reached the end.
-    assert prom.value('max(rljob_step{rljob="e2e"})') is not None
+    # Prometheus scraped the master (before and after its restart) while it trained.
+    scraped = prom.value('max(max_over_time(rljob_step{rljob="e2e"}[10m]))')
+    assert scraped is not None and scraped >= 4, scraped
 
 
 def test_suspend_checkpoints_and_resume_continues(cluster, kube, s3_server, s3_bucket):

@@ -58,6 +58,7 @@ class TrainingOperatorStandIn:
         self.kube, self.namespace, self.workdir = kube, namespace, workdir
         self.extra_env = extra_env or {}
         self.jobs: dict[str, JobState] = {}
+        self._metrics_ports: dict[str, int] = {}  # per pod name: a restarted pod keeps its port
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="training-operator", daemon=True)
         self.errors: list[str] = []
@@ -169,7 +170,7 @@ class TrainingOperatorStandIn:
             command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
         for mount_path, local in mounts.items():
             command = [arg.replace(mount_path, str(local), 1) if arg.startswith(mount_path) else arg for arg in command]
-        metrics_port = free_port()
+        metrics_port = self._metrics_ports.setdefault(pod_name, free_port())
         env = {
             **os.environ,
             **self._container_env(container, pod_name),
