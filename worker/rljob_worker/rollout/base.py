@@ -40,16 +40,26 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None:
         """Release accelerator memory (weights and KV cache) while the actor trains."""
 
-    def wake_up(self) -> None:
-        """Re-acquire memory before the next generate()."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-acquire memory before the next generate(): `["weights"]` (then update_weights), then
+        `["kv_cache"]`; None does both. Engines without the distinction treat every call alike."""
+
+
+def resolve_engine_name(name: EngineName, device: torch.device) -> EngineName:
+    """`auto` -> vllm when importable on a GPU, else hf."""
+    if name == EngineName.AUTO:
+        vllm_available = importlib.util.find_spec("vllm") is not None
+        return EngineName.VLLM if (vllm_available and device.type == "cuda") else EngineName.HF
+    return name
 
 
 def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
-                pad_token_id: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6):
-    """Build the configured engine. `auto` picks vLLM when importable on a GPU, else the HF engine."""
+                pad_token_id: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
+                max_model_len: int | None = None, enforce_eager: bool = False,
+                max_num_batched_tokens: int | None = None, seed: int = 0):
+    """Build the configured engine (see resolve_engine_name for `auto`)."""
     vllm_available = importlib.util.find_spec("vllm") is not None
-    if name == EngineName.AUTO:
-        name = EngineName.VLLM if (vllm_available and device.type == "cuda") else EngineName.HF
+    name = resolve_engine_name(name, device)
     if name == EngineName.VLLM:
         if not vllm_available:
             raise RuntimeError("spec.rollout.engine is vllm but vLLM is not installed in the worker image; "
@@ -57,7 +67,9 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
         from rljob_worker.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                          gpu_memory_utilization=gpu_memory_utilization)
+                          gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                          enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
+                          eos_token_id=eos_token_id, seed=seed)
     from rljob_worker.rollout.hf_engine import HFEngine
 
     if device.type == "cuda" and os.environ.get("RLJOB_HF_STATIC", "1") != "0":

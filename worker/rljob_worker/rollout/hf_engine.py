@@ -51,7 +51,7 @@ class HFEngine:
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         if self.device.type == "cuda":
             self.model.to(self.device)
 

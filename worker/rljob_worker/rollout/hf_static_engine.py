@@ -103,7 +103,7 @@ class HFStaticEngine(HFEngine):
         self._session = None  # the graph and the cache point at device memory that is about to move
         super().sleep()
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         super().wake_up()
         self._params = dict(self.model.named_parameters())
 
