@@ -12,6 +12,18 @@ class StrEnum(str, Enum):
 
 class AlgorithmName(StrEnum):
     GRPO = "grpo"
+    SFT = "sft"  # supervised fine-tuning (spec.sft): masked next-token NLL, no rollout
+
+
+class SFTDataFormat(StrEnum):
+    TOKENIZED = "tokenized"  # parquet columns input_ids, attention_mask, labels (-100: no loss)
+    PROMPT_RESPONSE = "prompt-response"  # text columns data.promptKey + sft.responseKey, loss on the response
+    MESSAGES = "messages"  # chat message lists (multi-turn), loss on assistant turns
+
+
+class LRSchedule(StrEnum):
+    CONSTANT = "constant"  # linear warm-up, then the peak lr
+    COSINE = "cosine"  # linear warm-up, then cosine decay to lr x minLrRatio at the last step
 
 
 class AdvantageEstimator(StrEnum):

@@ -22,12 +22,14 @@ from rljob_api.enums import (
     KLEstimator,
     KLPlacement,
     LossAggregation,
+    LRSchedule,
     ModelDType,
     PromptOverflow,
     RecomputeGranularity,
     RecomputeMethod,
     ResumeMode,
     RolloutEngine,
+    SFTDataFormat,
 )
 
 GROUP = "rljob.dev"
@@ -158,7 +160,11 @@ class OverlongBufferSpec(ApiModel):
 
 
 class AlgorithmSpec(ApiModel):
-    name: AlgorithmName = _f(AlgorithmName.GRPO, "Training algorithm.")
+    name: AlgorithmName = _f(
+        AlgorithmName.GRPO,
+        "Training algorithm: grpo (RL with rollouts and rewards), or sft (supervised fine-tuning on spec.sft data; "
+        "the rollout, reward and GRPO loss settings are then unused).",
+    )
     advantage_estimator: AdvantageEstimator = _f(
         AdvantageEstimator.GRPO, "Outcome advantage: grpo (group mean), rloo (leave-one-out), reinforce_plus_plus. (verl: algorithm.adv_estimator)"
     )
@@ -192,6 +198,54 @@ class AlgorithmSpec(ApiModel):
     )
     max_refill_batches: int = _f(4, "With dynamicSampling, how many extra rollout batches may be drawn per step.", ge=0, le=64)
     overlong_buffer: OverlongBufferSpec = _f(default_factory=OverlongBufferSpec, description="DAPO overlong reward shaping.")
+
+
+class SFTSpec(ApiModel):
+    format: SFTDataFormat = _f(
+        SFTDataFormat.PROMPT_RESPONSE,
+        "How data.trainFiles/valFiles rows become training sequences: tokenized (columns input_ids, attention_mask, "
+        "labels; labels equal input_ids where the loss counts and -100 where it does not), prompt-response (text "
+        "columns data.promptKey and responseKey; the job tokenises, appends EOS to the response and trains on the "
+        "response tokens) or messages (a chat message list under messagesKey, rendered turn by turn with the "
+        "tokenizer's chat template; loss on assistant turns). data.synthetic generates prompt-response rows.",
+    )
+    response_key: str = _f(
+        "response", "prompt-response: column holding the target text. (verl: data.response_key)", min_length=1
+    )
+    messages_key: str = _f(
+        "messages",
+        "messages: column holding the conversation, a list of {role, content}. (verl: data.multiturn.messages_key)",
+        min_length=1,
+    )
+    max_length: int = _f(
+        2048, "Maximum tokens of one training sequence (prompt and response, or the whole conversation). "
+        "(verl: data.max_length)", ge=2, le=1_048_576,
+    )
+    overflow: PromptOverflow = _f(
+        PromptOverflow.FILTER,
+        "Sequences longer than maxLength: filter (dropped and counted), truncate-left, truncate-right, or error. "
+        "(verl: data.truncation)",
+    )
+    loss_on_prompt_tokens: bool = _f(
+        False,
+        "Also train on the prompt (prompt-response) or on system and user turns (messages). Tokenized rows keep "
+        "their labels as given.",
+    )
+    packing: bool = _f(
+        True,
+        "Length-grouped micro-batches: sort each rank's share of the global batch by length before cutting it into "
+        "micro-batches, so each runs at about its own length. Padding never reaches the model either way (verl's "
+        "use_remove_padding is always on: the megatron actor packs each row's real tokens and cuts a micro-batch "
+        "to its longest row), and the loss is a token mean over the global batch, so this changes speed, not the "
+        "loss.",
+    )
+    lr_schedule: LRSchedule = _f(
+        LRSchedule.COSINE,
+        "Learning-rate schedule after training.lrWarmupSteps of linear warm-up to training.lr: constant, or cosine "
+        "decay to lr x minLrRatio over the remaining planned steps. (verl: optim.lr_scheduler)",
+    )
+    min_lr_ratio: float = _f(0.0, "cosine: the final learning rate as a fraction of training.lr. (verl: optim.min_lr_ratio)",
+                             ge=0, le=1)
 
 
 # --------------------------------------------------------------------------- rollout
@@ -230,13 +284,16 @@ class RolloutSpec(ApiModel):
 
 class TrainingSpec(ApiModel):
     train_batch_size_per_node: int = _f(
-        64, "Prompts per training step on each node; the global batch is this x nnodes. (verl: data.train_batch_size / nnodes)", ge=1
+        64, "Prompts per training step on each node; the global batch is this x nnodes. With algorithm sft: "
+        "sequences per optimizer step on each node (global batch = this x nnodes; gradient accumulation = global "
+        "batch / (data-parallel ranks x microBatchSizePerGpu)). (verl: data.train_batch_size / nnodes)", ge=1
     )
     ppo_mini_batch_size_per_node: int = _f(
         16, "Prompts per optimizer step on each node (x n samples each). (verl: actor.ppo_mini_batch_size / nnodes)", ge=1
     )
     micro_batch_size_per_gpu: int = _f(
-        4, "Sequences per forward/backward on one GPU. (verl: actor.ppo_micro_batch_size_per_gpu)", ge=1
+        4, "Sequences per forward/backward on one GPU. (verl: actor.ppo_micro_batch_size_per_gpu; "
+        "SFT: data.micro_batch_size_per_gpu)", ge=1
     )
     ppo_epochs: int = _f(1, "Passes over each rollout batch. (verl: actor.ppo_epochs)", ge=1, le=64)
     lr: float = _f(1e-6, "Peak learning rate. (verl: actor.optim.lr)", gt=0, le=1)
@@ -392,6 +449,8 @@ class RLJobSpec(ApiModel):
     model: ModelSpec = _f(description="The policy model.")
     data: DataSpec = _f(default_factory=DataSpec, description="Training and validation data.")
     algorithm: AlgorithmSpec = _f(default_factory=AlgorithmSpec, description="RL algorithm and loss.")
+    sft: SFTSpec | None = _f(None, "Supervised fine-tuning data and schedule; required by (and only allowed with) "
+                             "algorithm.name sft.")
     rollout: RolloutSpec = _f(default_factory=RolloutSpec, description="Generation engine and sampling.")
     training: TrainingSpec = _f(default_factory=TrainingSpec, description="Batch sizes, optimizer and schedule.")
     megatron: MegatronSpec = _f(default_factory=MegatronSpec, description="megatron-core parallelism, memory and recompute.")

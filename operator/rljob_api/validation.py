@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import ValidationError
 
-from rljob_api.enums import ResumeMode
+from rljob_api.enums import AlgorithmName, ResumeMode, SFTDataFormat
 from rljob_api.models import (
     API_VERSION,
     KIND,
@@ -221,6 +221,12 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     if m.sequence_parallel and tp < 2:
         errs.append(FieldError(
             "spec.megatron.sequenceParallel", "needs tensorModelParallelSize > 1; set it false or raise TP"))
+    sft = a.name == AlgorithmName.SFT
+    if sft:
+        errs.extend(sft_errors(spec, dp))
+    elif spec.sft is not None:
+        errs.append(FieldError("spec.sft", f"is only used by algorithm.name sft (this job runs {a.name.value}); "
+                               "remove it or set algorithm.name: sft"))
     if spec.gpus_per_node % r.tensor_model_parallel_size:
         errs.append(FieldError(
             "spec.rollout.tensorModelParallelSize",
@@ -229,15 +235,16 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     # Batch sizes: verl's semantics (prompt counts; x n samples inside the actor).
     train = t.train_batch_size_per_node * spec.nnodes
     mini = t.ppo_mini_batch_size_per_node * spec.nnodes
-    if t.ppo_mini_batch_size_per_node > t.train_batch_size_per_node:
+    # (SFT batches are sequences, not prompt groups: sft_errors checks them.)
+    if not sft and t.ppo_mini_batch_size_per_node > t.train_batch_size_per_node:
         errs.append(FieldError(
             "spec.training.ppoMiniBatchSizePerNode",
             f"{t.ppo_mini_batch_size_per_node} exceeds trainBatchSizePerNode={t.train_batch_size_per_node}; lower it"))
-    elif train % mini:
+    elif not sft and train % mini:
         errs.append(FieldError(
             "spec.training.ppoMiniBatchSizePerNode",
             f"trainBatchSizePerNode={t.train_batch_size_per_node} must be a multiple of it ({t.ppo_mini_batch_size_per_node})"))
-    if dp is not None:
+    if dp is not None and not sft:
         if (train * r.samples_per_prompt) % dp:
             errs.append(FieldError(
                 "spec.training.trainBatchSizePerNode",
@@ -267,16 +274,43 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     uses_s3 = any(u and u.startswith("s3://") for u in [
         spec.checkpoint.uri, spec.checkpoint.resume_from, spec.model.path, spec.model.tokenizer_path,
         *spec.data.train_files, *spec.data.val_files])
-    if a.kl_coef > 0 and a.kl_placement.value == "reward" and a.kl_estimator.value == "low_var_kl":
+    if not sft and a.kl_coef > 0 and a.kl_placement.value == "reward" and a.kl_estimator.value == "low_var_kl":
         errs.append(FieldError(
             "spec.algorithm.klEstimator",
             "low_var_kl is a loss-side estimator; with klPlacement reward use k1 (or set klPlacement: loss)"))
-    if r.val_n > 1 and r.val_temperature == 0:
+    if not sft and r.val_n > 1 and r.val_temperature == 0:
         errs.append(FieldError("spec.rollout.valN", "valN > 1 with valTemperature 0 repeats the same greedy answer; raise valTemperature"))
     if uses_s3 and spec.s3.credentials_secret_ref is None and spec.s3.endpoint is not None:
         errs.append(FieldError(
             "spec.s3.credentialsSecretRef",
             "an S3-compatible endpoint is set but no credentials; name a Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"))
+    return errs
+
+
+def sft_errors(spec: RLJobSpec, dp: int | None) -> list[FieldError]:
+    """Rules of algorithm sft (the GRPO-only batch, rollout and KL rules do not apply). Pure."""
+    errs: list[FieldError] = []
+    t, s = spec.training, spec.sft
+    if s is None:
+        return [FieldError("spec.sft", "algorithm.name sft needs spec.sft (at least its data format: tokenized, "
+                           "prompt-response or messages); see `rljob explain spec.sft`")]
+    # Global batch = trainBatchSizePerNode x nnodes sequences per optimizer step, split evenly over the
+    # data-parallel ranks, each accumulating gradients over micro-batches of microBatchSizePerGpu.
+    train = t.train_batch_size_per_node * spec.nnodes
+    if dp is not None:
+        if train % dp:
+            errs.append(FieldError(
+                "spec.training.trainBatchSizePerNode",
+                f"the global batch of {train} sequences (x nnodes={spec.nnodes}) must divide evenly over {dp} "
+                "data-parallel ranks"))
+        elif (train // dp) % t.micro_batch_size_per_gpu:
+            errs.append(FieldError(
+                "spec.training.microBatchSizePerGpu",
+                f"per-rank batch of {train // dp} sequences is not a multiple of microBatchSizePerGpu="
+                f"{t.micro_batch_size_per_gpu}; pick a divisor of {train // dp}"))
+    if spec.data.synthetic is not None and s.format != SFTDataFormat.PROMPT_RESPONSE:
+        errs.append(FieldError("spec.sft.format", "data.synthetic generates prompt-response rows; set format: "
+                               "prompt-response or give trainFiles"))
     return errs
 
 

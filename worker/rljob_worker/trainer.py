@@ -556,6 +556,10 @@ def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def run(spec: RLJobSpec, ctx: RunContext) -> int:
     """Entry used by `python -m rljob_worker`: returns the process exit code."""
+    if spec.algorithm.name == "sft":  # supervised fine-tuning: its own loop (rljob_worker.sft_trainer)
+        from rljob_worker.sft_trainer import run as run_sft
+
+        return run_sft(spec, ctx)
     trainer = GRPOTrainer(spec, ctx)
     try:
         trainer.setup()
