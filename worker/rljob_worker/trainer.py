@@ -121,7 +121,7 @@ class GRPOTrainer:
         self.checkpoints = CheckpointIO(spec, self.ctx, self.env)
         self.checkpoints.check_access()
 
-        from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+        from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig, RecomputeConfig
 
         m, t = spec.megatron, spec.training
         parallel = ParallelConfig(
@@ -130,13 +130,20 @@ class GRPOTrainer:
             ep=m.expert_model_parallel_size, sequence_parallel=m.sequence_parallel,
             use_distributed_optimizer=m.use_distributed_optimizer)
         optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_warmup_steps=t.lr_warmup_steps)
+        recompute = RecomputeConfig.from_spec(m, spec.model.gradient_checkpointing)
         self.actor = MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype,
-                                           seed=t.seed)
+                                           seed=t.seed, recompute=recompute,
+                                           transformer_overrides=m.override_transformer_config)
         a = spec.algorithm
         self.use_ref = a.kl_coef > 0
         self.ref = (MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed,
-                                            trainable=False)
+                                            trainable=False, transformer_overrides=m.override_transformer_config)
                     if self.use_ref else None)
+        # megatron.*Offload: free the actor's (and the reference model's) GPU memory during rollout
+        flags = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload}
+        ref_flags = {"params": m.param_offload, "grads": False, "optimizer": False}
+        self._offload_plan = [(model, f) for model, f in ((self.actor, flags), (self.ref, ref_flags))
+                              if model is not None and any(f.values())]
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
         self._num_params = sum(p.numel() for p in self.actor.core.parameters()) * self.actor.tp_size
         self.loss_config = algo.LossConfig(
@@ -241,8 +248,12 @@ class GRPOTrainer:
 
         # 1. rollout + reward + advantages on rank 0, then the batch goes to every rank.
         #    batch tensors are (N, T): N = prompts x n responses, T = prompt + response columns.
+        for model, flags in self._offload_plan:  # the rollout engine gets their GPU memory
+            model.offload(**flags)
         payload = self._rollout_and_score(metrics) if self.is_main else None  # stages: rollout, reward
         payload = self._broadcast(payload)
+        for model, _ in self._offload_plan:
+            model.onload()
         batch = payload["batch"]
         metrics.update(payload["metrics"])
 

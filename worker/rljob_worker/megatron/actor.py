@@ -23,6 +23,13 @@ gather under TP).
 
 Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline, context and expert
 parallelism. Sequence parallelism needs transformer_engine and a GPU.
+
+Memory: activation recompute (:class:`RecomputeConfig`, megatron's full / selective recompute) and
+``overrideTransformerConfig`` are applied to the ``TransformerConfig`` before the model is built.
+:meth:`MegatronActor.offload` / :meth:`MegatronActor.onload` give the GPU memory of parameters,
+gradient buffers and optimizer state (fp32 main params, Adam moments) to a colocated rollout engine
+and take it back (see :mod:`.offload`); on CPU they only check state. While offloaded, every method
+that would touch the weights raises.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from ..distributed import dist_env_from_environ, init_distributed
 from . import hf_weights
 from .cpu_compat import apply_cpu_patches
 from .model_config import MegatronModelConfig, build_gpt_model, megatron_config_from_hf
+from .offload import CATEGORIES, OffloadStateError, StorageOffloader, assert_materialized
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +79,36 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # <= 0 disables clipping (the norm is still reported)
     lr_warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute: megatron's ``recompute_granularity`` / ``recompute_method`` /
+    ``recompute_num_layers``. ``granularity``: ``none``, ``selective`` (core attention, or the
+    ``recompute_modules`` of ``overrideTransformerConfig``) or ``full`` (whole layers; ``method``
+    ``uniform``: groups of ``num_layers`` layers, ``block``: the first ``num_layers`` layers of each
+    pipeline stage). ``method`` and ``num_layers`` only apply to ``full``."""
+
+    granularity: str = "none"
+    method: str = "uniform"
+    num_layers: int = 1
+
+    @classmethod
+    def from_spec(cls, megatron_spec: Any, gradient_checkpointing: bool = False) -> RecomputeConfig:
+        """From ``spec.megatron`` (any object with ``recompute_granularity``, ``recompute_method``,
+        ``recompute_num_layers``, enum or str); ``spec.model.gradientCheckpointing`` is shorthand for
+        full / uniform / 1 layer when the granularity is ``none``."""
+
+        def value(name: str, default: Any) -> Any:
+            v = getattr(megatron_spec, name, default) if megatron_spec is not None else default
+            return getattr(v, "value", v)
+
+        granularity = value("recompute_granularity", "none") or "none"
+        if granularity == "none" and gradient_checkpointing:
+            return cls("full", "uniform", 1)
+        return cls(
+            str(granularity), str(value("recompute_method", "uniform")), int(value("recompute_num_layers", 1))
+        )
 
 
 def valid_logprob_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -159,6 +197,12 @@ class MegatronActor:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
+        # offload: on CPU there is no memory to give back, so offload()/onload() only check state;
+        # setting this True (or RLJOB_OFFLOAD_ON_CPU=1) runs the real storage release/restore on CPU
+        # too (tests).
+        self.offload_enabled = self.on_gpu or os.environ.get("RLJOB_OFFLOAD_ON_CPU") == "1"
+        self._offloader = StorageOffloader(host_pin=self.on_gpu)
+        self._offloaded: dict[str, bool] | None = None  # the flags of the offload in effect
 
     # ----------------------------------------------------------------------------------------------
     # construction
@@ -173,6 +217,8 @@ class MegatronActor:
         seed: int = 0,
         with_entropy: bool = False,
         trainable: bool = True,
+        recompute: RecomputeConfig = RecomputeConfig(),
+        transformer_overrides: Mapping[str, Any] | None = None,
     ) -> MegatronActor:
         """Build the model from an HF checkpoint directory (config.json + safetensors).
 
@@ -180,6 +226,9 @@ class MegatronActor:
         state and RNG. ``dtype``: compute dtype (bf16 on GPU keeps fp32 main params in the optimizer;
         on CPU the parameters themselves have ``dtype``). ``trainable=False`` builds a frozen model
         (a reference policy): no optimizer, no DDP, no gradient buffers; :meth:`update` refuses.
+        ``recompute``: activation recompute (only acts in training mode, i.e. in :meth:`update`).
+        ``transformer_overrides``: ``spec.megatron.overrideTransformerConfig`` (extra
+        ``TransformerConfig`` fields, validated: ``ValueError`` naming the key).
         """
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -202,6 +251,10 @@ class MegatronActor:
             dtype=dtype,
             sequence_parallel=parallel.sequence_parallel,
             on_gpu=on_gpu,
+            recompute_granularity=recompute.granularity,
+            recompute_method=recompute.method,
+            recompute_num_layers=recompute.num_layers,
+            overrides=transformer_overrides,
         )
         core = build_gpt_model(mcfg)
         if on_gpu:  # megatron builds linears on the GPU but torch norms on the CPU
@@ -263,6 +316,7 @@ class MegatronActor:
         self, batch: Mapping[str, torch.Tensor], micro_batch_size: int, with_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
         """``{"logprobs": (B, T) fp32, "entropy": (B, T) fp32 if with_entropy}`` on CPU, no grad."""
+        self._require_onloaded("compute_logprobs")
         self.model.eval()
         lps, ents = [], []
         for mb in _split(batch, micro_batch_size):
@@ -280,6 +334,7 @@ class MegatronActor:
     def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits ``(B, T, V)`` (HF vocab, gathered over TP) at the original positions;
         zeros at padding. For tests and debugging: it gathers the vocab."""
+        self._require_onloaded("forward_logits")
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         self.model.eval()
@@ -331,6 +386,7 @@ class MegatronActor:
         """
         if self.optimizer is None:
             raise RuntimeError("this actor was built with trainable=False (a frozen reference model)")
+        self._require_onloaded("update")
         with_entropy = self.loss_fn_needs_entropy if with_entropy is None else with_entropy
         lr = self.current_lr()
         micro_batches = list(_split(batch, micro_batch_size))
@@ -419,16 +475,135 @@ class MegatronActor:
         return float(sq.sqrt())
 
     # ----------------------------------------------------------------------------------------------
+    # memory: offload between phases
+
+    @property
+    def is_offloaded(self) -> bool:
+        return self._offloaded is not None
+
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
+        """Give the GPU memory of the parameters, gradient buffers and/or optimizer state (fp32 main
+        params and Adam moments; with the distributed optimizer, this rank's shards) back, e.g. to a
+        colocated rollout engine, until :meth:`onload`. Returns the bytes released per category.
+
+        Parameters and optimizer state are copied to pinned host memory; gradient buffers are dropped
+        (:meth:`update` zeroes them first anyway) and come back zeroed. Every tensor object and view
+        stays the same (their storages are released and reallocated), so DDP's buffers, the
+        optimizer's references and ``param.main_grad`` stay wired. On CPU this only checks state
+        (unless ``offload_enabled`` is set). Not collective; each rank offloads its own shards.
+        While offloaded, forward passes, updates, weight export and checkpoints raise.
+        """
+        import time
+
+        if self._offloaded is not None:
+            raise OffloadStateError(f"already offloaded ({self._offloaded}); call onload() first")
+        want = {"params": bool(params), "grads": bool(grads), "optimizer": bool(optimizer)}
+        groups = self._offload_groups()
+        self.check_device_state(groups)
+        if not any(want.values()):
+            return {}
+        self._offloaded = want
+        if not self.offload_enabled:
+            return {c: 0 for c, on in want.items() if on}
+        t0 = time.perf_counter()
+        freed = {}
+        for c in CATEGORIES:
+            if want[c]:  # scalars (torch Adam's step) and tensors elsewhere (the CPU) free nothing here
+                items = [(n, t) for n, t in groups[c] if t.dim() > 0 and t.device == self.device]
+                freed[c] = self._offloader.offload(c, items, keep_values=c != "grads")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info(
+            "offloaded %s in %.2fs (%s)",
+            ", ".join(freed),
+            time.perf_counter() - t0,
+            ", ".join(f"{c} {b / 2**20:.1f} MiB" for c, b in freed.items()),
+        )
+        return freed
+
+    def onload(self) -> dict[str, int]:
+        """Undo :meth:`offload`; then assert that every parameter, gradient buffer and optimizer
+        tensor is on this actor's device with its memory (``OffloadStateError`` otherwise). Returns
+        the bytes restored per category; a no-op (apart from the check) when nothing is offloaded."""
+        import time
+
+        t0 = time.perf_counter()
+        restored = {c: self._offloader.onload(c) for c in CATEGORIES if c in self._offloader.offloaded}
+        self._offloaded = None
+        self.check_device_state()
+        if restored:
+            log.info("onloaded %s in %.2fs", ", ".join(restored), time.perf_counter() - t0)
+        return restored
+
+    def check_device_state(self, groups: dict[str, list[tuple[str, torch.Tensor]]] | None = None) -> int:
+        """Assert every tracked tensor (parameters, buffers, gradient buffers, optimizer main params
+        and state) is on this actor's device with its memory; 0-dim optimizer state (torch Adam's
+        ``step``) may live on the CPU. Returns how many tensors were checked."""
+        groups = self._offload_groups() if groups is None else groups
+        named = [item for c in CATEGORIES for item in groups[c]]
+        expected = {
+            name: (t.device if name.startswith("optimizer state") and t.dim() == 0 else self.device)
+            for name, t in named
+        }
+        return assert_materialized(named, expected, what="actor tensor")
+
+    def _offload_groups(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """``{category: [(name, tensor)]}``; each storage belongs to the first category listing it
+        (params, grads, optimizer): an fp32 optimizer's main params *are* the model params."""
+        names = {id(p): n for n, p in self.core.named_parameters()}
+        params = [(f"param {n}", p) for n, p in self.core.named_parameters()]
+        params += [(f"buffer {n}", b) for n, b in self.core.named_buffers() if isinstance(b, torch.Tensor)]
+        grads: list[tuple[str, torch.Tensor]] = []
+        ddp_buffers = getattr(self.model, "buffers", None)  # megatron DDP: a list (nn.Module: a method)
+        if isinstance(ddp_buffers, list):
+            for i, buf in enumerate(ddp_buffers + list(getattr(self.model, "expert_parallel_buffers", []))):
+                if buf.param_data is not None:
+                    params.append((f"ddp buffer {i} param_data", buf.param_data))
+                if buf.grad_data is not None:
+                    grads.append((f"ddp buffer {i} grad_data", buf.grad_data))
+        for n, p in self.core.named_parameters():
+            if getattr(p, "main_grad", None) is not None:
+                grads.append((f"main_grad {n}", p.main_grad))
+            if p.grad is not None:
+                grads.append((f"grad {n}", p.grad))
+        optim: list[tuple[str, torch.Tensor]] = []
+        for k, inner in enumerate(_inner_optimizers(self.optimizer)):
+            for g, group in enumerate(inner.param_groups):
+                for j, mp in enumerate(group["params"]):
+                    label = names.get(id(mp), f"[{k}][{g}][{j}]")
+                    optim.append((f"optimizer main param {label}", mp))
+                    if mp.grad is not None:
+                        grads.append((f"optimizer main grad {label}", mp.grad))
+                    for key, v in inner.state.get(mp, {}).items():
+                        if isinstance(v, torch.Tensor):
+                            optim.append((f"optimizer state {label}.{key}", v))
+        out: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        owned: set[int] = set()
+        for c, items in (("params", params), ("grads", grads), ("optimizer", optim)):
+            keys = {t.untyped_storage()._cdata for _, t in items}
+            out[c] = [(n, t) for n, t in items if t.untyped_storage()._cdata not in owned]
+            owned |= keys
+        return out
+
+    def _require_onloaded(self, what: str) -> None:
+        if self._offloaded is not None:
+            raise OffloadStateError(
+                f"{what}: the actor is offloaded ({self._offloaded}); call onload() first"
+            )
+
+    # ----------------------------------------------------------------------------------------------
     # weights out
 
     def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors, one at a time (collective over the TP group: every TP rank must
         consume the iterator)."""
+        self._require_onloaded("export_hf_weights")
         return hf_weights.export_hf_weights(self.core, self.hf_config, dtype=dtype)
 
     def save_hf_checkpoint(
         self, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype | None = None
     ) -> None:
+        self._require_onloaded("save_hf_checkpoint")
         hf_weights.save_hf_checkpoint(self.core, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype)
 
     # ----------------------------------------------------------------------------------------------
@@ -444,6 +619,7 @@ class MegatronActor:
         """
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+        self._require_onloaded("sharded_state_dict")
         model_sd = self.core.sharded_state_dict()
         if self.optimizer is not None and self.on_gpu and is_loading:
             _init_distributed_optimizer_state(self.optimizer)
@@ -621,6 +797,21 @@ def _cpu_adamw(core: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
         betas=tuple(optim.betas),
         eps=optim.eps,
     )
+
+
+def _inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers holding the state: torch AdamW itself (CPU), or the ``.optimizer`` of each
+    megatron optimizer (a ChainedOptimizer chains several)."""
+    if optimizer is None:
+        return []
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            out.append(inner)
+        elif inner is not None:
+            raise TypeError(f"cannot offload the state of optimizer {type(inner).__name__}")
+    return out
 
 
 def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:

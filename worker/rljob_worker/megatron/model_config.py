@@ -12,10 +12,31 @@ Vocabulary: megatron splits the vocab evenly across TP ranks, so a vocab size TP
 is padded to the next multiple of TP (extra rows are zero and their logits are masked out by the
 actor; the HF mapping strips them). A checkpoint's padded size therefore depends on TP when TP
 does not divide the vocab; such a checkpoint only reloads at a TP with the same padding.
+
+Activation recompute (``spec.megatron.recompute*``) maps onto megatron's own ``recompute_granularity``
+/ ``recompute_method`` / ``recompute_num_layers``: ``full`` checkpoints whole transformer layers
+(``uniform``: groups of ``num_layers`` layers; ``block``: the first ``num_layers`` layers of each
+stage), ``selective`` checkpoints the submodules in ``recompute_modules`` (megatron's default: the
+core attention; set ``recompute_modules`` through ``overrideTransformerConfig`` for e.g. ``mlp``;
+``layernorm`` needs transformer_engine with megatron-core 0.16.1). Both run through
+``tensor_parallel.checkpoint``, which saves and restores the RNG states (dropout masks are identical
+in the recompute), also on CPU with the patched tracker.
+
+``overrideTransformerConfig`` sets any other ``TransformerConfig`` field (verl's
+``override_transformer_config``); unknown keys, values of the wrong type and fields this module derives
+from the HF model or from other spec fields are rejected with a ``MegatronConfigError`` (a ``ValueError``) naming
+``spec.megatron.overrideTransformerConfig.<key>``.
 """
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +51,51 @@ _LLAMA3_ROPE_DEFAULTS = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+
+
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+OVERRIDE_PATH = "spec.megatron.overrideTransformerConfig"
+
+# TransformerConfig fields that overrideTransformerConfig may not set: they are derived from the HF
+# model (changing them breaks the weight mapping) or come from another spec field.
+_FROM_HF = "it is derived from the HF model config (model.path)"
+_NOT_OVERRIDABLE = {
+    **{
+        name: _FROM_HF
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "ffn_hidden_size",
+            "normalization",
+            "layernorm_epsilon",
+            "gated_linear_unit",
+            "activation_func",
+            "add_bias_linear",
+            "add_qkv_bias",
+            "qk_layernorm",
+            "rotary_interleaved",
+        )
+    },
+    "tensor_model_parallel_size": "set spec.megatron.tensorModelParallelSize",
+    "pipeline_model_parallel_size": "set spec.megatron.pipelineModelParallelSize",
+    "virtual_pipeline_model_parallel_size": "set spec.megatron.virtualPipelineModelParallelSize",
+    "context_parallel_size": "set spec.megatron.contextParallelSize",
+    "expert_model_parallel_size": "set spec.megatron.expertModelParallelSize",
+    "expert_tensor_parallel_size": "set spec.megatron.expertTensorParallelSize",
+    "sequence_parallel": "set spec.megatron.sequenceParallel",
+    "params_dtype": "set spec.model.dtype",
+    "pipeline_dtype": "set spec.model.dtype",
+    "bf16": "set spec.model.dtype",
+    "fp16": "set spec.model.dtype",
+}
+
+
+class MegatronConfigError(ValueError):
+    """A recompute or ``overrideTransformerConfig`` setting megatron cannot use (names the spec key)."""
 
 
 def have_transformer_engine() -> bool:
@@ -134,6 +200,10 @@ def megatron_config_from_hf(
     on_gpu: bool | None = None,
     use_te: bool | None = None,
     perform_initialization: bool = True,
+    recompute_granularity: str | None = None,
+    recompute_method: str | None = None,
+    recompute_num_layers: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> MegatronModelConfig:
     """Build the megatron model description for ``hf_config`` at tensor/pipeline parallel sizes.
 
@@ -141,6 +211,12 @@ def megatron_config_from_hf(
     ``perform_initialization`` on even though HF weights overwrite the values: megatron only marks
     weights as tensor-parallel (``param.tensor_model_parallel``, used by grad-norm clipping) in its
     init functions.
+
+    ``recompute_granularity``: ``None``/``"none"``, ``"selective"`` or ``"full"``; with ``"full"``,
+    ``recompute_method`` (default ``"uniform"``) and ``recompute_num_layers`` (default 1) apply, and
+    are ignored otherwise. ``overrides``: extra ``TransformerConfig`` fields
+    (``spec.megatron.overrideTransformerConfig``), applied last; ``recompute_*`` keys there win
+    over the arguments.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -162,41 +238,71 @@ def megatron_config_from_hf(
     theta, rope_kwargs = _rope(hf_config)
     qk_layernorm = model_type == "qwen3"
 
-    config = TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=kv_heads,
-        kv_channels=head_dim,
-        ffn_hidden_size=hf_config.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=model_type == "qwen2",
-        qk_layernorm=qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
-        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        sequence_parallel=sequence_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
+    kwargs = {
+        "num_layers": hf_config.num_hidden_layers,
+        "hidden_size": hf_config.hidden_size,
+        "num_attention_heads": heads,
+        "num_query_groups": kv_heads,
+        "kv_channels": head_dim,
+        "ffn_hidden_size": hf_config.intermediate_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf_config.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": model_type == "qwen2",
+        "qk_layernorm": qk_layernorm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        "init_method_std": float(getattr(hf_config, "initializer_range", 0.02)),
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "sequence_parallel": sequence_parallel,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
         # On GPU the model is wrapped in Float16Module for bf16/fp16 (fp32 main params live in the
         # optimizer); on CPU the parameters simply have ``dtype``.
-        bf16=on_gpu and dtype == torch.bfloat16,
-        fp16=on_gpu and dtype == torch.float16,
-        use_cpu_initialization=not on_gpu,
-        perform_initialization=perform_initialization,
-        gradient_accumulation_fusion=False,  # needs apex's fused wgrad kernel
-        bias_activation_fusion=False,  # the fused SwiGLU is torch.compile'd: recompiles per sequence length
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        rotary_interleaved=False,
+        "bf16": on_gpu and dtype == torch.bfloat16,
+        "fp16": on_gpu and dtype == torch.float16,
+        "use_cpu_initialization": not on_gpu,
+        "perform_initialization": perform_initialization,
+        "gradient_accumulation_fusion": False,  # needs apex's fused wgrad kernel
+        "bias_activation_fusion": False,  # the fused SwiGLU is torch.compile'd: recompiles per sequence length
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+        "rotary_interleaved": False,
+    }
+    kwargs.update(check_overrides(overrides or {}))
+    kwargs.update(  # after the overrides: resolves their recompute_* keys together with the spec's
+        recompute_kwargs(
+            recompute_granularity,
+            recompute_method,
+            recompute_num_layers,
+            total_layers=hf_config.num_hidden_layers,
+            pp=pp,
+            overrides=overrides,
+        )
     )
+    try:
+        config = TransformerConfig(**kwargs)
+    except (ValueError, AssertionError, TypeError) as err:
+        keys = sorted(overrides or {})
+        where = f" (with {OVERRIDE_PATH} keys {keys})" if keys else ""
+        raise MegatronConfigError(
+            f"megatron TransformerConfig rejected the configuration{where}: {err}"
+        ) from err
+
+    if not use_te and config.recompute_granularity == "selective":
+        # megatron-core 0.16.1's CheckpointWithoutOutput (behind these two) sets ``fp8 = fp8 is not None``,
+        # i.e. always True, and then calls transformer_engine's FP8GlobalStateManager: NameError without TE
+        needs_te = sorted({"layernorm", "moe_act"} & set(config.recompute_modules or []))
+        if needs_te:
+            raise MegatronConfigError(
+                f"{OVERRIDE_PATH}.recompute_modules: {needs_te} recompute needs transformer_engine with "
+                "megatron-core 0.16.1 (its CheckpointWithoutOutput always takes the fp8 path); "
+                "without it use core_attn and/or mlp"
+            )
 
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -229,6 +335,183 @@ def megatron_config_from_hf(
         tie_word_embeddings=tie,
         uses_te=use_te,
     )
+
+
+def recompute_kwargs(
+    granularity: str | None,
+    method: str | None,
+    num_layers: int | None,
+    *,
+    total_layers: int | None = None,
+    pp: int = 1,
+    overrides: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``TransformerConfig`` recompute fields for the spec's settings, validated.
+
+    ``overrides`` (``overrideTransformerConfig``) may set any ``recompute_*`` field itself; those
+    values win, and the spec's method / layer count fill in what a ``full`` override leaves unset.
+    """
+    overrides = overrides or {}
+    if granularity is not None and str(granularity) not in RECOMPUTE_GRANULARITIES:
+        raise MegatronConfigError(
+            f"spec.megatron.recomputeGranularity={granularity!r} is not one of {', '.join(RECOMPUTE_GRANULARITIES)}"
+        )
+    if "recompute_granularity" in overrides:
+        gran = overrides["recompute_granularity"]
+        gran = None if gran == "none" else gran
+        src_g = f"{OVERRIDE_PATH}.recompute_granularity"
+    else:
+        gran = None if granularity in (None, "none") else str(granularity)
+        src_g = "spec.megatron.recomputeGranularity"
+    out: dict[str, Any] = {"recompute_granularity": gran}
+    if gran == "full":
+        meth = overrides.get("recompute_method", method or "uniform")
+        layers = overrides.get("recompute_num_layers", 1 if num_layers is None else num_layers)
+        src_m = (
+            f"{OVERRIDE_PATH}.recompute_method"
+            if "recompute_method" in overrides
+            else "spec.megatron.recomputeMethod"
+        )
+        src_n = (
+            f"{OVERRIDE_PATH}.recompute_num_layers"
+            if "recompute_num_layers" in overrides
+            else "spec.megatron.recomputeNumLayers"
+        )
+        if meth not in RECOMPUTE_METHODS:
+            raise MegatronConfigError(
+                f"{src_m}={meth!r} is not one of {', '.join(RECOMPUTE_METHODS)} ({src_g}=full)"
+            )
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise MegatronConfigError(f"{src_n}={layers!r} must be an integer >= 1 ({src_g}=full)")
+        if total_layers is not None:
+            per_stage = total_layers // max(pp, 1)
+            if meth == "uniform" and per_stage % layers != 0:
+                raise MegatronConfigError(
+                    f"{src_n}={layers} must divide the {per_stage} transformer layers per pipeline stage "
+                    f"with recomputeMethod uniform (megatron recomputes groups of that many layers)"
+                )
+            if meth == "block" and layers > per_stage:
+                raise MegatronConfigError(
+                    f"{src_n}={layers} exceeds the {per_stage} transformer layers per pipeline stage "
+                    f"(recomputeMethod block recomputes that many layers of each stage)"
+                )
+        out.update(recompute_method=meth, recompute_num_layers=layers)
+    elif gran == "selective":
+        # megatron rejects recompute_num_layers with selective; the method has no effect there
+        out.update(recompute_method=None, recompute_num_layers=None)
+    elif gran is not None:
+        raise MegatronConfigError(f"{src_g}={gran!r} is not one of {', '.join(RECOMPUTE_GRANULARITIES)}")
+    else:
+        out.update(recompute_method=None, recompute_num_layers=None)
+    return out
+
+
+def check_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate ``overrideTransformerConfig`` against ``TransformerConfig``'s fields and types;
+    returns the values converted to the field types (enum names -> enum members, dtype names ->
+    ``torch.dtype``). Raises ``ValueError`` naming ``spec.megatron.overrideTransformerConfig.<key>``."""
+    from megatron.core.transformer import TransformerConfig
+
+    if not isinstance(overrides, Mapping):
+        raise MegatronConfigError(
+            f"{OVERRIDE_PATH} must be a mapping of TransformerConfig fields, got {type(overrides).__name__}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+    hints = _type_hints(TransformerConfig)
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        where = f"{OVERRIDE_PATH}.{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise MegatronConfigError(
+                f"{where}: megatron-core's TransformerConfig has no field {key!r}{hint}"
+            )
+        if key in _NOT_OVERRIDABLE:
+            raise MegatronConfigError(f"{where} cannot be overridden: {_NOT_OVERRIDABLE[key]}")
+        if key == "recompute_granularity" and value == "none":
+            value = None  # the spec's spelling of megatron's None
+        hint_type = hints.get(key)
+        ok, converted = _coerce(value, hint_type) if hint_type is not None else (True, value)
+        if not ok:
+            raise MegatronConfigError(
+                f"{where}={value!r} does not match the field's type {_type_name(hint_type)}"
+            )
+        out[key] = converted
+    return out
+
+
+def _type_hints(cls) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except (NameError, TypeError, AttributeError):  # an unresolvable annotation: skip type checks
+        return {}
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(matches, value converted to ``tp``) for the JSON-ish ``value``; unknown types match."""
+    if tp is Any:
+        return True, value
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        for arg in args:
+            ok, converted = _coerce(value, arg)
+            if ok:
+                return True, converted
+        return False, value
+    if origin is typing.Literal:
+        return value in args, value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    if tp is torch.dtype:
+        if isinstance(value, torch.dtype):
+            return True, value
+        dt = getattr(torch, str(value).removeprefix("torch."), None) if isinstance(value, str) else None
+        return isinstance(dt, torch.dtype), dt if isinstance(dt, torch.dtype) else value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return True, value
+        if isinstance(value, str) and value in tp.__members__:
+            return True, tp[value]
+        try:
+            return True, tp(value)
+        except (ValueError, TypeError):
+            return False, value
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        if not args or (origin is tuple and Ellipsis in args):
+            item_types = [args[0]] * len(value) if args else [Any] * len(value)
+        elif origin is tuple:
+            if len(args) != len(value):
+                return False, value
+            item_types = list(args)
+        else:
+            item_types = [args[0]] * len(value)
+        items = []
+        for item, item_tp in zip(value, item_types):
+            ok, converted = _coerce(item, item_tp)
+            if not ok:
+                return False, value
+            items.append(converted)
+        return True, (tuple(items) if (origin is tuple or tp is tuple) else items)
+    if origin is collections.abc.Callable or tp is typing.Callable:
+        return callable(value), value
+    return True, value  # a type we do not check (context managers, recipe objects, ...)
 
 
 def build_gpt_model(mcfg: MegatronModelConfig, pre_process: bool = True, post_process: bool = True):
