@@ -57,7 +57,8 @@ def summarize(job) -> str:
     return (
         f"{job.metadata.name}: {s.algorithm.name.value} on {s.model.path}, {s.nnodes}x{s.gpus_per_node} {s.device}, "
         f"TP{m.tensor_model_parallel_size} PP{m.pipeline_model_parallel_size} CP{m.context_parallel_size} "
-        f"EP{m.expert_model_parallel_size}, n={s.rollout.samples_per_prompt}, {data}"
+        + (f"EP{m.expert_model_parallel_size}, {data}" if s.algorithm.name.value == "sft" else
+           f"EP{m.expert_model_parallel_size}, samplesPerPrompt={s.rollout.samples_per_prompt}, {data}")
     )
 
 

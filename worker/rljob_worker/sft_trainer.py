@@ -128,7 +128,7 @@ class SFTTrainer:
         self.checkpoints.check_access()
 
         # The model: megatron-core actor (TP, distributed optimizer; vocab-parallel log-probs).
-        from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+        from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig, RecomputeConfig
 
         m = spec.megatron
         parallel = ParallelConfig(
@@ -138,7 +138,10 @@ class SFTTrainer:
             use_distributed_optimizer=m.use_distributed_optimizer)
         # No warm-up here: _set_lr hands the actor each step's lr from lr_at.
         optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_warmup_steps=0)
-        self.actor = MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed)
+        self.actor = MegatronActor.from_hf(
+            self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed,
+            recompute=RecomputeConfig.from_spec(m, spec.model.gradient_checkpointing),
+            transformer_overrides=m.override_transformer_config)
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
         self.per_rank = self.global_batch // self.dp_size
         self.micro_batches = self.per_rank // t.micro_batch_size_per_gpu

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 def is_configuration_error(exc: BaseException) -> bool:
     from rljob_worker.data import DataError
+    from rljob_worker.megatron.model_config import MegatronConfigError
     from rljob_worker.model_source import ModelSourceError
     from rljob_worker.rewards import RewardError
     from rljob_worker.storage import StorageError
 
-    return isinstance(exc, (DataError, ModelSourceError, RewardError, StorageError))
+    return isinstance(exc, (DataError, ModelSourceError, RewardError, StorageError, MegatronConfigError))
