@@ -21,6 +21,7 @@ How this departs from textbook GRPO (Shao et al. 2024):
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from rljob_api.enums import KLPlacement
+from rljob_api.enums import RolloutEngine as RolloutEngineName
 from rljob_api.models import RLJobSpec
 
 from rljob_worker import algorithms as algo
@@ -43,6 +45,8 @@ from rljob_worker.data import EpochSampler, load_datasets
 from rljob_worker.distributed import DistEnv, dist_env_from_environ, init_distributed
 from rljob_worker.rewards import resolve_reward, score_all
 from rljob_worker.rollout import RolloutOutput, SamplingParams, make_engine
+from rljob_worker.rollout.base import resolve_engine_name
+from rljob_worker.rollout.weight_sync import plan_rollout_layout
 
 log = logging.getLogger("rljob.trainer")
 
@@ -152,12 +156,25 @@ class GRPOTrainer:
             entropy_coef=a.entropy_coeff, aggregation=a.loss_aggregation, importance=a.importance_level,
             norm_length=spec.data.max_response_length)
 
+        # Rollout engine. HF engines live on global rank 0, which samples for everyone. vLLM lives on
+        # every rank (its process groups span the torchrun world): each rollout-TP group is one
+        # replica that samples a slice of the prompts, and the slices are gathered.
+        r = spec.rollout
+        self.engine_name = resolve_engine_name(r.engine, self.device)
+        self.engine_is_vllm = self.engine_name == RolloutEngineName.VLLM
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.engine_everywhere = self.engine_is_vllm and world > 1
+        self.rollout_layout = (plan_rollout_layout(world, spec.gpus_per_node, m.tensor_model_parallel_size,
+                                                   r.tensor_model_parallel_size) if self.engine_everywhere else None)
         self.engine = None
-        if self.is_main:
-            self.engine = make_engine(spec.rollout.engine, str(self.model_dir), dtype=self.dtype, device=self.device,
+        if self.is_main or self.engine_everywhere:
+            self.engine = make_engine(r.engine, str(self.model_dir), dtype=self.dtype, device=self.device,
                                       eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                                      tensor_parallel_size=spec.rollout.tensor_model_parallel_size,
-                                      gpu_memory_utilization=spec.rollout.gpu_memory_utilization)
+                                      tensor_parallel_size=r.tensor_model_parallel_size,
+                                      gpu_memory_utilization=r.gpu_memory_utilization,
+                                      max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
+                                      enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
+                                      seed=t.seed)
         self.telemetry = self._make_telemetry()
         self._install_signal_handlers()
         self._resume()
@@ -250,7 +267,8 @@ class GRPOTrainer:
         #    batch tensors are (N, T): N = prompts x n responses, T = prompt + response columns.
         for model, flags in self._offload_plan:  # the rollout engine gets their GPU memory
             model.offload(**flags)
-        payload = self._rollout_and_score(metrics) if self.is_main else None  # stages: rollout, reward
+        samples_here = self.is_main or self.engine_everywhere
+        payload = self._rollout_and_score(metrics) if samples_here else None  # stages: rollout, reward
         payload = self._broadcast(payload)
         for model, _ in self._offload_plan:
             model.onload()
@@ -352,19 +370,47 @@ class GRPOTrainer:
                                 seed=spec.training.seed * 1_000_003 + self.step * 131 + self.sampler.position)
         with self.telemetry.stage("rollout"):
             start = time.perf_counter()
-            out = self.engine.generate([r.prompt_ids for r in records], params)
+            out = self._generate([r.prompt_ids for r in records], params)
             seconds = time.perf_counter() - start
         prompts = [r for r in records for _ in range(n)]
         texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         extras = [{**r.extra, "max_response_length": spec.data.max_response_length, "data_source": r.data_source}
                   for r in prompts]
-        with self.telemetry.stage("reward"):
-            rewards = torch.tensor(score_all(self.reward_fn, [r.prompt_text for r in prompts], texts,
-                                             [r.ground_truth for r in prompts], extras,
-                                             pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds),
-                                   dtype=torch.float32)
+        rewards = None
+        if self.is_main:  # rank 0 scores; with vLLM on every rank its scores are shared so all ranks agree
+            with self.telemetry.stage("reward"):
+                rewards = torch.tensor(score_all(self.reward_fn, [r.prompt_text for r in prompts], texts,
+                                                 [r.ground_truth for r in prompts], extras,
+                                                 pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds),
+                                       dtype=torch.float32)
+        if self.engine_everywhere:
+            rewards = self._broadcast(rewards)
         responses = list(zip(out.response_ids, out.response_logprobs, out.finished))
         return records, responses, rewards, seconds, float(sum(len(r) for r in out.response_ids))
+
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """Sample with the engine. vLLM on every rank: each replica samples its slice (seeds offset so
+        the samples do not depend on the layout), then the slices are gathered in prompt order."""
+        if self.engine_is_vllm and self.engine.state != "awake":
+            self.engine.wake_up()
+        if not self.engine_everywhere:
+            out = self.engine.generate(prompt_ids, params)
+        else:
+            layout = self.rollout_layout
+            rank = dist.get_rank()
+            part = layout.prompt_slice(len(prompt_ids), layout.replica_of(rank))
+            seed = None if params.seed is None else params.seed + part.start * params.n
+            mine = self.engine.generate(prompt_ids[part], dataclasses.replace(params, seed=seed))
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine if layout.rollout_rank_of(rank) == 0 else None)
+            out = RolloutOutput([], [], [])
+            for piece in (g for g in gathered if g is not None):  # replica order = prompt order
+                out.response_ids += piece.response_ids
+                out.response_logprobs += piece.response_logprobs
+                out.finished += piece.finished
+        if self.engine_is_vllm and self.spec.rollout.free_cache_engine:
+            self.engine.sleep()  # the actor gets the GPU back until the next weight sync
+        return out
 
     def _dynamic_sampling(self, records, responses, rewards, metrics):
         """DAPO: keep prompt groups whose rewards differ (the others carry no gradient) and refill
@@ -420,16 +466,23 @@ class GRPOTrainer:
 
     def _sync_weights(self) -> None:
         stream = self.actor.export_hf_weights()  # collective: every rank iterates
-        if self.engine is not None:
-            self.engine.update_weights(stream)
-        else:
+        if self.engine is None:
             for _ in stream:
                 pass
+            return
+        if self.engine_is_vllm:  # weights back first, refill them, then the KV cache
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.engine.wake_up(tags=["weights"])
+            self.engine.update_weights(stream)
+            self.engine.wake_up(tags=["kv_cache"])
+        else:
+            self.engine.update_weights(stream)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
         with self.telemetry.stage("validation"):
-            result = self._validate_main() if self.is_main else None
+            result = self._validate_main() if (self.is_main or self.engine_everywhere) else None
         result = self._broadcast(result)
         self.telemetry.record_validation(self.step, result)
         if self.is_main:
@@ -442,7 +495,9 @@ class GRPOTrainer:
         spec, records = self.spec, self.val_set.records
         params = SamplingParams(n=spec.rollout.val_n, temperature=spec.rollout.val_temperature,
                                 top_p=spec.rollout.top_p, max_new_tokens=spec.data.max_response_length, seed=12345)
-        out = self.engine.generate([r.prompt_ids for r in records], params)
+        out = self._generate([r.prompt_ids for r in records], params)
+        if not self.is_main:
+            return None
         prompts = [r for r in records for _ in range(spec.rollout.val_n)]
         texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         extras = [{**r.extra, "max_response_length": spec.data.max_response_length} for r in prompts]
