@@ -743,21 +743,23 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
+    from rljob_worker.megatron.model_config import MegatronConfigError
+
     for name, value, key in (
         ("pp", p.pp, "megatron.pipelineModelParallelSize"),
         ("cp", p.cp, "megatron.contextParallelSize"),
         ("ep", p.ep, "megatron.expertModelParallelSize"),
     ):
         if value != 1:
-            raise ValueError(f"{key}={value} is not supported by the rljob megatron actor yet (use 1)")
+            raise MegatronConfigError(f"spec.{key}={value} is not supported by the rljob megatron actor yet (use 1)")
     if p.vpp not in (None, 1):
-        raise ValueError(
-            f"megatron.virtualPipelineModelParallelSize={p.vpp} is not supported (needs pipeline parallelism)"
+        raise MegatronConfigError(
+            f"spec.megatron.virtualPipelineModelParallelSize={p.vpp} is not supported (needs pipeline parallelism)"
         )
     if p.tp < 1:
-        raise ValueError(f"megatron.tensorModelParallelSize must be >= 1, got {p.tp}")
+        raise MegatronConfigError(f"spec.megatron.tensorModelParallelSize must be >= 1, got {p.tp}")
     if p.sequence_parallel and not on_gpu:
-        raise ValueError("megatron.sequenceParallel=true needs a GPU (gloo has no reduce-scatter)")
+        raise MegatronConfigError("spec.megatron.sequenceParallel=true needs a GPU (gloo has no reduce-scatter)")
     if p.use_distributed_optimizer and not on_gpu:
         log.warning("use_distributed_optimizer is ignored on CPU (torch AdamW over local shards)")
 
