@@ -175,6 +175,8 @@ class GRPOTrainer:
                                       max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
                                       enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
                                       seed=t.seed)
+        if self.engine is not None and self.is_main:
+            log.info("rollout engine: %s on %s", type(self.engine).__name__, self.device)
         self.telemetry = self._make_telemetry()
         self._install_signal_handlers()
         self._resume()
