@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--hf-generate-baseline", action="store_true",
+                    help="also time transformers generate() with a static cache and a compiled forward")
     a = ap.parse_args()
     from rljob_worker.rollout import SamplingParams
     from rljob_worker.rollout.hf_engine import HFEngine
@@ -126,6 +128,39 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         rows.append({"engine": "hf", "error": f"{type(exc).__name__}: {exc}"})
+    if a.hf_generate_baseline:
+        try:  # 4. the baseline: transformers generate() with a static cache and a compiled forward
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(paths["model_dir"], dtype=torch.bfloat16).to(dev).eval()
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            gen_kw = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "use_cache": True,
+                      "max_new_tokens": a.new_tokens, "min_new_tokens": a.new_tokens, "pad_token_id": 0,
+                      "eos_token_id": None}
+            for b in [int(x) for x in a.batches.split(",")]:
+                ids = torch.tensor(prompts(b, a.prompt_len, a.vocab, b), device=dev)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw)  # compiles
+                sync()
+                first = time.perf_counter() - t0
+                times = []
+                for _ in range(2):
+                    sync()
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        out_ids = model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                new = out_ids.shape[1] - ids.shape[1]
+                rows.append({"engine": "HF generate (static cache + torch.compile)", "batch": b, "first_call_s": first,
+                             "tokens_per_s": b * new / min(times), "decode_ms_per_step": 1e3 * min(times) / new})
+                print(rows[-1], flush=True)
+            del model
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"engine": "HF generate static+compile", "error": f"{type(exc).__name__}: {exc}"})
     res["rows"] = rows
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
