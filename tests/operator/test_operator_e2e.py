@@ -310,12 +310,17 @@ def test_expired_watches_are_relisted(kube: KubeClient, operator, eventually: Ev
     before = len(api_server.call(api_server.server.request_log))
     assert api_server.call(api_server.server.drop_watches) >= 2
     # kopf resumes from its last resourceVersion, gets 410 Expired, and lists again.
-    eventually(lambda: any(m == "GET" and "/rljobs" in p and "watch" not in p
-                           for m, p in api_server.call(api_server.server.request_log)[before:]), "a fresh list")
+    for plural in ("/rljobs", "/pytorchjobs"):  # both watches recover, each at its own backoff
+        eventually(lambda plural=plural: any(m == "GET" and plural in p and "watch" not in p
+                                             for m, p in api_server.call(api_server.server.request_log)[before:]),
+                   f"a fresh list of {plural[1:]}")
     kube.set_pytorchjob_conditions(ns, "kappa", ("Succeeded", "True", "PyTorchJobSucceeded"))
-    eventually.condition(ns, "kappa", c.SUCCEEDED, "True")
+    # A re-established watch may still be in kopf's backoff: allow up to just under the resync period,
+    # so a pass still proves the watch (not the resync) delivered the change.
+    relisted = RESYNC_SECONDS - 1
+    eventually.condition(ns, "kappa", c.SUCCEEDED, "True", timeout=relisted)
     kube.create(RLJOBS, ns, rljob("lambda"))
-    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "lambda"), "a PyTorchJob after the relist")
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "lambda"), "a PyTorchJob after the relist", timeout=relisted)
 
 
 def test_operator_metrics(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
