@@ -157,6 +157,13 @@ def spec_cel_rules() -> list[dict[str, str]]:
             "reason": "FieldValueInvalid",
         },
         {
+            "rule": "(has(self.algorithm) && has(self.algorithm.name) && self.algorithm.name == 'sft') == "
+                    "has(self.sft)",
+            "message": "algorithm.name sft needs the spec.sft section, and spec.sft is only for algorithm.name sft",
+            "fieldPath": ".sft",
+            "reason": "FieldValueInvalid",
+        },
+        {
             "rule": "(has(self.data) && ((has(self.data.trainFiles) && size(self.data.trainFiles) > 0) != "
                     "(has(self.data.synthetic))))",
             "message": "set exactly one of data.trainFiles and data.synthetic",

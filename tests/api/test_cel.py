@@ -20,6 +20,7 @@ SP = "spec.megatron.sequenceParallel"
 VPP = "spec.megatron.virtualPipelineModelParallelSize"
 DATA = "spec.data"
 RESUME = "spec.checkpoint.resumeFrom"
+SFT = "spec.sft"
 
 # pydantic's error path(s) for the rule behind each CEL fieldPath
 PYDANTIC_PATHS = {
@@ -29,6 +30,7 @@ PYDANTIC_PATHS = {
     VPP: {"spec.megatron.virtualPipelineModelParallelSize"},
     DATA: {"spec.data.trainFiles", "spec.data.synthetic"},
     RESUME: {"spec.checkpoint.resumeFrom"},
+    SFT: {"spec.sft"},
 }
 
 
@@ -86,6 +88,9 @@ CASES = [
     ("no-data-section", changed(gpu_job(), {"spec.data": DELETE}), {DATA}),
     ("synthetic-only", changed(gpu_job(), {"spec.data": SYN}), set()),
     ("synthetic-with-empty-files", changed(gpu_job(), {"spec.data": {**SYN, "trainFiles": []}}), set()),
+    # algorithm sft <-> spec.sft
+    ("sft-without-section", changed(gpu_job(), {"spec.algorithm.name": "sft"}), {SFT}),
+    ("sft-section-under-grpo", changed(gpu_job(), {"spec.sft": {"format": "tokenized"}}), {SFT}),
     # resumeMode uri needs resumeFrom
     ("resume-uri-no-from", changed(gpu_job(), {"spec.checkpoint.resumeMode": "uri"}), {RESUME}),
     ("resume-uri-with-from", changed(gpu_job(), {"spec.checkpoint.resumeMode": "uri",
