@@ -14,9 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from rljob_worker.checkpointing import CheckpointManager, resolve_resume, spec_hash, step_dirname
+from rljob_worker.distributed import barrier, broadcast_object
 from rljob_worker.storage import open_store
 
 log = logging.getLogger(__name__)
@@ -28,17 +27,6 @@ def _utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class CheckpointIO:
@@ -65,7 +53,7 @@ class CheckpointIO:
         local = self.local_root / step_dirname(step)
         if self.env.local_rank == 0 and local.exists():
             shutil.rmtree(local)
-        _barrier()
+        barrier()
         actor.save_checkpoint(local)  # collective; rank 0 writes the common metadata
         if self.env.rank == 0:
             (local / TRAINER_STATE).write_text(json.dumps(trainer_state))
@@ -79,16 +67,16 @@ class CheckpointIO:
         # Several nodes: each node uploads what its ranks wrote, then rank 0 commits.
         if self.env.rank == 0:
             self.manager.prepare_step(step)
-        _barrier()
+        barrier()
         if self.env.local_rank == 0:
             self.manager.upload_rank_files(local, step, self.env.node_rank)
-        _barrier()
+        barrier()
         ref = None
         if self.env.rank == 0:
             ref = self.manager.commit(step, metrics, self.spec_hash, expected_ranks=list(range(self.spec.nnodes)))
             self.manager.apply_retention()
             self._committed(ref)
-        _barrier()
+        barrier()
         return ref
 
     def _committed(self, ref) -> None:
@@ -113,7 +101,7 @@ class CheckpointIO:
         if self.env.rank == 0 and self._pending is not None:
             self.manager.wait()
             self._collect()  # leaves the commit for the trainer's next poll()
-        _barrier()
+        barrier()
         return self.last_ref
 
     def resume(self, actor) -> dict[str, Any] | None:
@@ -123,17 +111,17 @@ class CheckpointIO:
         if self.env.rank == 0:
             ref = resolve_resume(ck.resume_mode.value, self.manager, ck.resume_from)
             uri = ref.uri if ref is not None else None
-        uri = _broadcast(uri)
+        uri = broadcast_object(uri)
         if uri is None:
             return None
         local = self.local_root / "restore"
         if self.env.local_rank == 0:
             shutil.rmtree(local, ignore_errors=True)
             self.manager.restore(uri, local)
-        _barrier()
+        barrier()
         actor.load_checkpoint(local)
         state = json.loads((local / TRAINER_STATE).read_text())
-        _barrier()
+        barrier()
         if self.env.rank == 0:
             log.info("resumed from %s", uri)
         return state
@@ -143,7 +131,7 @@ class CheckpointIO:
         local = self.local_root / "hf"
         if self.env.rank == 0:
             shutil.rmtree(local, ignore_errors=True)
-        _barrier()
+        barrier()
         actor.save_hf_checkpoint(local, tokenizer=tokenizer)
         key = f"{self.manager.base_prefix}/hf"
         uri = None
@@ -152,5 +140,5 @@ class CheckpointIO:
             self.store.upload_dir(local, key)
             uri = self.store.uri_for(key)
             log.info("exported the final policy in Hugging Face format to %s", uri)
-        _barrier()
+        barrier()
         return uri

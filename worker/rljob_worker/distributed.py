@@ -20,6 +20,7 @@ import datetime
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -166,3 +167,18 @@ def init_from_environ(backend: str | None = None, timeout_s: float = DEFAULT_TIM
     env = dist_env_from_environ(os.environ)
     init_distributed(env, backend=backend, timeout_s=timeout_s)
     return env
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op in a single-process world."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (pickled); returns `obj` itself in a single-process world."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

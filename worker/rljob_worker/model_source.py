@@ -5,20 +5,15 @@ import hashlib
 import logging
 from pathlib import Path
 
-import torch.distributed as dist
-
 from rljob_api.models import RLJobSpec
+
+from rljob_worker.distributed import barrier
 
 log = logging.getLogger(__name__)
 
 
 class ModelSourceError(ValueError):
     pass
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def resolve_model_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Path:
@@ -30,7 +25,7 @@ def resolve_model_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Pa
         target = Path(workdir) / "models" / path[len("builtin://"):]
         if local_rank == 0:
             materialize_builtin(path[len("builtin://"):], target, seed=spec.training.seed)
-        _barrier()
+        barrier()
         return target
     if path.startswith("s3://"):
         from rljob_worker.storage import open_store
@@ -42,7 +37,7 @@ def resolve_model_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Pa
             log.info("downloading %s to %s", path, target)
             store.download_dir("", target)
             (target / ".complete").touch()
-        _barrier()
+        barrier()
         local = target
     else:
         local = Path(path[len("file://"):] if path.startswith("file://") else path)
@@ -64,7 +59,7 @@ def resolve_tokenizer_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -
         if local_rank == 0 and not (target / ".complete").exists():
             open_store(path, endpoint_url=spec.s3.endpoint, region=spec.s3.region).download_dir("", target)
             (target / ".complete").touch()
-        _barrier()
+        barrier()
         return target
     local = Path(path[len("file://"):] if path.startswith("file://") else path)
     if not local.is_dir():

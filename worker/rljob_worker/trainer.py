@@ -42,7 +42,7 @@ from rljob_api.models import RLJobSpec
 from rljob_worker import algorithms as algo
 from rljob_worker.batching import pad_batch, scatter_response_values, slice_batch, split_batch, trim_padding
 from rljob_worker.data import EpochSampler, load_datasets
-from rljob_worker.distributed import DistEnv, dist_env_from_environ, init_distributed
+from rljob_worker.distributed import DistEnv, broadcast_object, dist_env_from_environ, init_distributed
 from rljob_worker.rewards import resolve_reward, score_all
 from rljob_worker.rollout import RolloutOutput, SamplingParams, make_engine
 from rljob_worker.rollout.base import resolve_engine_name
@@ -271,7 +271,7 @@ class GRPOTrainer:
             model.offload(**flags)
         samples_here = self.is_main or self.engine_everywhere
         payload = self._rollout_and_score(metrics) if samples_here else None  # stages: rollout, reward
-        payload = self._broadcast(payload)
+        payload = broadcast_object(payload)
         for model, _ in self._offload_plan:
             model.onload()
         batch = payload["batch"]
@@ -386,7 +386,7 @@ class GRPOTrainer:
                                                  pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds),
                                        dtype=torch.float32)
         if self.engine_everywhere:
-            rewards = self._broadcast(rewards)
+            rewards = broadcast_object(rewards)
         responses = list(zip(out.response_ids, out.response_logprobs, out.finished))
         return records, responses, rewards, seconds, float(sum(len(r) for r in out.response_ids))
 
@@ -485,7 +485,7 @@ class GRPOTrainer:
     def validate(self) -> dict[str, float]:
         with self.telemetry.stage("validation"):
             result = self._validate_main() if (self.is_main or self.engine_everywhere) else None
-        result = self._broadcast(result)
+        result = broadcast_object(result)
         self.telemetry.record_validation(self.step, result)
         if self.is_main:
             log.info("validation at step %d: reward %.3f accuracy %.3f", self.step, result["val/reward_mean"],
@@ -538,13 +538,6 @@ class GRPOTrainer:
             log.info("resumed from step %d (epoch %d, batch %d)", self.step, self.sampler.epoch, self.sampler.position)
 
     # ------------------------------------------------------------------ helpers
-    def _broadcast(self, obj: Any) -> Any:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def _agree_to_stop(self) -> bool:
         """Every rank must stop at the same step: OR the SIGTERM flags over the world."""
         flag = torch.tensor([1 if self._stop_requested else 0], dtype=torch.int32)
