@@ -2,6 +2,7 @@
 # The one script the device runs (issues 5, 6, 13): every benchmark in one call, results under $OUT.
 #   bash bench/gpu_all.sh [sections...]
 #   sections: actor05 grpo actor15 rollout grpombs | grpokl grpo816 actor05w grpo15 grpo15trl trlnockpt
+#             rolloutbase (rollout incl. HF generate static-cache+compile baseline) | sft [jobs] | gputests
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Needs wheels (carry: [".whl/megatron_actor_gpu", ".whl/trl"]): megatron-core 0.16.1 cp312; trl 1.16, datasets,
 # dill, multiprocess, pydantic(+core, annotated-types, typing-inspection, typing-extensions). Keep the image's pyarrow.
@@ -11,7 +12,7 @@ OUT=${OUT:-/tmp/bench_out}
 mkdir -p "$OUT"
 LOG="$OUT/all.log"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/megatron_actor_gpu/megatron_core-*.whl .whl/trl/*.whl 2>&1 | grep -v -i "warning" | tail -3
+  .whl/megatron_actor_gpu/*.whl .whl/trl/*.whl 2>&1 | grep -v -i "warning" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/operator:$PWD/worker:$PWD/bench
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,8 +47,11 @@ for s in $SECTIONS; do
     actor05w) section actor05w 110 python3 bench/actor_update.py --model 0.5b --mbs 4,8 --warmup 2 --systems hf-padded,hf-packed,megatron ;;
     grpombs) section grpombs 200 python3 bench/grpo_step.py --variants rljob-static:32,rljob-static:64 --timeout-each 95 --tag _mbs ;;
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
+    rolloutbase) section rolloutbase 300 python3 bench/rollout.py --hf-generate-baseline ;;
+    sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
+    gputests) section gputests 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider -x -rs ;;
     *) echo "unknown section $s" ;;
   esac
 done
 echo; echo "################ SUMMARY ($(nvidia-smi --query-gpu=name --format=csv,noheader))"
-grep -h -E "^(## |\| |card |fp32 greedy)" "$LOG"
+grep -h -E "^(## |\| |card |fp32 greedy|RESULT|[0-9]+ (passed|failed))" "$LOG"

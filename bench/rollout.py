@@ -133,8 +133,13 @@ def main() -> int:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(paths["model_dir"], dtype=torch.bfloat16).to(dev).eval()
+            # generate() compiles its own decode step when the cache is static (prefill stays eager) and
+            # marks each CUDA-graph step itself; compiling model.forward by hand instead makes the
+            # graph overwrite outputs generate still holds (seen on the H200 with transformers 5.17)
+            from transformers import CompileConfig
+
             model.generation_config.cache_implementation = "static"
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
             gen_kw = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "use_cache": True,
                       "max_new_tokens": a.new_tokens, "min_new_tokens": a.new_tokens, "pad_token_id": 0,
                       "eos_token_id": None}
