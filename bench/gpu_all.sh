@@ -47,7 +47,7 @@ for s in $SECTIONS; do
     actor05w) section actor05w 110 python3 bench/actor_update.py --model 0.5b --mbs 4,8 --warmup 2 --systems hf-padded,hf-packed,megatron ;;
     grpombs) section grpombs 200 python3 bench/grpo_step.py --variants rljob-static:32,rljob-static:64 --timeout-each 95 --tag _mbs ;;
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
-    rolloutbase) section rolloutbase 300 python3 bench/rollout.py --hf-generate-baseline ;;
+    rolloutbase) section rolloutbase 420 python3 bench/rollout.py --hf-generate-baseline --compiled ;;
     sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
     gputests) section gputests 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider -x -rs ;;
     *) echo "unknown section $s" ;;

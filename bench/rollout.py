@@ -56,6 +56,7 @@ def main() -> int:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--compiled", action="store_true", help="also time the static engine with a compiled decode step")
     ap.add_argument("--hf-generate-baseline", action="store_true",
                     help="also time transformers generate() with a static cache and a compiled forward")
     a = ap.parse_args()
@@ -91,6 +92,38 @@ def main() -> int:
 
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
     rows = []
+    if a.compiled and dev.type == "cuda":  # the compiled decode step must decode as the eager one
+        try:
+            ref = HFEngine(paths["model_dir"], dtype=torch.float32, **kw)
+            stc = HFStaticEngine(paths["model_dir"], dtype=torch.float32, compile_decode=True, **kw)
+            batch = prompts(16, a.prompt_len, a.vocab, 0)
+            x, y = ref.generate(batch, greedy), stc.generate(batch, greedy)
+            res["fp32_greedy_compiled"] = {
+                "rows_identical": sum(r1 == r2 for r1, r2 in zip(x.response_ids, y.response_ids)), "rows": len(batch),
+                "max_abs_logprob_diff": max(abs(u - v) for r1, r2 in zip(x.response_logprobs, y.response_logprobs)
+                                            for u, v in zip(r1, r2))}
+            print("fp32 greedy check (compiled decode step):", res["fp32_greedy_compiled"], flush=True)
+            del ref, stc
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            res["fp32_greedy_compiled"] = {"error": f"{type(exc).__name__}: {exc}"}
+    for compiled in ([False, True] if a.compiled else [False]):
+        try:
+            stc = HFStaticEngine(paths["model_dir"], dtype=torch.bfloat16, compile_decode=True, **kw) if compiled else None
+            for b in [int(x) for x in a.batches.split(",")] if compiled else []:
+                batch = prompts(b, a.prompt_len, a.vocab, b)
+                t0 = time.perf_counter()
+                timed_generate(stc, batch, params)
+                first = time.perf_counter() - t0
+                times = [timed_generate(stc, batch, params) for _ in range(2)]
+                rows.append({"engine": "hf-static compiled (torch.compile + CUDA graph)", "batch": b, "first_call_s": first,
+                             "tokens_per_s": b * a.new_tokens / min(times), "decode_ms_per_step": 1e3 * min(times) / a.new_tokens})
+                print(rows[-1], flush=True)
+            del stc
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"engine": "hf-static compiled", "error": f"{type(exc).__name__}: {exc}"})
     try:  # 2. throughput + 3. weight sync
         st = HFStaticEngine(paths["model_dir"], dtype=torch.bfloat16, **kw)
         for b in [int(x) for x in a.batches.split(",")]:

@@ -127,3 +127,25 @@ def test_sliding_window_models_are_refused(sharp_model_dir, monkeypatch):
     with pytest.raises(ValueError, match="sliding"):
         HFStaticEngine(str(sharp_model_dir), dtype=torch.float32, device=CPU, eos_token_id=EOS_ID,
                        pad_token_id=PAD_ID)
+
+
+def test_compiled_decode_step_equals_hf_engine(sharp_model_dir):
+    """torch.compile of the decode step (the GPU option RLJOB_HF_STATIC_COMPILE=1) changes no
+    token: compiled here with inductor on the CPU, greedy continuations equal HFEngine's, including
+    after a change of shape (which recompiles)."""
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    ref = HFEngine(str(sharp_model_dir), **kw)
+    compiled = HFStaticEngine(str(sharp_model_dir), compile_decode=True, **kw)
+    assert compiled.compile_decode
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=8)
+    for prompts in (PROMPTS, PROMPTS[:2]):
+        want, got = ref.generate(prompts, params), compiled.generate(prompts, params)
+        assert got.response_ids == want.response_ids
+        for a, b in zip(got.response_logprobs, want.response_logprobs):
+            assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_compile_is_opt_in_on_cuda_only(sharp_model_dir, monkeypatch):
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    monkeypatch.setenv("RLJOB_HF_STATIC_COMPILE", "1")
+    assert not HFStaticEngine(str(sharp_model_dir), **kw).compile_decode  # the env acts on CUDA only

@@ -13,7 +13,10 @@ same interface, weights and sampling code, and changes only the decode loop:
   is captured once into a CUDA graph and replayed every step; sampling (``sample_next``, the same
   code as `HFEngine`, with the caller's generator) runs eagerly on the graph's logits buffer;
 - prefill runs the same forward eagerly and computes logits of the last position only;
-- the all-finished check syncs once every ``check_every`` steps instead of every step.
+- the all-finished check syncs once every ``check_every`` steps instead of every step;
+- optionally (``compile_decode``, env ``RLJOB_HF_STATIC_COMPILE=1``) the decode step is compiled
+  with torch.compile before capture, fusing the norms, RoPE, SwiGLU and the attention's softmax
+  (a few hundred small kernels fewer per step); the first call of each shape pays the compile.
 
 Linear layers, norms, MLPs and rotary embeddings are the transformers model's modules, so weight
 sync (`update_weights`, inherited) writes into the very tensors the graph reads. Supports the
@@ -25,6 +28,7 @@ Selected by ``make_engine`` for ``rollout.engine: hf`` on CUDA when ``RLJOB_HF_S
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -67,7 +71,8 @@ class _Session:
 class HFStaticEngine(HFEngine):
     def __init__(self, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
                  pad_token_id: int, max_batch: int = 256, use_cuda_graph: bool | None = None,
-                 length_multiple: int = 64, check_every: int | None = None):
+                 length_multiple: int = 64, check_every: int | None = None,
+                 compile_decode: bool | None = None):
         super().__init__(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, max_batch=max_batch)
         cfg = self.model.config
@@ -97,6 +102,12 @@ class HFStaticEngine(HFEngine):
         self.check_every = check_every if check_every is not None else (16 if on_cuda else 1)
         self._session: _Session | None = None
         self.graph_captures = 0  # how many CUDA graphs were captured (tests, metrics)
+        if compile_decode is None:  # an explicit True compiles on CPU too (tests)
+            compile_decode = on_cuda and os.environ.get("RLJOB_HF_STATIC_COMPILE", "0") == "1"
+        self.compile_decode = bool(compile_decode)
+        # dynamic=None: the first shape compiles static kernels; a second shape recompiles once with
+        # symbolic sizes instead of once per (batch, width, length) bucket
+        self._step_fn = torch.compile(self._decode_step, fullgraph=True) if self.compile_decode else self._decode_step
 
     # -- memory
     def sleep(self) -> None:
@@ -156,12 +167,12 @@ class HFStaticEngine(HFEngine):
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside capture (workspace allocation, lazy init)
-                self._decode_step(s)
+            for _ in range(2):  # warm-up outside capture (workspace allocation, lazy init, compile)
+                self._step_fn(s)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            s.logits = self._decode_step(s)
+            s.logits = self._step_fn(s)
         s.graph = graph
         self.graph_captures += 1
 
@@ -231,7 +242,7 @@ class HFStaticEngine(HFEngine):
                     s.graph.replay()
                     logits = s.logits
                 else:
-                    logits = self._decode_step(s)
+                    logits = self._step_fn(s)
         tokens, logprobs = tokens[:, :taken].cpu(), logprobs[:, :taken].cpu()
         out = RolloutOutput([], [], [])
         for i in range(batch):
