@@ -56,7 +56,8 @@ def test_reassembly_is_differentiable():
 
 
 @pytest.mark.parametrize(
-    "cp, sp_tp, expected", [(1, 1, 1), (1, 2, 2), (2, 1, 4), (4, 1, 8), (2, 2, 4), (2, 4, 8), (3, 2, 6), (2, 3, 12)]
+    "cp, sp_tp, expected",
+    [(1, 1, 1), (1, 2, 2), (2, 1, 4), (4, 1, 8), (2, 2, 4), (2, 4, 8), (3, 2, 6), (2, 3, 12)],
 )
 def test_sequence_multiple(cp, sp_tp, expected):
     m = sequence_multiple(cp, sp_tp)

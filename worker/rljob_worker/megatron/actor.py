@@ -301,13 +301,15 @@ class MegatronActor:
         attention_mask = attention_mask.to(self.device)
         t = input_ids.shape[1]
         sp_tp = self.tp_size if self.parallel.sequence_parallel else 1
-        ids, order, lengths = _pack(input_ids, attention_mask, sequence_multiple(self.cp_size, sp_tp))  # CP/SP
+        multiple = sequence_multiple(self.cp_size, sp_tp)  # CP: 2 * cp chunks; SP: TP splits each
+        ids, order, lengths = _pack(input_ids, attention_mask, multiple)
         # next-token targets aligned with the logits that predict them; the last column is a dummy
         targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
         # CP: this rank's share of the columns (identity for cp = 1); Tl = Tc / cp
         local_ids = split_for_cp(ids, self.cp_size, self.cp_rank)  # CP
         local_targets = split_for_cp(targets, self.cp_size, self.cp_rank)  # CP
-        positions = local_positions(ids.shape[1], self.cp_size, self.cp_rank, self.device).expand_as(local_ids)
+        positions = local_positions(ids.shape[1], self.cp_size, self.cp_rank, self.device)  # CP: global
+        positions = positions.expand_as(local_ids)
         logits = self.model(local_ids, positions, None)  # (b, Tl, V/tp); fp32 from Float16Module on GPU
         logits = logits.float()
         logits = self._mask_vocab_padding(logits)
@@ -461,11 +463,12 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
 
         from .sequence_parallel import tp_partial_grad_params
+
         params = [p for p in self.core.parameters() if p.requires_grad]
         grads = [p.grad for p in params if p.grad is not None]
         # SP norms and q/k norms: partial grads on each TP rank, summed as finalize_model_grads does
-        _all_reduce_grads(tp_partial_grad_params(self.core.named_parameters(), self.mcfg.transformer_config),
-                          self.tp_group, average=False)
+        partial = tp_partial_grad_params(self.core.named_parameters(), self.mcfg.transformer_config)
+        _all_reduce_grads(partial, self.tp_group, average=False)
         # average over DP x CP (gloo), as megatron's DDP does on GPU (see context_parallel.gather_from_cp)
         _all_reduce_grads(params, ps.get_data_parallel_group(with_context_parallel=True), average=True)
         grad_norm = self._cpu_grad_norm(params)

@@ -44,7 +44,9 @@ def local_positions(t: int, cp_size: int, cp_rank: int, device=None) -> torch.Te
     if cp_size == 1:
         return torch.arange(t, device=device)
     c = _chunk_len(t, cp_size)
-    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_indices(cp_size, cp_rank)])
+    return torch.cat(
+        [torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_indices(cp_size, cp_rank)]
+    )
 
 
 def split_for_cp(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:

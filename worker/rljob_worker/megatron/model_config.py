@@ -540,7 +540,10 @@ def build_gpt_model(mcfg: MegatronModelConfig, pre_process: bool = True, post_pr
 
     spec = mcfg.layer_spec
     if mcfg.final_layernorm is not None:  # megatron picks the final norm itself for a layer spec
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
 
         n = get_num_layers_to_build(mcfg.transformer_config)
         spec = TransformerBlockSubmodules(layer_specs=[mcfg.layer_spec] * n, layer_norm=mcfg.final_layernorm)

@@ -95,7 +95,9 @@ class SDPAttention(MegatronModule):
         sq, b = query.shape[0], query.shape[1]
         if self.cp_size > 1:
             if attention_mask is not None or mask_type != AttnMaskType.causal:
-                raise NotImplementedError("SDPAttention with context parallelism runs plain causal attention only")
+                raise NotImplementedError(
+                    "SDPAttention with context parallelism runs plain causal attention only"
+                )
             return self._forward_cp(query, key, value)
         # [s, b, h, d] -> [b, h, s, d]
         q = query.permute(1, 2, 0, 3)
@@ -143,7 +145,11 @@ class SDPAttention(MegatronModule):
         for local, i in enumerate(chunk_indices(self.cp_size, self.cp_group.rank())):
             kv_len = (i + 1) * c  # chunk i's queries (global positions [i c, (i+1) c)) see keys [0, (i+1) c)
             args = (q[:, :, local * c : (local + 1) * c], k[:, :, :kv_len], v[:, :, :kv_len])
-            kwargs = {"attn_mask": causal_lower_right(c, kv_len), "dropout_p": dropout_p, "scale": self.softmax_scale}
+            kwargs = {
+                "attn_mask": causal_lower_right(c, kv_len),
+                "dropout_p": dropout_p,
+                "scale": self.softmax_scale,
+            }
             if dropout_p > 0.0:
                 with tensor_parallel.get_cuda_rng_tracker().fork():
                     outs.append(F.scaled_dot_product_attention(*args, **kwargs))

@@ -28,7 +28,9 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         if config.normalization != "RMSNorm":
-            raise ValueError(f"SequenceParallelRMSNorm is an RMSNorm, the config asks for {config.normalization}")
+            raise ValueError(
+                f"SequenceParallelRMSNorm is an RMSNorm, the config asks for {config.normalization}"
+            )
         if config.layernorm_zero_centered_gamma:
             raise ValueError("SequenceParallelRMSNorm does not support layernorm_zero_centered_gamma")
         super().__init__(normalized_shape=hidden_size, eps=eps)
