@@ -260,9 +260,12 @@ def _scenario_dp2_bf16_distopt(hf_dir: str, out_dir: str) -> None:
         torch.save({"history": history, "next": nxt, "exported": exported}, out / "dp2_distopt.pt")
 
 
-def run_parallel_steps(hf_dir, parallel, dtype=torch.float32, steps: int = 2, lr: float = 1e-2) -> dict:
+def run_parallel_steps(
+    hf_dir, parallel, dtype=torch.float32, steps: int = 2, lr: float = 1e-2, ckpt_dir=None
+) -> dict:
     """Log-probs + entropy, then ``steps`` updates (with entropy), then log-probs again, of
-    :func:`varied_batch` at micro-batch 2: the same calls in every process, whatever the layout."""
+    :func:`varied_batch` at micro-batch 2: the same calls in every process, whatever the layout.
+    With ``ckpt_dir``, a distributed checkpoint is saved at the end."""
     from rljob_worker.megatron.actor import MegatronActor, OptimConfig
 
     ids, mask = varied_batch()
@@ -278,6 +281,8 @@ def run_parallel_steps(hf_dir, parallel, dtype=torch.float32, steps: int = 2, lr
     history = [actor.update(batch, seq_nll_loss, micro_batch_size=2, with_entropy=True) for _ in range(steps)]
     after = actor.compute_logprobs(batch, micro_batch_size=4)
     exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
+    if ckpt_dir is not None:
+        actor.save_checkpoint(ckpt_dir)
     return {
         "logprobs": res["logprobs"].cpu(),
         "entropy": res["entropy"].cpu(),
@@ -297,16 +302,18 @@ def run_parallel_steps(hf_dir, parallel, dtype=torch.float32, steps: int = 2, lr
 
 
 def _scenario_cp_sp(hf_dir: str, out_dir: str) -> None:
-    """Two processes: CP=2 (qwen2), then TP=2 + sequence parallel (qwen2 and, if present, qwen3)."""
+    """Two processes: CP=2 (qwen2), then TP=2 + sequence parallel (qwen2 and, if present, qwen3 with
+    and without SP)."""
     import torch.distributed as dist
     from rljob_worker.megatron.actor import ParallelConfig
 
     out = Path(out_dir)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    results = {"cp2": run_parallel_steps(hf_dir, ParallelConfig(cp=2), dtype)}
+    results = {"cp2": run_parallel_steps(hf_dir, ParallelConfig(cp=2), dtype, ckpt_dir=out / "ckpt_cp2")}
     results["tp2_sp"] = run_parallel_steps(hf_dir, ParallelConfig(tp=2, sequence_parallel=True), dtype)
     qwen3 = out / "hf_qwen3"
-    if qwen3.exists():  # q/k norms: replicated weights with per-TP-rank partial grads
+    if qwen3.exists():  # q/k norms: replicated weights with per-TP-rank partial grads, with and without SP
+        results["tp2_qwen3"] = run_parallel_steps(qwen3, ParallelConfig(tp=2), dtype)
         results["tp2_sp_qwen3"] = run_parallel_steps(
             qwen3, ParallelConfig(tp=2, sequence_parallel=True), dtype
         )

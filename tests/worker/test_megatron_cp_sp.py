@@ -22,7 +22,9 @@ from rljob_worker.megatron.model_config import MegatronConfigError
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU (gloo) path; the GPU path is tested in test_megatron_gpu.py"
 )
-LAYOUTS = {"cp2": "qwen2", "tp2_sp": "qwen2", "tp2_sp_qwen3": "qwen3"}
+# tp2_qwen3: q/k-norm grads are partial per TP rank (each normalises its own heads) and are summed
+# over TP on CPU too, as megatron's finalize_model_grads does on GPU
+LAYOUTS = {"cp2": "qwen2", "tp2_sp": "qwen2", "tp2_sp_qwen3": "qwen3", "tp2_qwen3": "qwen3"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def run(tmp_path_factory):
     H.run_torchrun("cp_sp", hf["qwen2"], root / "out", timeout=300)
     got = torch.load(root / "out" / "cp_sp.pt")
     ref = {arch: H.run_parallel_steps(d, ParallelConfig()) for arch, d in hf.items()}
-    return got, ref
+    return got, ref, hf, root / "out"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,7 +68,7 @@ def test_two_updates_equal_one_process(run, layout):
 
 
 def test_cp_ranks_run_their_share_of_the_sequence(run):
-    got, ref = run
+    got, ref = run[:2]
     # micro-batches of the varied batch pack to 15 and 13 tokens; CP=2 pads both to 16, runs 8 per rank
     assert ref["qwen2"]["seq_seen"] == [15, 13]
     assert got["cp2"]["seq_seen"] == [8, 8]
@@ -74,7 +76,7 @@ def test_cp_ranks_run_their_share_of_the_sequence(run):
 
 
 def test_sequence_parallel_splits_the_sequence_and_tags_norms(run):
-    got, _ = run
+    got = run[0]
     # SP pads to a multiple of TP (16, 14) and each TP rank's norms see half
     assert got["tp2_sp"]["seq_seen"] == [8, 7]
     assert got["tp2_sp"]["norm_types"] == ["SequenceParallelRMSNorm"]
@@ -83,6 +85,17 @@ def test_sequence_parallel_splits_the_sequence_and_tags_norms(run):
     assert {"input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"} <= {
         n.split(".")[-2] for n in tagged
     }
+
+
+def test_cp2_checkpoint_loads_into_one_process(run):
+    got, _, hf, out = run
+    ids, mask = H.varied_batch()
+    actor = MegatronActor.from_hf(hf["qwen2"], ParallelConfig(), OptimConfig(lr=1e-2), seed=5)
+    assert actor.load_checkpoint(out / "ckpt_cp2")["step"] == 2
+    lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=4)["logprobs"]
+    assert _rel(lp, got["cp2"]["logprobs_after"]) <= 1e-6
+    for name, tensor in actor.export_hf_weights():
+        assert torch.equal(tensor, got["cp2"]["exported_after"][name]), name
 
 
 def test_parallel_layout_errors_name_the_spec_field(tmp_path):
