@@ -87,6 +87,19 @@ def sample_batch(vocab: int = 128, seed: int = 0):
     return ids, mask
 
 
+def varied_batch(vocab: int = 128, seed: int = 1):
+    """(input_ids, attention_mask) of 4 rows x 15 with 15, 7, 11 and 13 real tokens (left, right and
+    both-sided padding): packed lengths that 2 * cp and TP do not divide."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (4, 15), generator=g)
+    mask = torch.ones(4, 15, dtype=torch.long)
+    mask[1, :8] = 0  # 7 real, left padded
+    mask[2, 11:] = 0  # 11 real, right padded
+    mask[3, :1] = 0
+    mask[3, 14:] = 0  # 13 real, both
+    return ids, mask
+
+
 def hf_logits(model, input_ids, attention_mask):
     pos = (attention_mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -247,7 +260,68 @@ def _scenario_dp2_bf16_distopt(hf_dir: str, out_dir: str) -> None:
         torch.save({"history": history, "next": nxt, "exported": exported}, out / "dp2_distopt.pt")
 
 
-SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt}
+def run_parallel_steps(
+    hf_dir, parallel, dtype=torch.float32, steps: int = 2, lr: float = 1e-2, ckpt_dir=None
+) -> dict:
+    """Log-probs + entropy, then ``steps`` updates (with entropy), then log-probs again, of
+    :func:`varied_batch` at micro-batch 2: the same calls in every process, whatever the layout.
+    With ``ckpt_dir``, a distributed checkpoint is saved at the end."""
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig
+
+    ids, mask = varied_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    actor = MegatronActor.from_hf(hf_dir, parallel, OptimConfig(lr=lr), dtype=dtype, seed=1)
+    # the tokens each layer really sees ([s, b, h] into the first norm): T / cp with CP, T / tp with SP
+    seen = []
+    norm = actor.core.decoder.layers[0].input_layernorm
+    hook = norm.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+    res = actor.compute_logprobs(batch, micro_batch_size=2, with_entropy=True)
+    hook.remove()
+    logits = actor.forward_logits(ids, mask)
+    history = [actor.update(batch, seq_nll_loss, micro_batch_size=2, with_entropy=True) for _ in range(steps)]
+    after = actor.compute_logprobs(batch, micro_batch_size=4)
+    exported = {k: v.cpu() for k, v in actor.export_hf_weights()}
+    if ckpt_dir is not None:
+        actor.save_checkpoint(ckpt_dir)
+    return {
+        "logprobs": res["logprobs"].cpu(),
+        "entropy": res["entropy"].cpu(),
+        "logits": logits.cpu(),
+        "history": history,
+        "logprobs_after": after["logprobs"].cpu(),
+        "exported_after": exported,
+        "seq_seen": seen,
+        "norm_types": sorted(
+            {type(m).__name__ for n, m in actor.core.named_modules() if n.endswith("layernorm")}
+            - {"IdentityOp"}
+        ),
+        "sp_tagged": sorted(
+            n for n, p in actor.core.named_parameters() if getattr(p, "sequence_parallel", False)
+        ),
+    }
+
+
+def _scenario_cp_sp(hf_dir: str, out_dir: str) -> None:
+    """Two processes: CP=2 (qwen2), then TP=2 + sequence parallel (qwen2 and, if present, qwen3 with
+    and without SP)."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import ParallelConfig
+
+    out = Path(out_dir)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    results = {"cp2": run_parallel_steps(hf_dir, ParallelConfig(cp=2), dtype, ckpt_dir=out / "ckpt_cp2")}
+    results["tp2_sp"] = run_parallel_steps(hf_dir, ParallelConfig(tp=2, sequence_parallel=True), dtype)
+    qwen3 = out / "hf_qwen3"
+    if qwen3.exists():  # q/k norms: replicated weights with per-TP-rank partial grads, with and without SP
+        results["tp2_qwen3"] = run_parallel_steps(qwen3, ParallelConfig(tp=2), dtype)
+        results["tp2_sp_qwen3"] = run_parallel_steps(
+            qwen3, ParallelConfig(tp=2, sequence_parallel=True), dtype
+        )
+    if dist.get_rank() == 0:
+        torch.save(results, out / "cp_sp.pt")
+
+
+SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt, "cp_sp": _scenario_cp_sp}
 
 
 if __name__ == "__main__":

@@ -152,10 +152,30 @@ def test_unsupported_settings(arch, overrides, message):
         check_hf_config(H.tiny_hf_config(arch, **overrides))
 
 
-def test_sequence_parallel_needs_te():
-    with pytest.raises(ValueError, match="sequenceParallel"):
+def test_sequence_parallel_uses_the_tagged_norm_with_the_local_spec():
+    from rljob_worker.megatron.sequence_parallel import SequenceParallelRMSNorm
+
+    mcfg = megatron_config_from_hf(
+        H.tiny_hf_config("qwen3"), tp=2, sequence_parallel=True, on_gpu=False, use_te=False
+    )
+    layer = mcfg.layer_spec.submodules
+    assert mcfg.final_layernorm is SequenceParallelRMSNorm
+    assert layer.input_layernorm is layer.pre_mlp_layernorm is SequenceParallelRMSNorm
+    assert layer.self_attention.submodules.q_layernorm is SequenceParallelRMSNorm
+    norm = SequenceParallelRMSNorm(mcfg.transformer_config, 64, eps=1e-6)
+    assert norm.weight.sequence_parallel is True
+    x = torch.randn(3, 2, 64)
+    torch.testing.assert_close(norm(x), torch.nn.RMSNorm(64, eps=1e-6)(x), rtol=0, atol=0)
+    plain = megatron_config_from_hf(H.tiny_hf_config("qwen3"), tp=2, on_gpu=False, use_te=False)
+    assert plain.final_layernorm is None  # without SP, megatron's own torch norms
+
+
+def test_sequence_parallel_needs_tensor_parallel():
+    with pytest.raises(
+        ValueError, match="sequenceParallel=true needs spec.megatron.tensorModelParallelSize > 1"
+    ):
         megatron_config_from_hf(
-            H.tiny_hf_config("qwen2"), tp=2, sequence_parallel=True, on_gpu=False, use_te=False
+            H.tiny_hf_config("qwen2"), tp=1, sequence_parallel=True, on_gpu=False, use_te=False
         )
 
 
@@ -164,5 +184,3 @@ def test_unsupported_parallel_layout():
 
     with pytest.raises(ValueError, match="pipelineModelParallelSize=2"):
         MegatronActor.from_hf("/nonexistent", ParallelConfig(pp=2), OptimConfig(lr=1e-3))
-    with pytest.raises(ValueError, match="contextParallelSize=2"):
-        MegatronActor.from_hf("/nonexistent", ParallelConfig(cp=2), OptimConfig(lr=1e-3))

@@ -148,3 +148,31 @@ def test_dp2_distributed_optimizer_checkpoint_reshards_to_one_gpu(tmp_path):
     assert nxt["grad_norm"] == pytest.approx(dp2["next"]["grad_norm"], rel=1e-2)
     for name, tensor in actor.export_hf_weights():
         torch.testing.assert_close(tensor.cpu().float(), dp2["exported"][name].float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cp2_and_tp2_sequence_parallel_equal_one_gpu_bf16(tmp_path):
+    """CP=2 and TP=2 + sequence parallel (local spec unless transformer_engine is installed), bf16,
+    against one GPU: log-probs, entropy and two updates within bf16 noise."""
+    from rljob_worker.megatron.actor import ParallelConfig
+
+    hf = {
+        "qwen2": H.make_tiny_hf_model("qwen2", tmp_path / "hf"),
+        "qwen3": H.make_tiny_hf_model("qwen3", tmp_path / "out" / "hf_qwen3", seed=2),
+    }
+    H.run_torchrun("cp_sp", hf["qwen2"], tmp_path / "out", timeout=300)
+    got = torch.load(tmp_path / "out" / "cp_sp.pt", map_location="cpu")
+    ref = {arch: H.run_parallel_steps(d, ParallelConfig(), torch.bfloat16) for arch, d in hf.items()}
+
+    def rel(a, b):
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+    assert got["cp2"]["seq_seen"] == [8, 8] and got["tp2_sp"]["seq_seen"] == [8, 7]
+    for layout, arch in (("cp2", "qwen2"), ("tp2_sp", "qwen2"), ("tp2_sp_qwen3", "qwen3")):
+        g, r = got[layout], ref[arch]
+        for key in ("logprobs", "entropy", "logprobs_after"):
+            assert rel(g[key], r[key]) <= 1e-2, (layout, key, rel(g[key], r[key]))
+        for step, (mg, mr) in enumerate(zip(g["history"], r["history"])):
+            assert mg["skipped"] == 0, (layout, step)
+            for key in ("loss", "entropy", "grad_norm"):
+                assert mg[key] == pytest.approx(mr[key], rel=1e-2), (layout, step, key)

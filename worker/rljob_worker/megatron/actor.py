@@ -21,8 +21,16 @@ tokens of input_ids[b, :t])`` where token ``t`` is real and some earlier token i
 predictive distribution, with the same zeros. Both are computed vocab-parallel (no full-vocab
 gather under TP).
 
-Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline, context and expert
-parallelism. Sequence parallelism needs transformer_engine and a GPU.
+Context parallelism (``ParallelConfig.cp``): every rank of a CP group takes the same batch; the
+packed length is padded to a multiple of ``2 * cp`` (padding columns are ignored), each CP rank runs
+its load-balanced share of the sequence (:mod:`.context_parallel`), attention all-gathers keys and
+values over the CP group, and the per-token log-probs / entropy are all-gathered back, so loss
+functions see the full ``(B, T)`` tensors exactly as with ``cp = 1``. Gradients are averaged over
+DP x CP. Sequence parallelism works with the local spec too (:mod:`.sequence_parallel`), on CPU
+with gloo as well; it needs TP > 1.
+
+Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline and expert
+parallelism.
 
 Memory: activation recompute (:class:`RecomputeConfig`, megatron's full / selective recompute) and
 ``overrideTransformerConfig`` are applied to the ``TransformerConfig`` before the model is built.
@@ -46,6 +54,7 @@ import torch.distributed as dist
 
 from ..distributed import dist_env_from_environ, init_distributed
 from . import hf_weights
+from .context_parallel import gather_from_cp, local_positions, sequence_multiple, split_for_cp
 from .cpu_compat import apply_cpu_patches
 from .model_config import MegatronModelConfig, build_gpt_model, megatron_config_from_hf
 from .offload import CATEGORIES, OffloadStateError, StorageOffloader, assert_materialized
@@ -197,6 +206,10 @@ class MegatronActor:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
+        # context parallel (CP): ranks of a CP group share a batch, each runs a share of the sequence
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.cp_group = ps.get_context_parallel_group()
         # offload: on CPU there is no memory to give back, so offload()/onload() only check state;
         # setting this True (or RLJOB_OFFLOAD_ON_CPU=1) runs the real storage release/restore on CPU
         # too (tests).
@@ -248,6 +261,7 @@ class MegatronActor:
             hf_config,
             tp=parallel.tp,
             pp=parallel.pp,
+            cp=parallel.cp,
             dtype=dtype,
             sequence_parallel=parallel.sequence_parallel,
             on_gpu=on_gpu,
@@ -286,21 +300,27 @@ class MegatronActor:
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
         t = input_ids.shape[1]
-        multiple = self.tp_size if self.parallel.sequence_parallel else 1
+        sp_tp = self.tp_size if self.parallel.sequence_parallel else 1
+        multiple = sequence_multiple(self.cp_size, sp_tp)  # CP: 2 * cp chunks; SP: TP splits each
         ids, order, lengths = _pack(input_ids, attention_mask, multiple)
-        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        logits = self.model(ids, positions, None)  # (b, Tc, V/tp); fp32 from Float16Module on GPU
+        # next-token targets aligned with the logits that predict them; the last column is a dummy
+        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+        # CP: this rank's share of the columns (identity for cp = 1); Tl = Tc / cp
+        local_ids = split_for_cp(ids, self.cp_size, self.cp_rank)  # CP
+        local_targets = split_for_cp(targets, self.cp_size, self.cp_rank)  # CP
+        positions = local_positions(ids.shape[1], self.cp_size, self.cp_rank, self.device)  # CP: global
+        positions = positions.expand_as(local_ids)
+        logits = self.model(local_ids, positions, None)  # (b, Tl, V/tp); fp32 from Float16Module on GPU
         logits = logits.float()
         logits = self._mask_vocab_padding(logits)
         if logits_only:
-            return logits, order, lengths
-        # next-token targets aligned with the logits that predict them; the last column is a dummy
-        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+            return gather_from_cp(logits, self.cp_group), order, lengths  # CP
         entropy = None
         if with_entropy:  # before the cross entropy, which overwrites its input in place
-            ent_next = vocab_parallel_entropy(logits)
+            ent_next = gather_from_cp(vocab_parallel_entropy(logits), self.cp_group)  # CP: (b, Tc)
             entropy = _unpack(torch.nn.functional.pad(ent_next[:, :-1], (1, 0)), order, lengths, t)
-        lp_next = -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
+        lp_next = -tensor_parallel.vocab_parallel_cross_entropy(logits, local_targets)
+        lp_next = gather_from_cp(lp_next, self.cp_group)  # CP: (b, Tl) -> (b, Tc)
         logprobs = _unpack(torch.nn.functional.pad(lp_next[:, :-1], (1, 0)), order, lengths, t)
         return logprobs, entropy
 
@@ -440,14 +460,17 @@ class MegatronActor:
         return grad_norm, not ok
 
     def _cpu_step(self, lr: float) -> tuple[float, bool]:
+        from megatron.core import parallel_state as ps
+
+        from .sequence_parallel import tp_partial_grad_params
+
         params = [p for p in self.core.parameters() if p.requires_grad]
         grads = [p.grad for p in params if p.grad is not None]
-        if self.dp_size > 1 and grads:  # average over DP (gloo), as megatron's DDP does on GPU
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp_size
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+        # SP norms and q/k norms: partial grads on each TP rank, summed as finalize_model_grads does
+        partial = tp_partial_grad_params(self.core.named_parameters(), self.mcfg.transformer_config)
+        _all_reduce_grads(partial, self.tp_group, average=False)
+        # average over DP x CP (gloo), as megatron's DDP does on GPU (see context_parallel.gather_from_cp)
+        _all_reduce_grads(params, ps.get_data_parallel_group(with_context_parallel=True), average=True)
         grad_norm = self._cpu_grad_norm(params)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
@@ -638,7 +661,7 @@ class MegatronActor:
             _rng_state(self.on_gpu),
             global_shape=(self.tp_size,),
             global_offset=(self.tp_rank,),
-            replica_id=self.dp_rank,
+            replica_id=self.dp_rank * self.cp_size + self.cp_rank,  # CP ranks are replicas too
         )
         meta = {
             "step": self.step,
@@ -747,7 +770,6 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
 
     for name, value, key in (
         ("pp", p.pp, "megatron.pipelineModelParallelSize"),
-        ("cp", p.cp, "megatron.contextParallelSize"),
         ("ep", p.ep, "megatron.expertModelParallelSize"),
     ):
         if value != 1:
@@ -758,8 +780,13 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
         )
     if p.tp < 1:
         raise MegatronConfigError(f"spec.megatron.tensorModelParallelSize must be >= 1, got {p.tp}")
-    if p.sequence_parallel and not on_gpu:
-        raise MegatronConfigError("spec.megatron.sequenceParallel=true needs a GPU (gloo has no reduce-scatter)")
+    if p.cp < 1:
+        raise MegatronConfigError(f"spec.megatron.contextParallelSize must be >= 1, got {p.cp}")
+    if p.sequence_parallel and p.tp == 1:
+        raise MegatronConfigError(
+            "spec.megatron.sequenceParallel=true needs spec.megatron.tensorModelParallelSize > 1 "
+            "(sequence parallelism splits activations over the TP ranks); set it to false or raise TP"
+        )
     if p.use_distributed_optimizer and not on_gpu:
         log.warning("use_distributed_optimizer is ignored on CPU (torch AdamW over local shards)")
 
@@ -767,11 +794,13 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
 def _init_model_parallel(p: ParallelConfig) -> None:
     from megatron.core import parallel_state as ps
 
+    from rljob_worker.megatron.model_config import MegatronConfigError
+
     world = dist.get_world_size()
     if world % (p.tp * p.pp * p.cp) != 0:
-        raise ValueError(
-            f"world size {world} is not divisible by tensorModelParallelSize={p.tp} x "
-            f"pipelineModelParallelSize={p.pp} x contextParallelSize={p.cp}"
+        raise MegatronConfigError(
+            f"world size {world} is not divisible by spec.megatron.tensorModelParallelSize={p.tp} x "
+            f"spec.megatron.pipelineModelParallelSize={p.pp} x spec.megatron.contextParallelSize={p.cp}"
         )
     if ps.model_parallel_is_initialized():
         if (
@@ -787,6 +816,20 @@ def _init_model_parallel(p: ParallelConfig) -> None:
         context_parallel_size=p.cp,
         expert_model_parallel_size=p.ep,
     )
+
+
+def _all_reduce_grads(params: list[torch.nn.Parameter], group, average: bool) -> None:
+    """Sum (or average) the ``.grad`` of ``params`` over ``group`` in one flat all-reduce (gloo)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1 or not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= size
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
 
 
 def _cpu_adamw(core: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:

@@ -48,6 +48,12 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    from .context_parallel import split_for_cp
+
+    return split_for_cp(pos_emb, cp_group.size(), cp_group.rank(), dim=seq_dim)
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU + gloo. Returns True when patches are (already) in place."""
     global _APPLIED
@@ -85,6 +91,13 @@ def apply_cpu_patches() -> bool:
     # The default causal mask of the local DotProductAttention is built with device="cuda".
     tutils.get_default_causal_mask = functools.lru_cache(maxsize=8)(_cpu_causal_mask)
     fused_softmax.get_default_causal_mask = tutils.get_default_causal_mask
+
+    # Context parallelism: RoPE picks this CP rank's chunks of the position table with an index
+    # tensor built in pinned memory and moved with .cuda(); the same selection on the CPU.
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rope_utils.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
 
     _APPLIED = True
     log.info("megatron-core CPU patches applied")

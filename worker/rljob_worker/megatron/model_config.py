@@ -6,7 +6,11 @@ it; nothing is silently ignored.
 
 Layer spec: megatron's local spec with :class:`SDPAttention` as core attention (the local
 ``DotProductAttention`` materialises fp32 scores). When transformer_engine is importable and a GPU
-is present, the TE spec (fused norm+linear, TE attention) is used instead.
+is present, the TE spec (fused norm+linear, TE attention) is used instead. With sequence parallelism
+the local spec's norms (megatron's torch norm wrapper refuses SP) become
+:class:`.sequence_parallel.SequenceParallelRMSNorm`, the final norm of the block included
+(``MegatronModelConfig.final_layernorm``). Context parallelism (``cp``) is handled by
+:class:`SDPAttention` (see :mod:`.context_parallel`).
 
 Vocabulary: megatron splits the vocab evenly across TP ranks, so a vocab size TP does not divide
 is padded to the next multiple of TP (extra rows are zero and their logits are masked out by the
@@ -119,6 +123,7 @@ class MegatronModelConfig:
     padded_vocab_size: int = 0
     tie_word_embeddings: bool = False
     uses_te: bool = False
+    final_layernorm: Any = None  # the block's final norm; None: megatron's default for the spec
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -195,6 +200,7 @@ def megatron_config_from_hf(
     *,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     on_gpu: bool | None = None,
@@ -205,7 +211,8 @@ def megatron_config_from_hf(
     recompute_num_layers: int | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> MegatronModelConfig:
-    """Build the megatron model description for ``hf_config`` at tensor/pipeline parallel sizes.
+    """Build the megatron model description for ``hf_config`` at tensor/pipeline/context parallel
+    sizes.
 
     ``dtype`` is the compute dtype (params on CPU; Float16Module's dtype on GPU). Keep
     ``perform_initialization`` on even though HF weights overwrite the values: megatron only marks
@@ -222,15 +229,18 @@ def megatron_config_from_hf(
     from megatron.core.transformer import TransformerConfig
 
     from .sdpa_attention import SDPAttention
+    from .sequence_parallel import SequenceParallelRMSNorm
 
     check_hf_config(hf_config, tp)
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     use_te = (on_gpu and have_transformer_engine()) if use_te is None else use_te
-    if sequence_parallel and not use_te:
-        raise ValueError(
-            "megatron.sequenceParallel=true needs transformer_engine (megatron's torch norms reject it) and "
-            "a GPU (gloo has no reduce-scatter)"
+    if sequence_parallel and tp == 1:  # megatron's own rule: nothing to split the sequence over
+        raise MegatronConfigError(
+            "spec.megatron.sequenceParallel=true needs spec.megatron.tensorModelParallelSize > 1 "
+            "(sequence parallelism splits activations over the TP ranks); set it to false or raise TP"
         )
+    if cp < 1:
+        raise MegatronConfigError(f"spec.megatron.contextParallelSize must be >= 1, got {cp}")
     model_type = hf_config.model_type
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -257,6 +267,7 @@ def megatron_config_from_hf(
         "init_method_std": float(getattr(hf_config, "initializer_range", 0.02)),
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
+        "context_parallel_size": cp,
         "sequence_parallel": sequence_parallel,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
@@ -304,6 +315,7 @@ def megatron_config_from_hf(
                 "without it use core_attn and/or mlp"
             )
 
+    final_layernorm = None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -312,6 +324,13 @@ def megatron_config_from_hf(
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
         layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        if sequence_parallel:  # torch norms refuse SP: the same RMSNorm, weights tagged for megatron
+            final_layernorm = SequenceParallelRMSNorm
+            layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
+            layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+            if qk_layernorm:
+                attn = layer_spec.submodules.self_attention.submodules
+                attn.q_layernorm = attn.k_layernorm = SequenceParallelRMSNorm
 
     padded = padded_vocab_size(hf_config.vocab_size, tp)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -334,6 +353,7 @@ def megatron_config_from_hf(
         padded_vocab_size=padded,
         tie_word_embeddings=tie,
         uses_te=use_te,
+        final_layernorm=final_layernorm,
     )
 
 
@@ -518,9 +538,18 @@ def build_gpt_model(mcfg: MegatronModelConfig, pre_process: bool = True, post_pr
     """Instantiate this rank's ``GPTModel`` (needs megatron's parallel state initialised)."""
     from megatron.core.models.gpt import GPTModel
 
+    spec = mcfg.layer_spec
+    if mcfg.final_layernorm is not None:  # megatron picks the final norm itself for a layer spec
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+
+        n = get_num_layers_to_build(mcfg.transformer_config)
+        spec = TransformerBlockSubmodules(layer_specs=[mcfg.layer_spec] * n, layer_norm=mcfg.final_layernorm)
     return GPTModel(
         config=mcfg.transformer_config,
-        transformer_layer_spec=mcfg.layer_spec,
+        transformer_layer_spec=spec,
         pre_process=pre_process,
         post_process=post_process,
         **mcfg.gpt_kwargs,

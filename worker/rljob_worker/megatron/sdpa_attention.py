@@ -10,6 +10,13 @@ Masks follow megatron's convention: ``attention_mask`` is boolean with ``True`` 
 broadcastable to ``[b, heads, sq, sk]``; ``None`` with a causal mask type means plain causal (the
 actor always runs this way: it packs each row's real tokens to the front, so no padding mask is
 needed).
+
+Context parallelism (``context_parallel_size = cp > 1``): each CP rank holds chunks ``r`` and
+``2 cp - 1 - r`` of the sequence (see :mod:`.context_parallel`). Keys and values are all-gathered
+over the CP group (the backward sums their gradients back to the owning rank) and each local query
+chunk ``i`` attends to the key prefix ``[0, (i + 1) c)`` with a lower-right causal mask, i.e. the
+causal mask on global positions: the result equals ``cp = 1``. RoPE has already been applied with
+the global positions by megatron (``get_pos_emb_on_this_cp_rank``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+from torch.nn.attention.bias import causal_lower_right
+
+from .context_parallel import chunk_indices, gather_from_cp
 
 
 class SDPAttention(MegatronModule):
@@ -40,8 +50,6 @@ class SDPAttention(MegatronModule):
         pg_collection=None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not support context parallelism (megatron.cpSize must be 1)")
         if config.window_size is not None:
             raise ValueError("SDPAttention does not support sliding-window attention")
         if pg_collection is not None and hasattr(pg_collection, "tp"):
@@ -50,6 +58,18 @@ class SDPAttention(MegatronModule):
             from megatron.core import parallel_state
 
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        if pg_collection is not None and hasattr(pg_collection, "cp"):
+            self.cp_group = pg_collection.cp
+        else:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        self.cp_size = 1 if self.cp_group is None else self.cp_group.size()
+        if self.cp_size != config.context_parallel_size:
+            raise ValueError(
+                f"SDPAttention: the CP group has {self.cp_size} ranks, the config says "
+                f"context_parallel_size={config.context_parallel_size}"
+            )
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp_size)
         self.num_groups = divide(config.num_query_groups, tp_size)
@@ -73,6 +93,12 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention supports neither packed sequences nor attention bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b = query.shape[0], query.shape[1]
+        if self.cp_size > 1:
+            if attention_mask is not None or mask_type != AttnMaskType.causal:
+                raise NotImplementedError(
+                    "SDPAttention with context parallelism runs plain causal attention only"
+                )
+            return self._forward_cp(query, key, value)
         # [s, b, h, d] -> [b, h, s, d]
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
@@ -96,6 +122,40 @@ class SDPAttention(MegatronModule):
         else:
             out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         # [b, h, sq, d] -> [sq, b, h*d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _forward_cp(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this CP rank's two query chunks against the all-gathered keys.
+
+        ``query [2c, b, h, d]``, ``key/value [2c, b, g, d]`` (this rank's chunks) -> ``[2c, b, h*d]``.
+        """
+        sq, b = query.shape[0], query.shape[1]
+        c = sq // 2
+        # [T, b, g, d] in global order -> [b, g, T, d]
+        k = gather_from_cp(key, self.cp_group, dim=0).permute(1, 2, 0, 3)
+        v = gather_from_cp(value, self.cp_group, dim=0).permute(1, 2, 0, 3)
+        if self.num_heads != self.num_groups:
+            # torch's lower-right causal kernels take no enable_gqa: give each query head its kv head
+            # (head h reads group h // (heads / groups), as megatron)
+            k = k.repeat_interleave(self.num_heads // self.num_groups, dim=1)
+            v = v.repeat_interleave(self.num_heads // self.num_groups, dim=1)
+        q = query.permute(1, 2, 0, 3)  # [b, h, 2c, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        outs = []
+        for local, i in enumerate(chunk_indices(self.cp_size, self.cp_group.rank())):
+            kv_len = (i + 1) * c  # chunk i's queries (global positions [i c, (i+1) c)) see keys [0, (i+1) c)
+            args = (q[:, :, local * c : (local + 1) * c], k[:, :, :kv_len], v[:, :, :kv_len])
+            kwargs = {
+                "attn_mask": causal_lower_right(c, kv_len),
+                "dropout_p": dropout_p,
+                "scale": self.softmax_scale,
+            }
+            if dropout_p > 0.0:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    outs.append(F.scaled_dot_product_attention(*args, **kwargs))
+            else:
+                outs.append(F.scaled_dot_product_attention(*args, **kwargs))
+        out = torch.cat(outs, dim=2)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
