@@ -27,6 +27,16 @@ TINY = {
     "max_position_embeddings": 256,
 }
 
+TINY_MOE = {
+    "tie_word_embeddings": False,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "router_aux_loss_coef": 0.01,
+    "rope_theta": 1000000.0,
+}
+
 
 def tiny_hf_config(arch: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
@@ -46,6 +56,14 @@ def tiny_hf_config(arch: str, **overrides):
         )
     elif arch == "qwen3":  # q/k norm, head_dim != hidden / heads
         cls, kw = Qwen3Config, {"tie_word_embeddings": False, "head_dim": 32, "rope_theta": 1000000.0}
+    elif arch == "qwen3_moe":  # 4 experts top-2 (renormalised) in layer 0, a dense MLP in layer 1
+        from transformers import Qwen3MoeConfig
+
+        cls, kw = Qwen3MoeConfig, {**TINY_MOE, "head_dim": 32, "mlp_only_layers": [1], "norm_topk_prob": True}
+    elif arch == "qwen2_moe":  # + shared expert with its sigmoid gate, qkv bias, top-k not renormalised
+        from transformers import Qwen2MoeConfig
+
+        cls, kw = Qwen2MoeConfig, {**TINY_MOE, "shared_expert_intermediate_size": 48, "norm_topk_prob": False}
     else:
         raise ValueError(arch)
     return cls(**{**TINY, **kw, **overrides})

@@ -21,8 +21,11 @@ tokens of input_ids[b, :t])`` where token ``t`` is real and some earlier token i
 predictive distribution, with the same zeros. Both are computed vocab-parallel (no full-vocab
 gather under TP).
 
-Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline, context and expert
-parallelism. Sequence parallelism needs transformer_engine and a GPU.
+Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline and context
+parallelism. Sequence parallelism needs transformer_engine and a GPU. Mixture-of-experts models
+(qwen3_moe, qwen2_moe) run with expert parallelism (:mod:`.moe`): on CPU, expert gradients are
+averaged over the expert-data-parallel group and the grad norm counts each expert shard once; on
+GPU megatron's DDP and optimizer do the same with their expert buffers.
 
 Memory: activation recompute (:class:`RecomputeConfig`, megatron's full / selective recompute) and
 ``overrideTransformerConfig`` are applied to the ``TransformerConfig`` before the model is built.
@@ -45,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import dist_env_from_environ, init_distributed
-from . import hf_weights
+from . import hf_weights, moe
 from .cpu_compat import apply_cpu_patches
 from .model_config import MegatronModelConfig, build_gpt_model, megatron_config_from_hf
 from .offload import CATEGORIES, OffloadStateError, StorageOffloader, assert_materialized
@@ -58,13 +61,16 @@ _PAD_LOGIT = -1e30  # logits of padded vocab entries: exp() is exactly 0 and 0 *
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Megatron parallel layout (sizes multiply: world = tp * pp * cp * dp)."""
+    """Megatron parallel layout (sizes multiply: world = tp * pp * cp * dp). Experts: ``ep`` expert
+    parallel x ``etp`` expert tensor parallel (default ``tp``) ranks share a layer's experts; megatron
+    carves them out of the same ranks (``etp * ep * pp`` divides the world)."""
 
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     cp: int = 1
     ep: int = 1
+    etp: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
 
@@ -248,6 +254,8 @@ class MegatronActor:
             hf_config,
             tp=parallel.tp,
             pp=parallel.pp,
+            ep=parallel.ep,
+            etp=parallel.etp,
             dtype=dtype,
             sequence_parallel=parallel.sequence_parallel,
             on_gpu=on_gpu,
@@ -393,6 +401,7 @@ class MegatronActor:
         n = len(micro_batches)
         self.model.train()
         self._zero_grad()
+        self._moe_aux_begin(n)
         sums: dict[str, float] = {}
         for mb in micro_batches:
             lp, ent = self._forward(mb["input_ids"], mb["attention_mask"], with_entropy)
@@ -410,9 +419,22 @@ class MegatronActor:
             grad_norm, skipped = self._cpu_step(lr)
         if not skipped:
             self.step += 1
-        out = self._dp_mean({k: v / n for k, v in sums.items()})
+        out = self._dp_mean({**{k: v / n for k, v in sums.items()}, **self._moe_aux_end(n)})
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
         return out
+
+    def _moe_aux_begin(self, num_micro_batches: int) -> None:
+        if moe.is_moe(self.hf_config):  # aux-loss grads scaled like the main loss (1 / micro-batches)
+            moe.pop_aux_loss(1, 0)
+            scale = self.optimizer.get_loss_scale() if self.on_gpu else 1.0
+            moe.set_aux_loss_scale(float(scale) / num_micro_batches, self.device)
+
+    def _moe_aux_end(self, num_micro_batches: int) -> dict[str, float]:
+        """``{"moe_aux_loss": ...}`` (the unscaled load-balancing loss) when megatron computed one."""
+        if not moe.is_moe(self.hf_config):
+            return {}
+        aux = moe.pop_aux_loss(num_micro_batches, sum(moe.moe_layer_pattern(self.hf_config)))
+        return {} if aux is None else {"moe_aux_loss": aux}
 
     def _zero_grad(self) -> None:
         if self.on_gpu:
@@ -441,20 +463,23 @@ class MegatronActor:
 
     def _cpu_step(self, lr: float) -> tuple[float, bool]:
         params = [p for p in self.core.parameters() if p.requires_grad]
-        grads = [p.grad for p in params if p.grad is not None]
+        experts = moe.expert_params(self.core)
+        expert_ids = {id(p) for p in experts}
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in expert_ids]
+        moe.average_expert_grads(experts, self.dp_size)  # over the expert-DP group
         if self.dp_size > 1 and grads:  # average over DP (gloo), as megatron's DDP does on GPU
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.dp_group)
             flat /= self.dp_size
             for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
-        grad_norm = self._cpu_grad_norm(params)
+        grad_norm = self._cpu_grad_norm([p for p in params if id(p) not in expert_ids], experts)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             clip = self.optim.grad_clip
             if clip > 0 and grad_norm > clip:
                 coef = clip / (grad_norm + 1e-6)
-                for g in grads:
+                for g in grads + [p.grad for p in experts if p.grad is not None]:
                     g.mul_(coef)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -462,8 +487,11 @@ class MegatronActor:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
-    def _cpu_grad_norm(self, params: list[torch.nn.Parameter]) -> float:
-        """Global L2 norm; params replicated over TP (norms) are counted on TP rank 0 only."""
+    def _cpu_grad_norm(
+        self, params: list[torch.nn.Parameter], experts: list[torch.nn.Parameter] = ()
+    ) -> float:
+        """Global L2 norm; params replicated over TP (norms) are counted on TP rank 0 only, expert
+        params once per expert shard (:func:`moe.expert_grad_sq`)."""
         sq = torch.zeros((), dtype=torch.float64)
         for p in params:
             if p.grad is None:
@@ -472,6 +500,8 @@ class MegatronActor:
                 sq += p.grad.detach().double().pow(2).sum()
         if self.tp_size > 1:
             dist.all_reduce(sq, group=self.tp_group)
+        if experts:
+            sq += moe.expert_grad_sq(list(experts))
         return float(sq.sqrt())
 
     # ----------------------------------------------------------------------------------------------
@@ -643,6 +673,7 @@ class MegatronActor:
         meta = {
             "step": self.step,
             "tp": self.tp_size,
+            "ep": self.parallel.ep,
             "model_type": self.mcfg.model_type,
             "padded_vocab_size": self.mcfg.padded_vocab_size,
         }
@@ -748,7 +779,6 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
     for name, value, key in (
         ("pp", p.pp, "megatron.pipelineModelParallelSize"),
         ("cp", p.cp, "megatron.contextParallelSize"),
-        ("ep", p.ep, "megatron.expertModelParallelSize"),
     ):
         if value != 1:
             raise MegatronConfigError(f"spec.{key}={value} is not supported by the rljob megatron actor yet (use 1)")
@@ -758,6 +788,10 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
         )
     if p.tp < 1:
         raise MegatronConfigError(f"spec.megatron.tensorModelParallelSize must be >= 1, got {p.tp}")
+    if p.ep < 1 or (p.etp is not None and p.etp < 1):
+        raise MegatronConfigError(
+            f"spec.megatron.expertModelParallelSize={p.ep} / expertTensorParallelSize={p.etp} must be >= 1"
+        )
     if p.sequence_parallel and not on_gpu:
         raise MegatronConfigError("spec.megatron.sequenceParallel=true needs a GPU (gloo has no reduce-scatter)")
     if p.use_distributed_optimizer and not on_gpu:
@@ -773,11 +807,14 @@ def _init_model_parallel(p: ParallelConfig) -> None:
             f"world size {world} is not divisible by tensorModelParallelSize={p.tp} x "
             f"pipelineModelParallelSize={p.pp} x contextParallelSize={p.cp}"
         )
+    moe.check_expert_layout(world, p.tp, p.pp, p.cp, p.ep, p.etp)
     if ps.model_parallel_is_initialized():
         if (
             ps.get_tensor_model_parallel_world_size() == p.tp
             and ps.get_pipeline_model_parallel_world_size() == p.pp
             and ps.get_context_parallel_world_size() == p.cp
+            and ps.get_expert_model_parallel_world_size() == p.ep
+            and ps.get_expert_tensor_parallel_world_size() == (p.etp or p.tp)
         ):
             return
         ps.destroy_model_parallel()
@@ -786,6 +823,7 @@ def _init_model_parallel(p: ParallelConfig) -> None:
         pipeline_model_parallel_size=p.pp,
         context_parallel_size=p.cp,
         expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.etp,
     )
 
 
