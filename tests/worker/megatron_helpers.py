@@ -265,7 +265,44 @@ def _scenario_dp2_bf16_distopt(hf_dir: str, out_dir: str) -> None:
         torch.save({"history": history, "next": nxt, "exported": exported}, out / "dp2_distopt.pt")
 
 
-SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt}
+def _scenario_ep2(hf_dir: str, out_dir: str) -> None:
+    """Qwen3-MoE on two ranks (DP=2 for the dense part): EP=1 (experts replicated) against EP=2
+    (two experts each), same data layout, aux loss on: logprobs of the whole batch, two updates on
+    half batches, export, an EP=2 checkpoint. Then TP=2 with expert TP=2 (EP=1) and TP=2 with EP=2
+    (expert TP=1), frozen: logprobs and export."""
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out = Path(out_dir)
+    ids, mask = sample_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    rank = int(os.environ["RANK"])  # before from_hf initialises torch.distributed
+    half = slice(rank * 2, rank * 2 + 2)
+    results = {}
+    for name, parallel in (("ep1", ParallelConfig()), ("ep2", ParallelConfig(ep=2))):
+        actor = MegatronActor.from_hf(hf_dir, parallel, OptimConfig(lr=1e-2), seed=1)
+        res = {"logprobs": actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"]}
+        res["local_experts"] = sorted(n for n, _ in actor.core.named_parameters() if ".local_experts." in n)
+        res["history"] = [
+            actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=1)
+            for _ in range(2)
+        ]
+        res["exported"] = {k: v.cpu() for k, v in actor.export_hf_weights()}
+        if name == "ep2":
+            actor.save_checkpoint(out / "ckpt_ep2")
+        res["eval_loss"] = actor.eval_loss(ids, mask)
+        results[name] = res
+    for name, parallel in (("tp2_etp2", ParallelConfig(tp=2, etp=2)), ("tp2_ep2", ParallelConfig(tp=2, ep=2, etp=1))):
+        # frozen: megatron trains MoE under TP only with sequence parallel, which needs a GPU
+        actor = MegatronActor.from_hf(hf_dir, parallel, OptimConfig(lr=1e-2), seed=1, trainable=False)
+        results[name] = {
+            "logprobs": actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
+            "exported": {k: v.cpu() for k, v in actor.export_hf_weights()},
+        }
+    if rank == 0:
+        torch.save(results, out / "ep2.pt")
+
+
+SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt, "ep2": _scenario_ep2}
 
 
 if __name__ == "__main__":

@@ -250,6 +250,8 @@ class MegatronActor:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
         hf_config = hf_weights.load_hf_config(hf_dir)
+        if trainable:
+            moe.check_training_layout(hf_config, parallel.tp, parallel.sequence_parallel)
         mcfg = megatron_config_from_hf(
             hf_config,
             tp=parallel.tp,
@@ -431,7 +433,7 @@ class MegatronActor:
 
     def _moe_aux_end(self, num_micro_batches: int) -> dict[str, float]:
         """``{"moe_aux_loss": ...}`` (the unscaled load-balancing loss) when megatron computed one."""
-        if not moe.is_moe(self.hf_config):
+        if not moe.is_moe(self.hf_config) or not moe.aux_loss_enabled(self.mcfg.transformer_config):
             return {}
         aux = moe.pop_aux_loss(num_micro_batches, sum(moe.moe_layer_pattern(self.hf_config)))
         return {} if aux is None else {"moe_aux_loss": aux}

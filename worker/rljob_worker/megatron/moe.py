@@ -109,6 +109,18 @@ def check_expert_layout(world: int, tp: int, pp: int, cp: int, ep: int, etp: int
         )
 
 
+def check_training_layout(hf_config, tp: int, sequence_parallel: bool) -> None:
+    """megatron's MoELayer refuses to train under TP without sequence parallel; say so at start-up."""
+    from .model_config import MegatronConfigError
+
+    if is_moe(hf_config) and tp > 1 and not sequence_parallel:
+        raise MegatronConfigError(
+            f"spec.megatron.sequenceParallel must be true to train a mixture-of-experts model with "
+            f"tensorModelParallelSize={tp} (megatron's MoE layer requires it); set it, or use "
+            f"tensorModelParallelSize=1 with expertModelParallelSize for the experts"
+        )
+
+
 def moe_transformer_kwargs(hf_config, ep: int = 1, etp: int | None = None) -> dict[str, Any]:
     """``TransformerConfig`` fields for the MoE model (on top of the dense ones)."""
     coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -344,6 +356,15 @@ def set_aux_loss_scale(scale: float, device) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale), device=device))
+
+
+def aux_loss_enabled(config) -> bool:
+    """Whether megatron's router computes the ``aux_loss`` load-balancing loss for ``config``."""
+    kind = config.moe_router_load_balancing_type
+    coeff = config.moe_aux_loss_coeff
+    if isinstance(kind, list):
+        return "aux_loss" in kind and float(coeff[kind.index("aux_loss")]) > 0
+    return kind == "aux_loss" and float(coeff) > 0
 
 
 def pop_aux_loss(num_micro_batches: int, num_moe_layers: int) -> float | None:
