@@ -302,7 +302,41 @@ def _scenario_ep2(hf_dir: str, out_dir: str) -> None:
         torch.save(results, out / "ep2.pt")
 
 
-SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt, "ep2": _scenario_ep2}
+def _scenario_ep2_bf16(hf_dir: str, out_dir: str) -> None:
+    """GPU: Qwen3-MoE in bf16 with the distributed optimizer on two GPUs, EP=1 against EP=2 (DP=2 for
+    the dense part): logprobs, two updates on half batches, export."""
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out = Path(out_dir)
+    ids, mask = sample_batch()
+    rank = int(os.environ["RANK"])
+    half = slice(rank * 2, rank * 2 + 2)
+    results = {}
+    for name, ep in (("ep1", 1), ("ep2", 2)):
+        actor = MegatronActor.from_hf(
+            hf_dir,
+            ParallelConfig(ep=ep, use_distributed_optimizer=True),
+            OptimConfig(lr=1e-3, grad_clip=100.0),
+            dtype=torch.bfloat16,
+            seed=1,
+        )
+        res = {"logprobs": actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, 2)["logprobs"]}
+        res["history"] = [
+            actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=1)
+            for _ in range(2)
+        ]
+        res["exported"] = {k: v.float().cpu() for k, v in actor.export_hf_weights()}
+        results[name] = res
+    if rank == 0:
+        torch.save(results, out / "ep2_bf16.pt")
+
+
+SCENARIOS = {
+    "tp2": _scenario_tp2,
+    "dp2_bf16_distopt": _scenario_dp2_bf16_distopt,
+    "ep2": _scenario_ep2,
+    "ep2_bf16": _scenario_ep2_bf16,
+}
 
 
 if __name__ == "__main__":

@@ -713,7 +713,7 @@ class MegatronActor:
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict[str, Any]:
         """Load model, optimizer state (not for a frozen actor) and (same TP only) RNG from
-        ``ckpt_dir``; returns its meta (``step``, ``tp``, ``model_type``, ``padded_vocab_size``)."""
+        ``ckpt_dir``; returns its meta (``step``, ``tp``, ``ep``, ``model_type``, ``padded_vocab_size``)."""
         from megatron.core import dist_checkpointing
 
         ckpt_dir = os.fspath(ckpt_dir)
