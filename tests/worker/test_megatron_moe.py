@@ -118,42 +118,64 @@ def test_moe_transformer_config_from_hf():
 
 def test_moe_config_errors_name_the_field():
     hf = H.tiny_hf_config("qwen3_moe")
-    with pytest.raises(MegatronConfigError, match=r"expertModelParallelSize=3 does not divide .*num_experts=4"):
+    with pytest.raises(
+        MegatronConfigError, match=r"expertModelParallelSize=3 does not divide .*num_experts=4"
+    ):
         megatron_config_from_hf(hf, ep=3, use_te=False)
-    with pytest.raises(MegatronConfigError, match=r"expertTensorParallelSize=3 does not divide moe_intermediate_size"):
+    with pytest.raises(
+        MegatronConfigError, match=r"expertTensorParallelSize=3 does not divide moe_intermediate_size"
+    ):
         megatron_config_from_hf(hf, etp=3, use_te=False)
-    with pytest.raises(MegatronConfigError, match=r"expertModelParallelSize=2 needs a mixture-of-experts model"):
+    with pytest.raises(
+        MegatronConfigError, match=r"expertModelParallelSize=2 needs a mixture-of-experts model"
+    ):
         megatron_config_from_hf(H.tiny_hf_config("qwen3"), ep=2, use_te=False)
-    with pytest.raises(MegatronConfigError, match=r"overrideTransformerConfig.num_moe_experts cannot be overridden"):
+    with pytest.raises(
+        MegatronConfigError, match=r"overrideTransformerConfig.num_moe_experts cannot be overridden"
+    ):
         megatron_config_from_hf(hf, overrides={"num_moe_experts": 8}, use_te=False)
-    with pytest.raises(MegatronConfigError, match=r"expertModelParallelSize=4 x expertTensorParallelSize=1 .* 2 ranks"):
+    with pytest.raises(
+        MegatronConfigError, match=r"expertModelParallelSize=4 x expertTensorParallelSize=1 .* 2 ranks"
+    ):
         moe.check_expert_layout(world=2, tp=1, pp=1, cp=1, ep=4, etp=None)
     with pytest.raises(MegatronConfigError, match=r"sequenceParallel must be true"):
         moe.check_training_layout(hf, tp=2, sequence_parallel=False)
 
 
 def test_ep_that_does_not_fit_the_world_fails_at_start(hf_dirs):
-    with pytest.raises(MegatronConfigError, match=r"spec.megatron.expertModelParallelSize=2 .* does not divide the 1 ranks"):
+    with pytest.raises(
+        MegatronConfigError, match=r"spec.megatron.expertModelParallelSize=2 .* does not divide the 1 ranks"
+    ):
         MegatronActor.from_hf(hf_dirs["qwen3_moe"], ParallelConfig(ep=2), OptimConfig(lr=1e-3))
 
 
 def test_qwen3_30b_a3b_example_is_accepted_by_the_startup_checks():
     """examples/qwen3-30b-a3b-moe.yaml (2 x 8 GPUs, TP2 PP2 EP4, its overrides) against the real
     model's shape: every check the actor makes before building passes (the build itself needs GPUs)."""
+    import yaml
     from rljob_api.validation import parse_rljob
     from rljob_worker.megatron.actor import _check_parallel
     from transformers import Qwen3MoeConfig
-
-    import yaml
 
     path = Path(__file__).parents[2] / "examples" / "qwen3-30b-a3b-moe.yaml"
     spec = parse_rljob(yaml.safe_load(path.read_text())).spec
     m = spec.megatron
     hf = Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, router_aux_loss_coef=0.001,
-        max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
     )
     world = spec.nnodes * spec.gpus_per_node
     tp, ep, etp = m.tensor_model_parallel_size, m.expert_model_parallel_size, m.expert_tensor_parallel_size
@@ -162,9 +184,16 @@ def test_qwen3_30b_a3b_example_is_accepted_by_the_startup_checks():
     moe.check_expert_layout(world, tp, m.pipeline_model_parallel_size, m.context_parallel_size, ep, etp)
     moe.check_training_layout(hf, tp, m.sequence_parallel)
     mcfg = megatron_config_from_hf(
-        hf, tp=tp, ep=ep, etp=etp, use_te=False, on_gpu=False,
-        overrides=m.override_transformer_config, recompute_granularity=m.recompute_granularity.value,
-        recompute_method=m.recompute_method.value, recompute_num_layers=m.recompute_num_layers,
+        hf,
+        tp=tp,
+        ep=ep,
+        etp=etp,
+        use_te=False,
+        on_gpu=False,
+        overrides=m.override_transformer_config,
+        recompute_granularity=m.recompute_granularity.value,
+        recompute_method=m.recompute_method.value,
+        recompute_num_layers=m.recompute_num_layers,
     )
     cfg = mcfg.transformer_config
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size) == (128, 8, 4)

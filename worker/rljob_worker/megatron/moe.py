@@ -57,9 +57,7 @@ def moe_layer_pattern(hf_config) -> list[int]:
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     n = hf_config.num_experts
-    return [
-        int(i not in dense and n > 0 and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)
-    ]
+    return [int(i not in dense and n > 0 and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
 
 
 def check_moe_hf_config(hf_config, tp: int = 1, ep: int = 1, etp: int | None = None) -> None:
@@ -69,9 +67,13 @@ def check_moe_hf_config(hf_config, tp: int = 1, ep: int = 1, etp: int | None = N
     etp = tp if etp is None else etp
     n = int(getattr(hf_config, "num_experts", 0) or 0)
     if n <= 0 or not any(moe_layer_pattern(hf_config)):
-        raise MegatronConfigError(f"model_type={hf_config.model_type!r} with num_experts={n} has no expert layers")
+        raise MegatronConfigError(
+            f"model_type={hf_config.model_type!r} with num_experts={n} has no expert layers"
+        )
     if hf_config.model_type == "qwen3_moe" and getattr(hf_config, "attention_bias", False):
-        raise MegatronConfigError("attention_bias=True is not supported for qwen3_moe (it also biases o_proj)")
+        raise MegatronConfigError(
+            "attention_bias=True is not supported for qwen3_moe (it also biases o_proj)"
+        )
     if getattr(hf_config, "use_sliding_window", False):
         raise MegatronConfigError("use_sliding_window=True is not supported")
     if ep < 1 or n % ep:
@@ -82,7 +84,12 @@ def check_moe_hf_config(hf_config, tp: int = 1, ep: int = 1, etp: int | None = N
     checks = [("moe_intermediate_size", hf_config.moe_intermediate_size, etp, "expertTensorParallelSize")]
     if getattr(hf_config, "shared_expert_intermediate_size", 0):
         checks.append(
-            ("shared_expert_intermediate_size", hf_config.shared_expert_intermediate_size, tp, "tensorModelParallelSize")
+            (
+                "shared_expert_intermediate_size",
+                hf_config.shared_expert_intermediate_size,
+                tp,
+                "tensorModelParallelSize",
+            )
         )
     for name, value, size, field in checks:
         if value % size:
@@ -277,7 +284,9 @@ def load_expert_weights(core, reader, hf_config, load_shard, geometry) -> list[s
 
 
 @torch.no_grad()
-def export_expert_weights(core, hf_config, gather, split_full, geometry) -> Iterator[tuple[str, torch.Tensor]]:
+def export_expert_weights(
+    core, hf_config, gather, split_full, geometry
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every expert's full HF tensors: gathered over expert TP, then over EP (each local
     expert ``j`` of EP rank ``r`` is global expert ``r * local + j``). Collective over the EP and
     expert-TP groups: every rank must consume the iterator."""
