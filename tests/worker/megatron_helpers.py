@@ -27,6 +27,16 @@ TINY = {
     "max_position_embeddings": 256,
 }
 
+TINY_MOE = {
+    "tie_word_embeddings": False,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "router_aux_loss_coef": 0.01,
+    "rope_theta": 1000000.0,
+}
+
 
 def tiny_hf_config(arch: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
@@ -46,6 +56,14 @@ def tiny_hf_config(arch: str, **overrides):
         )
     elif arch == "qwen3":  # q/k norm, head_dim != hidden / heads
         cls, kw = Qwen3Config, {"tie_word_embeddings": False, "head_dim": 32, "rope_theta": 1000000.0}
+    elif arch == "qwen3_moe":  # 4 experts top-2 (renormalised) in layer 0, a dense MLP in layer 1
+        from transformers import Qwen3MoeConfig
+
+        cls, kw = Qwen3MoeConfig, {**TINY_MOE, "head_dim": 32, "mlp_only_layers": [1], "norm_topk_prob": True}
+    elif arch == "qwen2_moe":  # + shared expert with its sigmoid gate, qkv bias, top-k not renormalised
+        from transformers import Qwen2MoeConfig
+
+        cls, kw = Qwen2MoeConfig, {**TINY_MOE, "shared_expert_intermediate_size": 48, "norm_topk_prob": False}
     else:
         raise ValueError(arch)
     return cls(**{**TINY, **kw, **overrides})
@@ -321,7 +339,79 @@ def _scenario_cp_sp(hf_dir: str, out_dir: str) -> None:
         torch.save(results, out / "cp_sp.pt")
 
 
-SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt, "cp_sp": _scenario_cp_sp}
+def _scenario_ep2(hf_dir: str, out_dir: str) -> None:
+    """Qwen3-MoE on two ranks (DP=2 for the dense part): EP=1 (experts replicated) against EP=2
+    (two experts each), same data layout, aux loss on: logprobs of the whole batch, two updates on
+    half batches, export, an EP=2 checkpoint. Then TP=2 with expert TP=2 (EP=1) and TP=2 with EP=2
+    (expert TP=1), frozen: logprobs and export."""
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out = Path(out_dir)
+    ids, mask = sample_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    rank = int(os.environ["RANK"])  # before from_hf initialises torch.distributed
+    half = slice(rank * 2, rank * 2 + 2)
+    results = {}
+    for name, parallel in (("ep1", ParallelConfig()), ("ep2", ParallelConfig(ep=2))):
+        actor = MegatronActor.from_hf(hf_dir, parallel, OptimConfig(lr=1e-2), seed=1)
+        res = {"logprobs": actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"]}
+        res["local_experts"] = sorted(n for n, _ in actor.core.named_parameters() if ".local_experts." in n)
+        res["history"] = [
+            actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=1)
+            for _ in range(2)
+        ]
+        res["exported"] = {k: v.cpu() for k, v in actor.export_hf_weights()}
+        if name == "ep2":
+            actor.save_checkpoint(out / "ckpt_ep2")
+        res["eval_loss"] = actor.eval_loss(ids, mask)
+        results[name] = res
+    for name, parallel in (("tp2_etp2", ParallelConfig(tp=2, etp=2)), ("tp2_ep2", ParallelConfig(tp=2, ep=2, etp=1))):
+        # frozen: megatron trains MoE under TP only with sequence parallel, which needs a GPU
+        actor = MegatronActor.from_hf(hf_dir, parallel, OptimConfig(lr=1e-2), seed=1, trainable=False)
+        results[name] = {
+            "logprobs": actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
+            "exported": {k: v.cpu() for k, v in actor.export_hf_weights()},
+        }
+    if rank == 0:
+        torch.save(results, out / "ep2.pt")
+
+
+def _scenario_ep2_bf16(hf_dir: str, out_dir: str) -> None:
+    """GPU: Qwen3-MoE in bf16 with the distributed optimizer on two GPUs, EP=1 against EP=2 (DP=2 for
+    the dense part): logprobs, two updates on half batches, export."""
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out = Path(out_dir)
+    ids, mask = sample_batch()
+    rank = int(os.environ["RANK"])
+    half = slice(rank * 2, rank * 2 + 2)
+    results = {}
+    for name, ep in (("ep1", 1), ("ep2", 2)):
+        actor = MegatronActor.from_hf(
+            hf_dir,
+            ParallelConfig(ep=ep, use_distributed_optimizer=True),
+            OptimConfig(lr=1e-3, grad_clip=100.0),
+            dtype=torch.bfloat16,
+            seed=1,
+        )
+        res = {"logprobs": actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, 2)["logprobs"]}
+        res["history"] = [
+            actor.update({"input_ids": ids[half], "attention_mask": mask[half]}, seq_nll_loss, micro_batch_size=1)
+            for _ in range(2)
+        ]
+        res["exported"] = {k: v.float().cpu() for k, v in actor.export_hf_weights()}
+        results[name] = res
+    if rank == 0:
+        torch.save(results, out / "ep2_bf16.pt")
+
+
+SCENARIOS = {
+    "tp2": _scenario_tp2,
+    "dp2_bf16_distopt": _scenario_dp2_bf16_distopt,
+    "ep2": _scenario_ep2,
+    "ep2_bf16": _scenario_ep2_bf16,
+    "cp_sp": _scenario_cp_sp,
+}
 
 
 if __name__ == "__main__":

@@ -176,3 +176,27 @@ def test_cp2_and_tp2_sequence_parallel_equal_one_gpu_bf16(tmp_path):
             assert mg["skipped"] == 0, (layout, step)
             for key in ("loss", "entropy", "grad_norm"):
                 assert mg[key] == pytest.approx(mr[key], rel=1e-2), (layout, step, key)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_moe_ep2_bf16_equals_ep1_and_hf(tmp_path):
+    """Qwen3-MoE, bf16, distributed optimizer: EP=2 (two experts per GPU, alltoall over NCCL) against
+    EP=1 on the same two GPUs, and both against HF in fp32 (relative error <= 1e-2)."""
+    hf_dir = H.make_tiny_hf_model("qwen3_moe", tmp_path / "hf")
+    H.run_torchrun("ep2_bf16", hf_dir, tmp_path / "out", timeout=300)
+    res = torch.load(tmp_path / "out" / "ep2_bf16.pt")
+    ids, mask = H.sample_batch()
+    ref = H.hf_logprobs(H.load_hf_model(hf_dir), ids, mask)
+    scale = ref.abs().max()
+    for layout in ("ep1", "ep2"):
+        assert (res[layout]["logprobs"] - ref).abs().max() / scale <= 1e-2, layout
+    assert (res["ep2"]["logprobs"] - res["ep1"]["logprobs"]).abs().max() / scale <= 1e-2
+    for got, want in zip(res["ep2"]["history"], res["ep1"]["history"], strict=True):
+        assert got["skipped"] == want["skipped"] == 0
+        for key in ("loss", "moe_aux_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-2), key
+    assert res["ep2"]["history"][1]["loss"] < res["ep2"]["history"][0]["loss"]
+    assert sorted(res["ep2"]["exported"]) == sorted(res["ep1"]["exported"])
+    for name, tensor in res["ep2"]["exported"].items():
+        want = res["ep1"]["exported"][name]
+        assert (tensor - want).abs().max() <= 1e-2 * want.abs().max() + 1e-3, name

@@ -303,7 +303,7 @@ def test_override_values_are_converted_to_field_types():
             {"hidden_dropout": "0.1"},
             r"overrideTransformerConfig\.hidden_dropout='0\.1' does not match the field's type float",
         ),
-        ({"moe_router_topk": 1.5}, r"overrideTransformerConfig\.moe_router_topk=1\.5 does not match"),
+        ({"cuda_graph_warmup_steps": 1.5}, r"overrideTransformerConfig\.cuda_graph_warmup_steps=1\.5 does not match"),
         ({"attention_backend": "warp"}, r"overrideTransformerConfig\.attention_backend='warp'"),
         (
             {"recompute_granularity": "everything"},

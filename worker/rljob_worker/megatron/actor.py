@@ -27,10 +27,12 @@ its load-balanced share of the sequence (:mod:`.context_parallel`), attention al
 values over the CP group, and the per-token log-probs / entropy are all-gathered back, so loss
 functions see the full ``(B, T)`` tensors exactly as with ``cp = 1``. Gradients are averaged over
 DP x CP. Sequence parallelism works with the local spec too (:mod:`.sequence_parallel`), on CPU
-with gloo as well; it needs TP > 1.
+with gloo as well; it needs TP > 1. Mixture-of-experts models (qwen3_moe, qwen2_moe) run with
+expert parallelism (:mod:`.moe`): on CPU, expert gradients are averaged over the
+expert-data-parallel group and the grad norm counts each expert shard once; on GPU megatron's DDP
+and optimizer do the same with their expert buffers.
 
-Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline and expert
-parallelism.
+Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline parallelism.
 
 Memory: activation recompute (:class:`RecomputeConfig`, megatron's full / selective recompute) and
 ``overrideTransformerConfig`` are applied to the ``TransformerConfig`` before the model is built.
@@ -53,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import dist_env_from_environ, init_distributed
-from . import hf_weights
+from . import hf_weights, moe
 from .context_parallel import gather_from_cp, local_positions, sequence_multiple, split_for_cp
 from .cpu_compat import apply_cpu_patches
 from .model_config import MegatronModelConfig, build_gpt_model, megatron_config_from_hf
@@ -67,13 +69,16 @@ _PAD_LOGIT = -1e30  # logits of padded vocab entries: exp() is exactly 0 and 0 *
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Megatron parallel layout (sizes multiply: world = tp * pp * cp * dp)."""
+    """Megatron parallel layout (sizes multiply: world = tp * pp * cp * dp). Experts: ``ep`` expert
+    parallel x ``etp`` expert tensor parallel (default ``tp``) ranks share a layer's experts; megatron
+    carves them out of the same ranks (``etp * ep * pp`` divides the world)."""
 
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     cp: int = 1
     ep: int = 1
+    etp: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
 
@@ -257,11 +262,15 @@ class MegatronActor:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
         hf_config = hf_weights.load_hf_config(hf_dir)
+        if trainable:
+            moe.check_training_layout(hf_config, parallel.tp, parallel.sequence_parallel)
         mcfg = megatron_config_from_hf(
             hf_config,
             tp=parallel.tp,
             pp=parallel.pp,
             cp=parallel.cp,
+            ep=parallel.ep,
+            etp=parallel.etp,
             dtype=dtype,
             sequence_parallel=parallel.sequence_parallel,
             on_gpu=on_gpu,
@@ -413,6 +422,7 @@ class MegatronActor:
         n = len(micro_batches)
         self.model.train()
         self._zero_grad()
+        self._moe_aux_begin(n)
         sums: dict[str, float] = {}
         for mb in micro_batches:
             lp, ent = self._forward(mb["input_ids"], mb["attention_mask"], with_entropy)
@@ -430,9 +440,22 @@ class MegatronActor:
             grad_norm, skipped = self._cpu_step(lr)
         if not skipped:
             self.step += 1
-        out = self._dp_mean({k: v / n for k, v in sums.items()})
+        out = self._dp_mean({**{k: v / n for k, v in sums.items()}, **self._moe_aux_end(n)})
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
         return out
+
+    def _moe_aux_begin(self, num_micro_batches: int) -> None:
+        if moe.is_moe(self.hf_config):  # aux-loss grads scaled like the main loss (1 / micro-batches)
+            moe.pop_aux_loss(1, 0)
+            scale = self.optimizer.get_loss_scale() if self.on_gpu else 1.0
+            moe.set_aux_loss_scale(float(scale) / num_micro_batches, self.device)
+
+    def _moe_aux_end(self, num_micro_batches: int) -> dict[str, float]:
+        """``{"moe_aux_loss": ...}`` (the unscaled load-balancing loss) when megatron computed one."""
+        if not moe.is_moe(self.hf_config) or not moe.aux_loss_enabled(self.mcfg.transformer_config):
+            return {}
+        aux = moe.pop_aux_loss(num_micro_batches, sum(moe.moe_layer_pattern(self.hf_config)))
+        return {} if aux is None else {"moe_aux_loss": aux}
 
     def _zero_grad(self) -> None:
         if self.on_gpu:
@@ -465,19 +488,24 @@ class MegatronActor:
         from .sequence_parallel import tp_partial_grad_params
 
         params = [p for p in self.core.parameters() if p.requires_grad]
-        grads = [p.grad for p in params if p.grad is not None]
+        experts = moe.expert_params(self.core)
+        expert_ids = {id(p) for p in experts}
+        dense = [p for p in params if id(p) not in expert_ids]
+        grads = [p.grad for p in dense if p.grad is not None]
         # SP norms and q/k norms: partial grads on each TP rank, summed as finalize_model_grads does
         partial = tp_partial_grad_params(self.core.named_parameters(), self.mcfg.transformer_config)
         _all_reduce_grads(partial, self.tp_group, average=False)
         # average over DP x CP (gloo), as megatron's DDP does on GPU (see context_parallel.gather_from_cp)
-        _all_reduce_grads(params, ps.get_data_parallel_group(with_context_parallel=True), average=True)
-        grad_norm = self._cpu_grad_norm(params)
+        _all_reduce_grads(dense, ps.get_data_parallel_group(with_context_parallel=True), average=True)
+        # experts: summed over the expert-DP group (which spans the CP ranks too), scaled by 1 / (DP x CP)
+        moe.average_expert_grads(experts, self.dp_size * self.cp_size)
+        grad_norm = self._cpu_grad_norm(dense, experts)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             clip = self.optim.grad_clip
             if clip > 0 and grad_norm > clip:
                 coef = clip / (grad_norm + 1e-6)
-                for g in grads:
+                for g in grads + [p.grad for p in experts if p.grad is not None]:
                     g.mul_(coef)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -485,8 +513,11 @@ class MegatronActor:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
-    def _cpu_grad_norm(self, params: list[torch.nn.Parameter]) -> float:
-        """Global L2 norm; params replicated over TP (norms) are counted on TP rank 0 only."""
+    def _cpu_grad_norm(
+        self, params: list[torch.nn.Parameter], experts: list[torch.nn.Parameter] = ()
+    ) -> float:
+        """Global L2 norm; params replicated over TP (norms) are counted on TP rank 0 only, expert
+        params once per expert shard (:func:`moe.expert_grad_sq`)."""
         sq = torch.zeros((), dtype=torch.float64)
         for p in params:
             if p.grad is None:
@@ -495,6 +526,8 @@ class MegatronActor:
                 sq += p.grad.detach().double().pow(2).sum()
         if self.tp_size > 1:
             dist.all_reduce(sq, group=self.tp_group)
+        if experts:
+            sq += moe.expert_grad_sq(list(experts))
         return float(sq.sqrt())
 
     # ----------------------------------------------------------------------------------------------
@@ -666,6 +699,7 @@ class MegatronActor:
         meta = {
             "step": self.step,
             "tp": self.tp_size,
+            "ep": self.parallel.ep,
             "model_type": self.mcfg.model_type,
             "padded_vocab_size": self.mcfg.padded_vocab_size,
         }
@@ -703,7 +737,7 @@ class MegatronActor:
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict[str, Any]:
         """Load model, optimizer state (not for a frozen actor) and (same TP only) RNG from
-        ``ckpt_dir``; returns its meta (``step``, ``tp``, ``model_type``, ``padded_vocab_size``)."""
+        ``ckpt_dir``; returns its meta (``step``, ``tp``, ``ep``, ``model_type``, ``padded_vocab_size``)."""
         from megatron.core import dist_checkpointing
 
         ckpt_dir = os.fspath(ckpt_dir)
@@ -770,7 +804,6 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
 
     for name, value, key in (
         ("pp", p.pp, "megatron.pipelineModelParallelSize"),
-        ("ep", p.ep, "megatron.expertModelParallelSize"),
     ):
         if value != 1:
             raise MegatronConfigError(f"spec.{key}={value} is not supported by the rljob megatron actor yet (use 1)")
@@ -787,6 +820,10 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
             "spec.megatron.sequenceParallel=true needs spec.megatron.tensorModelParallelSize > 1 "
             "(sequence parallelism splits activations over the TP ranks); set it to false or raise TP"
         )
+    if p.ep < 1 or (p.etp is not None and p.etp < 1):
+        raise MegatronConfigError(
+            f"spec.megatron.expertModelParallelSize={p.ep} / expertTensorParallelSize={p.etp} must be >= 1"
+        )
     if p.use_distributed_optimizer and not on_gpu:
         log.warning("use_distributed_optimizer is ignored on CPU (torch AdamW over local shards)")
 
@@ -802,11 +839,14 @@ def _init_model_parallel(p: ParallelConfig) -> None:
             f"world size {world} is not divisible by spec.megatron.tensorModelParallelSize={p.tp} x "
             f"spec.megatron.pipelineModelParallelSize={p.pp} x spec.megatron.contextParallelSize={p.cp}"
         )
+    moe.check_expert_layout(world, p.tp, p.pp, p.cp, p.ep, p.etp)
     if ps.model_parallel_is_initialized():
         if (
             ps.get_tensor_model_parallel_world_size() == p.tp
             and ps.get_pipeline_model_parallel_world_size() == p.pp
             and ps.get_context_parallel_world_size() == p.cp
+            and ps.get_expert_model_parallel_world_size() == p.ep
+            and ps.get_expert_tensor_parallel_world_size() == (p.etp or p.tp)
         ):
             return
         ps.destroy_model_parallel()
@@ -815,6 +855,7 @@ def _init_model_parallel(p: ParallelConfig) -> None:
         pipeline_model_parallel_size=p.pp,
         context_parallel_size=p.cp,
         expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.etp,
     )
 
 

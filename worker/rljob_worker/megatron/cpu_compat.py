@@ -54,6 +54,28 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) 
     return split_for_cp(pos_emb, cp_group.size(), cp_group.rank(), dim=seq_dim)
 
 
+def _cpu_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+    """CPU stand-in for ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``: the routing
+    metadata already lives on the CPU, so there is no side stream to copy on or wait for; only the
+    split sizes become numpy arrays as upstream makes them (``all_to_all_single`` takes them as-is)."""
+    if self.drop_and_pad or point != self.cuda_dtoh_point:
+        return tokens_per_expert
+    for name in ("input_splits", "output_splits", "output_splits_tp"):
+        value = getattr(self, name, None)
+        if torch.is_tensor(value):
+            setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _patch_moe_dispatcher() -> None:
+    # MoEAlltoAllTokenDispatcher creates a class-wide torch.cuda.Stream in __init__ (a non-None value
+    # skips that) and moves split sizes device-to-host on it.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU + gloo. Returns True when patches are (already) in place."""
     global _APPLIED
@@ -91,6 +113,7 @@ def apply_cpu_patches() -> bool:
     # The default causal mask of the local DotProductAttention is built with device="cuda".
     tutils.get_default_causal_mask = functools.lru_cache(maxsize=8)(_cpu_causal_mask)
     fused_softmax.get_default_causal_mask = tutils.get_default_causal_mask
+    _patch_moe_dispatcher()
 
     # Context parallelism: RoPE picks this CP rank's chunks of the position table with an index
     # tensor built in pinned memory and moved with .cuda(); the same selection on the CPU.

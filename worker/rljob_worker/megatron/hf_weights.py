@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import moe
+
 Entry = tuple[str, tuple[str, ...], str]
 
 _LAYER_NORMS: list[Entry] = [
@@ -92,7 +94,18 @@ QWEN3_TABLE: list[Entry] = [
     ),
 ]
 
-TABLES: dict[str, list[Entry]] = {"llama": LLAMA_TABLE, "qwen2": QWEN2_TABLE, "qwen3": QWEN3_TABLE}
+# MoE: the router and shared experts are per-layer entries; the experts themselves are mapped by
+# moe.load_expert_weights / moe.export_expert_weights (EP slice, global expert index).
+QWEN3_MOE_TABLE: list[Entry] = [*QWEN3_TABLE, *moe.MOE_LAYER_ENTRIES]
+QWEN2_MOE_TABLE: list[Entry] = [*QWEN2_TABLE, *moe.MOE_LAYER_ENTRIES]
+
+TABLES: dict[str, list[Entry]] = {
+    "llama": LLAMA_TABLE,
+    "qwen2": QWEN2_TABLE,
+    "qwen3": QWEN3_TABLE,
+    "qwen3_moe": QWEN3_MOE_TABLE,
+    "qwen2_moe": QWEN2_MOE_TABLE,
+}
 
 # The TE layer spec fuses the pre-attention / pre-MLP norms into the following linear layer.
 _TE_ALIASES = {
@@ -301,6 +314,8 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, hf_config
             )
         param.data.copy_(shard)
         loaded.append(target)
+    if moe.is_moe(hf_config):
+        loaded += moe.load_expert_weights(core, reader, hf_config, _load_shard, geo)
     missing = sorted(set(params) - set(loaded))
     if missing:
         raise ValueError(f"parameters not loaded from {hf_dir}: {missing}")
@@ -353,9 +368,11 @@ def _split_full(full: torch.Tensor, hf_names: tuple[str, ...], kind: str, geo: _
 def export_hf_weights(
     model: torch.nn.Module, hf_config, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` one at a time, all-gathered over the TP group.
+    """Yield ``(hf_name, full tensor)`` one at a time, all-gathered over the TP group (experts: over
+    expert TP and EP).
 
-    Collective: all ranks of a TP group must consume the whole iterator. Tensors are fresh
+    Collective: all ranks of a TP group (MoE: of the expert-parallel group too) must consume the
+    whole iterator. Tensors are fresh
     (not views of parameters), contiguous, on the parameters' device, cast to ``dtype`` if given.
     For tied embeddings no ``lm_head.weight`` is yielded (as HF's ``save_pretrained``).
     """
@@ -375,6 +392,9 @@ def export_hf_weights(
             if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
                 tensor = tensor.clone()  # never hand out views of live parameters
             yield name, tensor.contiguous()
+    if moe.is_moe(hf_config):  # gathered copies, never views of parameters
+        for name, tensor in moe.export_expert_weights(core, hf_config, _gather, _split_full, geo):
+            yield name, (tensor.to(dtype) if dtype is not None else tensor).contiguous()
 
 
 def save_hf_checkpoint(

@@ -1,6 +1,7 @@
 """HF ``PretrainedConfig`` -> megatron-core ``TransformerConfig`` + layer spec + ``GPTModel`` kwargs.
 
-Supported ``model_type``: llama, qwen2, qwen3 (dense decoders with RMSNorm, SwiGLU, RoPE, GQA).
+Supported ``model_type``: llama, qwen2, qwen3 (dense decoders with RMSNorm, SwiGLU, RoPE, GQA) and
+the mixture-of-experts qwen3_moe, qwen2_moe (see :mod:`.moe`).
 Every HF setting that changes the maths is either mapped or rejected with a ``ValueError`` naming
 it; nothing is silently ignored.
 
@@ -47,7 +48,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from .moe import FROM_HF_FIELDS as _MOE_FROM_HF
+from .moe import MOE_MODEL_TYPES, check_moe_hf_config, is_moe, moe_block_spec, moe_transformer_kwargs
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 # megatron's RotaryEmbedding._apply_scaling hard-codes these llama3 values.
 _LLAMA3_ROPE_DEFAULTS = {
@@ -82,6 +86,7 @@ _NOT_OVERRIDABLE = {
             "add_qkv_bias",
             "qk_layernorm",
             "rotary_interleaved",
+            *_MOE_FROM_HF,
         )
     },
     "tensor_model_parallel_size": "set spec.megatron.tensorModelParallelSize",
@@ -159,8 +164,9 @@ def _rope(hf_config) -> tuple[float, dict[str, Any]]:
     )
 
 
-def check_hf_config(hf_config, tp: int = 1) -> None:
-    """Raise ``ValueError`` naming the setting when the model cannot be built at this TP."""
+def check_hf_config(hf_config, tp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+    """Raise ``ValueError`` naming the setting when the model cannot be built at this TP / EP /
+    expert TP."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -176,8 +182,13 @@ def check_hf_config(hf_config, tp: int = 1) -> None:
         raise ValueError(f"attention_bias=True is not supported for {model_type} (it also biases o_proj)")
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported")
-    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
-        raise ValueError("mixture-of-experts models are not supported")
+    if is_moe(hf_config):
+        check_moe_hf_config(hf_config, tp, ep, etp)
+    elif ep != 1:
+        raise MegatronConfigError(
+            f"spec.megatron.expertModelParallelSize={ep} needs a mixture-of-experts model "
+            f"(model_type {model_type!r} has no experts); use 1"
+        )
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     fix = "choose a megatron.tensorModelParallelSize that divides it"
@@ -201,6 +212,8 @@ def megatron_config_from_hf(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
     dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     on_gpu: bool | None = None,
@@ -229,9 +242,9 @@ def megatron_config_from_hf(
     from megatron.core.transformer import TransformerConfig
 
     from .sdpa_attention import SDPAttention
-    from .sequence_parallel import SequenceParallelRMSNorm
+    from .sequence_parallel import SequenceParallelRMSNorm, sp_norms_in_block_spec
 
-    check_hf_config(hf_config, tp)
+    check_hf_config(hf_config, tp, ep, etp)
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     use_te = (on_gpu and have_transformer_engine()) if use_te is None else use_te
     if sequence_parallel and tp == 1:  # megatron's own rule: nothing to split the sequence over
@@ -284,6 +297,8 @@ def megatron_config_from_hf(
         "persist_layer_norm": False,
         "rotary_interleaved": False,
     }
+    if is_moe(hf_config):
+        kwargs.update(moe_transformer_kwargs(hf_config, ep, etp))
     kwargs.update(check_overrides(overrides or {}))
     kwargs.update(  # after the overrides: resolves their recompute_* keys together with the spec's
         recompute_kwargs(
@@ -316,7 +331,11 @@ def megatron_config_from_hf(
             )
 
     final_layernorm = None
-    if use_te:
+    if is_moe(hf_config):
+        layer_spec = moe_block_spec(config, use_te)
+        if sequence_parallel and not use_te:
+            sp_norms_in_block_spec(layer_spec, qk_layernorm)
+    elif use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         # TE attention: the actor always runs plain causal attention (no padding mask).

@@ -52,3 +52,15 @@ def tp_partial_grad_params(
         ):
             out.append(p)
     return out
+
+
+def sp_norms_in_block_spec(block_spec, qk_layernorm: bool) -> None:
+    """Put :class:`SequenceParallelRMSNorm` into every layer of a block spec (megatron's per-layer
+    spec for mixture-of-experts models) and into its final norm, in place."""
+    for layer in block_spec.layer_specs:
+        layer.submodules.input_layernorm = SequenceParallelRMSNorm
+        layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        if qk_layernorm:
+            attn = layer.submodules.self_attention.submodules
+            attn.q_layernorm = attn.k_layernorm = SequenceParallelRMSNorm
+    block_spec.layer_norm = SequenceParallelRMSNorm
