@@ -143,6 +143,20 @@ def test_compiled_decode_step_equals_hf_engine(sharp_model_dir):
         assert got.response_ids == want.response_ids
         for a, b in zip(got.response_logprobs, want.response_logprobs):
             assert a == pytest.approx(b, abs=1e-4)
+    # plain temperature sampling takes the compiled race sampler: seeded runs repeat, and each pick's
+    # log-prob is the one the HF engine's forward gives that token (teacher-forced re-scoring below)
+    hot = SamplingParams(n=1, temperature=1.5, max_new_tokens=6, seed=7)
+    first, again = compiled.generate(PROMPTS, hot), compiled.generate(PROMPTS, hot)
+    assert first.response_ids == again.response_ids
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(sharp_model_dir), dtype=torch.float32)
+    for prompt, ids, lps in zip(PROMPTS, first.response_ids, first.response_logprobs):
+        seq = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            logits = model(seq).logits[0, len(prompt) - 1 : -1] / 1.5
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        assert lps == pytest.approx(want.tolist(), abs=1e-4)
 
 
 def test_compile_is_opt_in_on_cuda_only(sharp_model_dir, monkeypatch):

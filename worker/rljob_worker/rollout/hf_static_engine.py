@@ -17,6 +17,9 @@ same interface, weights and sampling code, and changes only the decode loop:
 - optionally (``compile_decode``, env ``RLJOB_HF_STATIC_COMPILE=1``) the decode step is compiled
   with torch.compile before capture, fusing the norms, RoPE, SwiGLU and the attention's softmax
   (a few hundred small kernels fewer per step); the first call of each shape pays the compile.
+  Plain temperature sampling (no top-k / top-p) then also runs compiled, as a race over Gumbel
+  noise (`race_sample`: the same distribution as ``sample_next``, drawn from the caller's
+  generator, without materialising probabilities).
 
 Linear layers, norms, MLPs and rotary embeddings are the transformers model's modules, so weight
 sync (`update_weights`, inherited) writes into the very tensors the graph reads. Supports the
@@ -34,7 +37,7 @@ import torch
 
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
 from rljob_worker.rollout.hf_engine import HFEngine
-from rljob_worker.rollout.sampling import sample_next
+from rljob_worker.rollout.sampling import race_sample, sample_next
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,7 @@ class HFStaticEngine(HFEngine):
         # dynamic=None: the first shape compiles static kernels; a second shape recompiles once with
         # symbolic sizes instead of once per (batch, width, length) bucket
         self._step_fn = torch.compile(self._decode_step, fullgraph=True) if self.compile_decode else self._decode_step
+        self._race_sample = torch.compile(race_sample, fullgraph=True) if self.compile_decode else None
 
     # -- memory
     def sleep(self) -> None:
@@ -186,6 +190,13 @@ class HFStaticEngine(HFEngine):
         return s
 
     # -- generation
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, gen) -> tuple[torch.Tensor, torch.Tensor]:
+        plain = params.temperature > 0 and not (0 < params.top_k < logits.shape[-1]) and params.top_p >= 1.0
+        if self._race_sample is None or not plain:
+            return sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
+        uniform = torch.rand(logits.shape, generator=gen, device=logits.device, dtype=torch.float32)
+        return self._race_sample(logits, params.temperature, uniform)
+
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> RolloutOutput:
         batch = len(prompts)
         width = _round_up(max(len(p) for p in prompts), 16)
@@ -225,7 +236,7 @@ class HFStaticEngine(HFEngine):
             done = torch.zeros(batch, dtype=torch.bool, device=self.device)
             taken = 0
             for step in range(steps):
-                next_tok, next_lp = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
+                next_tok, next_lp = self._sample(logits, params, gen)
                 next_tok = torch.where(done, torch.full_like(next_tok, self.pad), next_tok)
                 next_lp = torch.where(done, torch.zeros_like(next_lp), next_lp)
                 tokens[:, step] = next_tok

@@ -31,3 +31,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     logp = torch.log_softmax(processed, dim=-1)
     tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def race_sample(logits: torch.Tensor, temperature: float, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature sampling as a race (Gumbel-max): logits (B, V), uniform (B, V) in [0, 1) -> (tokens (B,),
+    logprobs (B,)). ``argmax(logp + Gumbel noise)`` picks token i with probability softmax(logits / T)_i, the
+    distribution `sample_next` draws from without top-k / top-p, but in two fused reductions once compiled
+    (no materialised probabilities, no multinomial). Another random stream than `sample_next`: same
+    distribution, other draws for the same seed."""
+    z = logits.float() / max(temperature, 1e-6)
+    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    tokens = torch.argmax(logp - torch.log(-torch.log(uniform)), dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
