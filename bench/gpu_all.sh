@@ -3,6 +3,7 @@
 #   bash bench/gpu_all.sh [sections...]
 #   sections: actor05 grpo actor15 rollout grpombs | grpokl grpo816 actor05w grpo15 grpo15trl trlnockpt
 #             rolloutbase (rollout incl. HF generate static-cache+compile baseline) | sft [jobs] | gputests
+#             grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Needs wheels (carry: [".whl/megatron_actor_gpu", ".whl/trl"]): megatron-core 0.16.1 cp312; trl 1.16, datasets,
 # dill, multiprocess, pydantic(+core, annotated-types, typing-inspection, typing-extensions). Keep the image's pyarrow.
@@ -50,6 +51,7 @@ for s in $SECTIONS; do
     rolloutbase) section rolloutbase 420 python3 bench/rollout.py --hf-generate-baseline --compiled ;;
     sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
     gputests) section gputests 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider -x -rs ;;
+    grpopp2) section grpopp2 240 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_pp2.yaml --workdir /tmp/pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/pp2/work/metrics.jsonl grpo-digit-sum-pp2" ;;
     *) echo "unknown section $s" ;;
   esac
 done

@@ -330,6 +330,11 @@ class TrainerTelemetry:
                 self._pending_stage_seconds[name] += seconds
             self.heartbeat()
 
+    def pending_stage_seconds(self) -> dict[str, float]:
+        """Seconds per stage since the last :meth:`record_step` (the current step's breakdown)."""
+        with self._lock:
+            return dict(self._pending_stage_seconds)
+
     def record_step(self, step: int, metrics: Mapping[str, Any], step_seconds: float) -> None:
         """Record a finished step: its number, wall time and the trainer's metrics dict."""
         step_seconds = float(step_seconds)

@@ -235,6 +235,7 @@ class GRPOTrainer:
             self.step += 1
             metrics = self.train_step()
             metrics["timing/step_s"] = time.perf_counter() - step_start
+            metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
             self.history.append(StepResult(self.step, metrics))
             self._append_metrics_log(metrics)
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])

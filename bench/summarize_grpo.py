@@ -1,0 +1,25 @@
+"""Summarise a GRPO run's metrics.jsonl: reward over the first and last 50 steps, median step time and
+the per-stage time breakdown.   python bench/summarize_grpo.py WORKDIR/metrics.jsonl [label]"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def main(path: str, label: str) -> None:
+    rows = [json.loads(line) for line in open(path) if '"reward/mean"' in line]
+    if not rows:
+        print(f"RESULT {label}: no steps recorded in {path}")
+        return
+    reward = [r["reward/mean"] for r in rows]
+    first, last = reward[:50], reward[-50:]
+    stages = sorted({k for r in rows for k in r if k.startswith("timing/") and k != "timing/step_s"})
+    breakdown = ", ".join(f"{k[7:-2]} {statistics.median(r.get(k, 0.0) for r in rows[5:] or rows) * 1e3:.1f} ms" for k in stages)
+    print(f"RESULT {label}: {len(rows)} steps, reward first 50 {statistics.mean(first):.3f} -> last 50 "
+          f"{statistics.mean(last):.3f}, median step {statistics.median(r['timing/step_s'] for r in rows) * 1e3:.1f} ms "
+          f"({breakdown})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else sys.argv[1])
