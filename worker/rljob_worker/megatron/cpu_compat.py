@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 
 import torch
 
@@ -48,6 +49,33 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+class _CpuTorchForSchedules(types.ModuleType):
+    """``torch`` as megatron's pipeline schedules see it: their token counter is created with
+    ``torch.zeros(..., device="cuda")``; everything else is torch itself."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _without_tensor_cuda(fn):
+    """Run ``fn`` with ``Tensor.cuda`` as the identity (the tensors stay on the CPU)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    return wrapper
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU + gloo. Returns True when patches are (already) in place."""
     global _APPLIED
@@ -85,6 +113,21 @@ def apply_cpu_patches() -> bool:
     # The default causal mask of the local DotProductAttention is built with device="cuda".
     tutils.get_default_causal_mask = functools.lru_cache(maxsize=8)(_cpu_causal_mask)
     fused_softmax.get_default_causal_mask = tutils.get_default_causal_mask
+
+    # Pipeline parallelism. forward_backward_no_pipelining / _pipelining_without_interleaving /
+    # _pipelining_with_interleaving count tokens in torch.zeros([], device="cuda"); the p2p
+    # communicator's buffers use torch.cuda.current_device() and its batched sends
+    # torch.cuda.synchronize() (both patched above).
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuTorchForSchedules("torch")
+    # LanguageModule.setup_embeddings_and_output_layer moves the last stage's copy of tied
+    # embeddings with weight.data.cuda() before all-reducing it with the first stage's.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _without_tensor_cuda(
+        LanguageModule.setup_embeddings_and_output_layer
+    )
 
     _APPLIED = True
     log.info("megatron-core CPU patches applied")

@@ -195,6 +195,7 @@ def megatron_config_from_hf(
     *,
     tp: int = 1,
     pp: int = 1,
+    vpp: int | None = None,
     dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     on_gpu: bool | None = None,
@@ -205,7 +206,8 @@ def megatron_config_from_hf(
     recompute_num_layers: int | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> MegatronModelConfig:
-    """Build the megatron model description for ``hf_config`` at tensor/pipeline parallel sizes.
+    """Build the megatron model description for ``hf_config`` at tensor/pipeline parallel sizes
+(``vpp``: model chunks per pipeline stage, None without interleaving).
 
     ``dtype`` is the compute dtype (params on CPU; Float16Module's dtype on GPU). Keep
     ``perform_initialization`` on even though HF weights overwrite the values: megatron only marks
@@ -257,6 +259,11 @@ def megatron_config_from_hf(
         "init_method_std": float(getattr(hf_config, "initializer_range", 0.02)),
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp if pp > 1 else None,
+        # Interleaved stages at PP=2 exchange activations and gradients with one peer in both
+        # directions at once: megatron's unbatched p2p keeps the two directions apart (on two process
+        # groups); its batched p2p would pair them in posting order.
+        "batch_p2p_comm": not (vpp and pp > 1),
         "sequence_parallel": sequence_parallel,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
@@ -280,7 +287,7 @@ def megatron_config_from_hf(
             recompute_method,
             recompute_num_layers,
             total_layers=hf_config.num_hidden_layers,
-            pp=pp,
+            pp=pp * (vpp or 1),  # megatron recomputes within each model chunk
             overrides=overrides,
         )
     )
@@ -514,8 +521,13 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     return True, value  # a type we do not check (context managers, recipe objects, ...)
 
 
-def build_gpt_model(mcfg: MegatronModelConfig, pre_process: bool = True, post_process: bool = True):
-    """Instantiate this rank's ``GPTModel`` (needs megatron's parallel state initialised)."""
+def build_gpt_model(
+    mcfg: MegatronModelConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+):
+    """Instantiate one ``GPTModel`` (chunk) of this rank (needs megatron's parallel state initialised)."""
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -523,5 +535,25 @@ def build_gpt_model(mcfg: MegatronModelConfig, pre_process: bool = True, post_pr
         transformer_layer_spec=mcfg.layer_spec,
         pre_process=pre_process,
         post_process=post_process,
+        vp_stage=vp_stage,
         **mcfg.gpt_kwargs,
     )
+
+
+def build_model_chunks(mcfg: MegatronModelConfig) -> list:
+    """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (one without VPP), each
+    holding its share of the layers; the embedding lives on the first chunk of the first stage, the
+    final norm and output layer on the last chunk of the last stage."""
+    from megatron.core import parallel_state as ps
+
+    vpp = mcfg.transformer_config.virtual_pipeline_model_parallel_size
+    stages = [None] if vpp is None else list(range(vpp))
+    return [
+        build_gpt_model(
+            mcfg,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        for stage in stages
+    ]
