@@ -297,6 +297,8 @@ class MegatronActor:
         if parallel.vpp == 1:
             parallel = replace(parallel, vpp=None)  # one chunk per stage: no interleaving
         _check_parallel(parallel, on_gpu)
+        hf_config = hf_weights.load_hf_config(hf_dir)
+        _check_layer_split(hf_config.num_hidden_layers, parallel)
         if not dist.is_initialized():
             init_distributed(dist_env_from_environ(os.environ))
         _init_model_parallel(parallel)
@@ -306,8 +308,6 @@ class MegatronActor:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-        hf_config = hf_weights.load_hf_config(hf_dir)
-        _check_layer_split(hf_config.num_hidden_layers, parallel)
         mcfg = megatron_config_from_hf(
             hf_config,
             tp=parallel.tp,
