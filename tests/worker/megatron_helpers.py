@@ -297,7 +297,25 @@ def _scenario_pp2(models_root: str, out_dir: str) -> None:
         results[name] = pp_steps(actor, out / f"ckpt_{name}")
         if name == "qwen2_tied":
             actor.save_hf_checkpoint(out / "hf_export_tied")
+    results["mixed"] = _mix_tp_and_pp_checkpoints(root / "llama", out)
     torch.save(results, out / f"pp2_rank{dist.get_rank()}.pt")
+
+
+def _mix_tp_and_pp_checkpoints(hf_dir: Path, out: Path) -> dict:
+    """TP2 loads the PP2 checkpoint, takes a step and saves; PP2 loads that TP2 checkpoint."""
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    ids, mask = sample_batch()
+    tp2 = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=2), OptimConfig(lr=1e-3), seed=5)
+    tp2.load_checkpoint(out / "ckpt_llama")
+    mixed = {"tp2_from_pp2": tp2.eval_loss(ids, mask)}
+    tp2.update({"input_ids": ids, "attention_mask": mask}, seq_nll_loss, micro_batch_size=2)
+    tp2.save_checkpoint(out / "ckpt_llama_tp2")
+    mixed["tp2_after_step"] = tp2.eval_loss(ids, mask)
+    pp2 = MegatronActor.from_hf(hf_dir, ParallelConfig(pp=2), OptimConfig(lr=1e-3), seed=5)
+    mixed["pp2_from_tp2_meta"] = pp2.load_checkpoint(out / "ckpt_llama_tp2")
+    mixed["pp2_from_tp2"] = pp2.eval_loss(ids, mask)
+    return mixed
 
 
 SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt, "pp2": _scenario_pp2}

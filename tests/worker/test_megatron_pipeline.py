@@ -2,7 +2,8 @@
 
 One torchrun launch (``megatron_helpers.py pp2``) runs :func:`megatron_helpers.pp_steps` on an untied
 llama, a tied-embedding qwen2 and a 4-layer llama with two virtual stages per rank, writes
-checkpoints and an HF export; the tests repeat the same steps at PP=1 and compare.
+checkpoints and an HF export, and moves a checkpoint from PP2 to TP2 and back; the tests repeat the
+same steps at PP=1 and compare.
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ def test_pp2_checkpoint_loads_into_pp1(run, name):
     state = actor.optimizer.state_dict()["state"]
     assert len(state) == len(list(actor.core.parameters()))
     assert all(float(s["exp_avg_sq"].sum()) > 0 for s in state.values())
+
+
+def test_tp_and_pp_checkpoints_load_into_each_other(run):
+    mixed = run["rank0"]["mixed"]
+    assert mixed["tp2_from_pp2"] == pytest.approx(run["rank0"]["llama"]["eval_loss"], abs=1e-6)
+    assert mixed["tp2_after_step"] < mixed["tp2_from_pp2"]
+    assert mixed["pp2_from_tp2_meta"]["tp"] == 2 and mixed["pp2_from_tp2_meta"]["step"] == 3
+    assert mixed["pp2_from_tp2"] == pytest.approx(mixed["tp2_after_step"], abs=1e-6)
+    assert run["rank1"]["mixed"]["pp2_from_tp2"] == mixed["pp2_from_tp2"]
 
 
 @pytest.mark.parametrize(
