@@ -318,7 +318,28 @@ def _mix_tp_and_pp_checkpoints(hf_dir: Path, out: Path) -> dict:
     return mixed
 
 
-SCENARIOS = {"tp2": _scenario_tp2, "dp2_bf16_distopt": _scenario_dp2_bf16_distopt, "pp2": _scenario_pp2}
+def _scenario_pp2_bf16(models_root: str, out_dir: str) -> None:
+    """PP=2 in bf16 (GPU: Float16Module, megatron DDP and optimizer, finalize_model_grads for the
+    tied embedding): pp_steps on the untied llama and the tied qwen2; each rank saves its results."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out, root = Path(out_dir), Path(models_root)
+    results = {}
+    for name in ("llama", "qwen2_tied"):
+        actor = MegatronActor.from_hf(
+            root / name, ParallelConfig(pp=2), OptimConfig(lr=1e-3), dtype=torch.bfloat16, seed=1
+        )
+        results[name] = pp_steps(actor, out / f"ckpt_bf16_{name}")
+    torch.save(results, out / f"pp2_bf16_rank{dist.get_rank()}.pt")
+
+
+SCENARIOS = {
+    "tp2": _scenario_tp2,
+    "dp2_bf16_distopt": _scenario_dp2_bf16_distopt,
+    "pp2": _scenario_pp2,
+    "pp2_bf16": _scenario_pp2_bf16,
+}
 
 
 if __name__ == "__main__":

@@ -48,10 +48,10 @@ that would touch the weights raises.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
-import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -62,7 +62,12 @@ import torch.distributed as dist
 from ..distributed import dist_env_from_environ, init_distributed
 from . import hf_weights
 from .cpu_compat import apply_cpu_patches
-from .model_config import MegatronConfigError, MegatronModelConfig, build_model_chunks, megatron_config_from_hf
+from .model_config import (
+    MegatronConfigError,
+    MegatronModelConfig,
+    build_model_chunks,
+    megatron_config_from_hf,
+)
 from .offload import CATEGORIES, OffloadStateError, StorageOffloader, assert_materialized
 
 log = logging.getLogger(__name__)
