@@ -7,8 +7,8 @@ bf16 params with fp32 main params, optional distributed optimizer) and on CPU wi
 Batches are dicts of tensors with a leading batch dim ``B``:
 ``input_ids (B, T) long`` and ``attention_mask (B, T)`` (1 = real token, 0 = padding, anywhere:
 left-padded prompts and right-padded responses alike). Every method that takes a batch must be
-called by all ranks of a tensor-parallel group with the same batch; data-parallel ranks take
-different batches.
+called by all ranks of a model-parallel (tensor x pipeline) group with the same batch; data-parallel
+ranks take different batches.
 
 Padding never reaches the model: each row's real tokens are packed to the front (order kept), the
 batch is cut to the longest row, the model runs plain causal attention with positions 0..n-1
@@ -29,9 +29,13 @@ packed row), padded at the end (causal attention: trailing padding changes nothi
 stages know each activation's shape without exchanging it. Megatron's alternative,
 ``variable_seq_lengths``, exchanges shapes through batched p2p in an order that, with interleaving at
 PP=2 (previous and next stage are one peer), pairs an activation's shape with a gradient's: it
-deadlocks. Sorting rows by length before splitting into micro-batches keeps the padding small. Log-probs, entropy and the loss are computed on the last stage
-and broadcast over the pipeline group, so every method returns the same result on every rank of a
-model-parallel group. Tied embeddings keep a copy on the last stage whose gradient is summed with the
+deadlocks (and costs a shape round trip per transfer). The price is padding work on micro-batches
+shorter than the longest; rows sorted by length before the call (as ``sft.packing`` does) keep it
+small. With ``vpp``, a call with fewer micro-batches than stages runs filler micro-batches (results
+dropped, loss zeroed) because the interleaved schedule needs at least ``pp``. Log-probs, entropy
+and the loss are computed on the last stage and broadcast over the pipeline group, so every method
+returns the same result on every rank of a model-parallel group (call them on every rank of it,
+with the same batch). Tied embeddings keep a copy on the last stage whose gradient is summed with the
 first stage's (megatron's ``finalize_model_grads`` on GPU, the same all-reduce on CPU).
 
 Not supported yet (``MegatronConfigError`` at construction): context and expert parallelism;
