@@ -405,12 +405,101 @@ def _scenario_ep2_bf16(hf_dir: str, out_dir: str) -> None:
         torch.save(results, out / "ep2_bf16.pt")
 
 
+PP_MODELS = {  # name -> (arch, overrides) of the models the pp2 scenario runs
+    "llama": ("llama", {}),  # untied, 2 layers: one per stage
+    "qwen2_tied": ("qwen2", {}),  # tied embeddings: a copy on the last stage
+    "llama4": ("llama", {"num_hidden_layers": 4}),  # VPP2: two chunks of one layer per stage
+}
+
+
+def make_pp_models(root) -> Path:
+    root = Path(root)
+    for i, (name, (arch, overrides)) in enumerate(PP_MODELS.items()):
+        make_tiny_hf_model(arch, root / name, seed=i, **overrides)
+    return root
+
+
+def pp_steps(actor, out_dir=None, dtype_tag: str = "fp32") -> dict:
+    """What the PP tests compare between layouts: log-probs and entropy, logits, two updates (at
+    micro-batch 2, then 3: uneven micro-batches), log-probs after, eval loss, the exported weights."""
+    ids, mask = sample_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    res = actor.compute_logprobs(batch, micro_batch_size=2, with_entropy=True)
+    out = {
+        "logprobs": res["logprobs"],
+        "entropy": res["entropy"],
+        "logits": actor.forward_logits(ids, mask),
+        "exported": {k: v.cpu() for k, v in actor.export_hf_weights()},
+        "updates": [
+            actor.update(batch, seq_nll_loss, micro_batch_size=mbs, with_entropy=True) for mbs in (2, 3)
+        ],
+        "logprobs_after": actor.compute_logprobs(batch, micro_batch_size=1)["logprobs"],
+        "eval_loss": actor.eval_loss(ids, mask),
+    }
+    if out_dir is not None:
+        actor.save_checkpoint(Path(out_dir))
+    out["exported_after"] = {k: v.cpu() for k, v in actor.export_hf_weights()}
+    return out
+
+
+def _scenario_pp2(models_root: str, out_dir: str) -> None:
+    """PP=2 (and PP=2 x VPP=2) over two gloo processes: every model of PP_MODELS through pp_steps,
+    checkpoints and an HF export; each rank saves its results (they must agree)."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out, root = Path(out_dir), Path(models_root)
+    results = {}
+    for name, vpp in (("llama", None), ("qwen2_tied", None), ("llama4", 2)):
+        actor = MegatronActor.from_hf(root / name, ParallelConfig(pp=2, vpp=vpp), OptimConfig(lr=1e-3), seed=1)
+        results[name] = pp_steps(actor, out / f"ckpt_{name}")
+        if name == "qwen2_tied":
+            actor.save_hf_checkpoint(out / "hf_export_tied")
+    results["mixed"] = _mix_tp_and_pp_checkpoints(root / "llama", out)
+    torch.save(results, out / f"pp2_rank{dist.get_rank()}.pt")
+
+
+def _mix_tp_and_pp_checkpoints(hf_dir: Path, out: Path) -> dict:
+    """TP2 loads the PP2 checkpoint, takes a step and saves; PP2 loads that TP2 checkpoint."""
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    ids, mask = sample_batch()
+    tp2 = MegatronActor.from_hf(hf_dir, ParallelConfig(tp=2), OptimConfig(lr=1e-3), seed=5)
+    tp2.load_checkpoint(out / "ckpt_llama")
+    mixed = {"tp2_from_pp2": tp2.eval_loss(ids, mask)}
+    tp2.update({"input_ids": ids, "attention_mask": mask}, seq_nll_loss, micro_batch_size=2)
+    tp2.save_checkpoint(out / "ckpt_llama_tp2")
+    mixed["tp2_after_step"] = tp2.eval_loss(ids, mask)
+    pp2 = MegatronActor.from_hf(hf_dir, ParallelConfig(pp=2), OptimConfig(lr=1e-3), seed=5)
+    mixed["pp2_from_tp2_meta"] = pp2.load_checkpoint(out / "ckpt_llama_tp2")
+    mixed["pp2_from_tp2"] = pp2.eval_loss(ids, mask)
+    return mixed
+
+
+def _scenario_pp2_bf16(models_root: str, out_dir: str) -> None:
+    """PP=2 in bf16 (GPU: Float16Module, megatron DDP and optimizer, finalize_model_grads for the
+    tied embedding): pp_steps on the untied llama and the tied qwen2; each rank saves its results."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out, root = Path(out_dir), Path(models_root)
+    results = {}
+    for name in ("llama", "qwen2_tied"):
+        actor = MegatronActor.from_hf(
+            root / name, ParallelConfig(pp=2), OptimConfig(lr=1e-3), dtype=torch.bfloat16, seed=1
+        )
+        results[name] = pp_steps(actor, out / f"ckpt_bf16_{name}")
+    torch.save(results, out / f"pp2_bf16_rank{dist.get_rank()}.pt")
+
+
 SCENARIOS = {
     "tp2": _scenario_tp2,
     "dp2_bf16_distopt": _scenario_dp2_bf16_distopt,
     "ep2": _scenario_ep2,
     "ep2_bf16": _scenario_ep2_bf16,
     "cp_sp": _scenario_cp_sp,
+    "pp2": _scenario_pp2,
+    "pp2_bf16": _scenario_pp2_bf16,
 }
 
 

@@ -182,5 +182,7 @@ def test_sequence_parallel_needs_tensor_parallel():
 def test_unsupported_parallel_layout():
     from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
-    with pytest.raises(ValueError, match="pipelineModelParallelSize=2"):
-        MegatronActor.from_hf("/nonexistent", ParallelConfig(pp=2), OptimConfig(lr=1e-3))
+    with pytest.raises(ValueError, match="virtualPipelineModelParallelSize=2 needs pipeline parallelism"):
+        MegatronActor.from_hf("/nonexistent", ParallelConfig(vpp=2), OptimConfig(lr=1e-3))
+    with pytest.raises(ValueError, match="contextParallelSize=2 together with pipelineModelParallelSize=2"):
+        MegatronActor.from_hf("/nonexistent", ParallelConfig(cp=2, pp=2), OptimConfig(lr=1e-3))

@@ -1,6 +1,6 @@
 """The megatron actor's GPU path (megatron DDP + megatron optimizer, Float16Module for bf16).
 
-Needs a CUDA GPU (two for the TP=2 test): run with the device tool, e.g.
+Needs a CUDA GPU (two for the TP=2, DP=2 and PP=2 tests): run with the device tool, e.g.
 ``python -m pytest tests/worker/test_megatron_gpu.py -q``.
 """
 
@@ -200,3 +200,37 @@ def test_moe_ep2_bf16_equals_ep1_and_hf(tmp_path):
     for name, tensor in res["ep2"]["exported"].items():
         want = res["ep1"]["exported"][name]
         assert (tensor - want).abs().max() <= 1e-2 * want.abs().max() + 1e-3, name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_pp2_bf16_equals_pp1_on_gpus(tmp_path):
+    """PP=2 over two GPUs (NCCL p2p, megatron DDP per stage, finalize_model_grads summing the tied
+    embedding's two copies) against PP=1 on one GPU, both bf16: log-probs, entropy, two updates,
+    exported weights; then the PP2 checkpoint loads into PP1."""
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    models = H.make_pp_models(tmp_path / "models")
+    H.run_torchrun("pp2_bf16", models, tmp_path / "out", timeout=300)
+    ranks = [torch.load(tmp_path / "out" / f"pp2_bf16_rank{r}.pt", map_location="cpu") for r in range(2)]
+
+    def rel(got, want):
+        return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+    for name in ("llama", "qwen2_tied"):
+        got = ranks[0][name]
+        assert ranks[1][name]["updates"] == got["updates"]
+        assert torch.equal(ranks[1][name]["logprobs"], got["logprobs"])
+        pp1 = MegatronActor.from_hf(models / name, ParallelConfig(), OptimConfig(lr=1e-3), dtype=torch.bfloat16, seed=1)
+        want = H.pp_steps(pp1)
+        for key in ("logprobs", "entropy", "logits", "logprobs_after"):
+            assert rel(got[key], want[key]) <= 1e-2, (name, key)
+        for g, w in zip(got["updates"], want["updates"]):
+            assert g["skipped"] == 0
+            for key in ("loss", "entropy", "grad_norm"):
+                assert g[key] == pytest.approx(w[key], rel=1e-2), (name, key)
+        for hf_name, tensor in want["exported_after"].items():
+            assert rel(got["exported_after"][hf_name], tensor) <= 1e-2, (name, hf_name)
+        fresh = MegatronActor.from_hf(models / name, ParallelConfig(), OptimConfig(lr=1e-3), dtype=torch.bfloat16)
+        assert fresh.load_checkpoint(tmp_path / "out" / f"ckpt_bf16_{name}")["pp"] == 2
+        ids, mask = H.sample_batch()
+        assert fresh.eval_loss(ids, mask) == pytest.approx(got["eval_loss"], rel=1e-2)

@@ -1,4 +1,4 @@
-"""The launcher's PyTorchJob-shaped path on CPU: TP2 in one pod and DP2 across two pods train
+"""The launcher's PyTorchJob-shaped path on CPU: TP2 and PP2 in one pod and DP2 across two pods train
 the same trajectory as one process (same samples, same rewards) and commit checkpoints."""
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def single_process(tmp_path_factory):
 @pytest.mark.parametrize("layout", [
     {"gpusPerNode": 2, "megatron.tensorModelParallelSize": 2},  # TP2 in one pod (two gloo processes)
     {"nnodes": 2, "training.trainBatchSizePerNode": 2, "training.ppoMiniBatchSizePerNode": 2},  # DP2 over two pods
-], ids=["tp2", "two-pods-dp2"])
+    {"gpusPerNode": 2, "megatron.pipelineModelParallelSize": 2},  # PP2 in one pod: one layer per stage
+], ids=["tp2", "two-pods-dp2", "pp2"])
 def test_parallel_layout_trains_the_same_trajectory(tmp_path, single_process, layout):
     records = run_job(job("parallel", **layout), tmp_path)
     assert [r["step"] for r in records] == list(range(1, 13))

@@ -334,6 +334,28 @@ def test_tp2_matches_tp1_and_resumes_onto_it(tp1_run, tmp_path):
         assert got[step]["val/loss"] == pytest.approx(ref[step]["val/loss"], rel=1e-4)
 
 
+def test_pp2_matches_tp1_resumes_and_exports(tp1_run, tmp_path):
+    """PP2 (two pipeline stages in one pod, tied embeddings split across them) stopped at step 12 and
+    resumed follows the TP1 trajectory, and its HF export equals TP1's (every tensor from its stage)."""
+    ref, ref_root = tp1_run
+    doc = sft_doc("sft-pp2", gpusPerNode=2, **{"megatron.pipelineModelParallelSize": 2})
+    rljob_run(doc, tmp_path, "--steps", "12")
+    got = rljob_run(doc, tmp_path)
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(ref[1:], got[1:]):
+        assert b["actor/loss"] == pytest.approx(a["actor/loss"], rel=1e-4), (a["step"], a, b)
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-3), a["step"]
+    for step in (0, 8, 16, 24):
+        assert got[step]["val/loss"] == pytest.approx(ref[step]["val/loss"], rel=1e-4)
+    from safetensors.torch import load_file
+
+    want = load_file(ref_root / "ckpt" / "default" / "sft" / "hf" / "model.safetensors")
+    exported = load_file(tmp_path / "ckpt" / "default" / "sft-pp2" / "hf" / "model.safetensors")
+    assert sorted(exported) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-4)
+
+
 def test_sft_export_warm_starts_grpo(tp1_run, tmp_path):
     """The exported HF folder is the model.path of a GRPO quickstart run: it loads, trains 3 steps, and the
     policy already earns most of the reward (a fresh tiny model earns ~0.1; see test_learning)."""

@@ -145,7 +145,7 @@ class SFTTrainer:
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
         self.per_rank = self.global_batch // self.dp_size
         self.micro_batches = self.per_rank // t.micro_batch_size_per_gpu
-        self._num_params = sum(p.numel() for p in self.actor.core.parameters()) * self.actor.tp_size
+        self._num_params = self.actor.num_parameters()
 
         self.telemetry = self._make_telemetry()
         signal.signal(signal.SIGTERM, self._request_stop)

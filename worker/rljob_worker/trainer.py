@@ -149,7 +149,7 @@ class GRPOTrainer:
         self._offload_plan = [(model, f) for model, f in ((self.actor, flags), (self.ref, ref_flags))
                               if model is not None and any(f.values())]
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
-        self._num_params = sum(p.numel() for p in self.actor.core.parameters()) * self.actor.tp_size
+        self._num_params = self.actor.num_parameters()
         self.loss_config = algo.LossConfig(
             clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
             kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_placement=a.kl_placement,

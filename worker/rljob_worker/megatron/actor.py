@@ -7,8 +7,8 @@ bf16 params with fp32 main params, optional distributed optimizer) and on CPU wi
 Batches are dicts of tensors with a leading batch dim ``B``:
 ``input_ids (B, T) long`` and ``attention_mask (B, T)`` (1 = real token, 0 = padding, anywhere:
 left-padded prompts and right-padded responses alike). Every method that takes a batch must be
-called by all ranks of a tensor-parallel group with the same batch; data-parallel ranks take
-different batches.
+called by all ranks of a model-parallel (tensor x pipeline) group with the same batch; data-parallel
+ranks take different batches.
 
 Padding never reaches the model: each row's real tokens are packed to the front (order kept), the
 batch is cut to the longest row, the model runs plain causal attention with positions 0..n-1
@@ -21,6 +21,24 @@ tokens of input_ids[b, :t])`` where token ``t`` is real and some earlier token i
 predictive distribution, with the same zeros. Both are computed vocab-parallel (no full-vocab
 gather under TP).
 
+Pipeline parallelism (``pp`` > 1, optionally ``vpp`` model chunks per stage, megatron's interleaved
+schedule): each rank builds its chunks (embedding on the first stage, final norm and output layer on
+the last) and runs megatron's own schedules (``get_forward_backward_func``) over the packed
+micro-batches. Every micro-batch of one call runs at one shape, (micro-batch size, the call's longest
+packed row), padded at the end (causal attention: trailing padding changes nothing before it), so
+stages know each activation's shape without exchanging it. Megatron's alternative,
+``variable_seq_lengths``, exchanges shapes through batched p2p in an order that, with interleaving at
+PP=2 (previous and next stage are one peer), pairs an activation's shape with a gradient's: it
+deadlocks (and costs a shape round trip per transfer). The price is padding work on micro-batches
+shorter than the longest; rows sorted by length before the call (as ``sft.packing`` does) keep it
+small. With ``vpp``, a call with fewer micro-batches than stages runs filler micro-batches (results
+dropped, loss zeroed) because the interleaved schedule needs at least ``pp``. Log-probs, entropy
+and the loss are computed on the last stage and broadcast over the pipeline group, so every method
+returns the same result on every rank of a model-parallel group (call them on every rank of it,
+with the same batch). Tied embeddings keep a copy on the last stage whose gradient is summed with the
+first stage's (megatron's ``finalize_model_grads`` on GPU, the same all-reduce on CPU).
+
+
 Context parallelism (``ParallelConfig.cp``): every rank of a CP group takes the same batch; the
 packed length is padded to a multiple of ``2 * cp`` (padding columns are ignored), each CP rank runs
 its load-balanced share of the sequence (:mod:`.context_parallel`), attention all-gathers keys and
@@ -32,7 +50,8 @@ expert parallelism (:mod:`.moe`): on CPU, expert gradients are averaged over the
 expert-data-parallel group and the grad norm counts each expert shard once; on GPU megatron's DDP
 and optimizer do the same with their expert buffers.
 
-Not supported yet (``ValueError`` at construction): pipeline / virtual pipeline parallelism.
+Not supported yet (``MegatronConfigError`` at construction): context parallelism together with
+pipeline parallelism; layer counts that ``pp`` (x ``vpp``) does not divide.
 
 Memory: activation recompute (:class:`RecomputeConfig`, megatron's full / selective recompute) and
 ``overrideTransformerConfig`` are applied to the ``TransformerConfig`` before the model is built.
@@ -44,11 +63,12 @@ that would touch the weights raises.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,7 +78,12 @@ from ..distributed import dist_env_from_environ, init_distributed
 from . import hf_weights, moe
 from .context_parallel import gather_from_cp, local_positions, sequence_multiple, split_for_cp
 from .cpu_compat import apply_cpu_patches
-from .model_config import MegatronModelConfig, build_gpt_model, megatron_config_from_hf
+from .model_config import (
+    MegatronConfigError,
+    MegatronModelConfig,
+    build_model_chunks,
+    megatron_config_from_hf,
+)
 from .offload import CATEGORIES, OffloadStateError, StorageOffloader, assert_materialized
 
 log = logging.getLogger(__name__)
@@ -69,9 +94,10 @@ _PAD_LOGIT = -1e30  # logits of padded vocab entries: exp() is exactly 0 and 0 *
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Megatron parallel layout (sizes multiply: world = tp * pp * cp * dp). Experts: ``ep`` expert
-    parallel x ``etp`` expert tensor parallel (default ``tp``) ranks share a layer's experts; megatron
-    carves them out of the same ranks (``etp * ep * pp`` divides the world)."""
+    """Megatron parallel layout (sizes multiply: world = tp * pp * cp * dp; ``vpp``: model chunks per
+    pipeline stage, interleaved schedule, needs ``pp`` > 1). Experts: ``ep`` expert parallel x ``etp``
+    expert tensor parallel (default ``tp``) ranks share a layer's experts; megatron carves them out of
+    the same ranks (``etp * ep * pp`` divides the world)."""
 
     tp: int = 1
     pp: int = 1
@@ -174,13 +200,51 @@ def _split(batch: Mapping[str, Any], micro_batch_size: int) -> Iterator[dict[str
         }
 
 
+@dataclass
+class _Packed:
+    """One micro-batch as the model sees it: ids (b, Tc) with real tokens packed to the front, and
+    what :func:`_unpack` needs to bring per-token values back to the batch's ``t`` columns."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    order: torch.Tensor
+    lengths: torch.Tensor
+    t: int
+    micro_batch: dict[str, Any]
+    filler: bool = False  # run only to satisfy the interleaved schedule; its results are dropped
+
+    def padded_to(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, positions) padded to ``(rows, cols)`` with token 0 at the end of rows and columns."""
+        b, tc = self.ids.shape
+        ids = torch.nn.functional.pad(self.ids, (0, cols - tc, 0, rows - b))
+        positions = torch.arange(cols, device=ids.device).expand_as(ids)
+        return ids, positions
+
+
+def _interleaving_group(num_micro_batches: int, pp: int) -> int:
+    """Micro-batches per virtual-stage group for megatron's interleaved schedule, which needs
+    ``pp <= group <= M`` and ``M % group`` either 0 or >= ``pp``: the smallest such group (megatron's
+    default is ``pp``; a larger one only when ``pp`` leaves a short remainder)."""
+    for group in range(pp, num_micro_batches + 1):
+        rest = num_micro_batches % group
+        if rest == 0 or rest >= pp:
+            return group
+    raise ValueError(f"{num_micro_batches} micro-batches cannot be interleaved over {pp} stages")
+
+
 class MegatronActor:
-    """Owns this rank's model shard and optimizer. Build with :meth:`from_hf`."""
+    """Owns this rank's model shard (its pipeline stage's chunks) and optimizer. Build with
+    :meth:`from_hf`.
+
+    ``models``: what the schedule runs, one per model chunk (DDP(Float16Module(GPTModel)) on GPU,
+    GPTModel on CPU); ``chunks``: the GPTModels; ``core``: the GPTModel with one chunk, else a
+    ``ModuleList`` of the chunks (``core.parameters()`` is every parameter of this rank either way).
+    """
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        core: torch.nn.Module,
+        models: list[torch.nn.Module],
+        chunks: list[torch.nn.Module],
         optimizer: Any,
         hf_config,
         mcfg: MegatronModelConfig,
@@ -191,8 +255,10 @@ class MegatronActor:
     ) -> None:
         from megatron.core import parallel_state as ps
 
-        self.model = model  # what forward runs (DDP(Float16Module(GPTModel)) on GPU, GPTModel on CPU)
-        self.core = core  # the GPTModel
+        self.models = models
+        self.chunks = chunks
+        self.model = models[0] if len(models) == 1 else torch.nn.ModuleList(models)
+        self.core = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
         self.optimizer = optimizer
         self.hf_config = hf_config
         self.mcfg = mcfg
@@ -211,6 +277,11 @@ class MegatronActor:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
+        self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank
         # context parallel (CP): ranks of a CP group share a batch, each runs a share of the sequence
         self.cp_rank = ps.get_context_parallel_rank()
         self.cp_size = ps.get_context_parallel_world_size()
@@ -251,7 +322,11 @@ class MegatronActor:
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             apply_cpu_patches()
+        if parallel.vpp == 1:
+            parallel = replace(parallel, vpp=None)  # one chunk per stage: no interleaving
         _check_parallel(parallel, on_gpu)
+        hf_config = hf_weights.load_hf_config(hf_dir)
+        _check_layer_split(hf_config.num_hidden_layers, parallel)
         if not dist.is_initialized():
             init_distributed(dist_env_from_environ(os.environ))
         _init_model_parallel(parallel)
@@ -261,9 +336,13 @@ class MegatronActor:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-        hf_config = hf_weights.load_hf_config(hf_dir)
         if trainable:
             moe.check_training_layout(hf_config, parallel.tp, parallel.sequence_parallel)
+        if moe.is_moe(hf_config) and parallel.vpp is not None:
+            raise MegatronConfigError(
+                f"spec.megatron.virtualPipelineModelParallelSize={parallel.vpp} is not supported for mixture-of-experts "
+                "models yet (their layer specs are built per pipeline stage); unset it"
+            )
         mcfg = megatron_config_from_hf(
             hf_config,
             tp=parallel.tp,
@@ -271,6 +350,7 @@ class MegatronActor:
             cp=parallel.cp,
             ep=parallel.ep,
             etp=parallel.etp,
+            vpp=parallel.vpp,
             dtype=dtype,
             sequence_parallel=parallel.sequence_parallel,
             on_gpu=on_gpu,
@@ -279,51 +359,65 @@ class MegatronActor:
             recompute_num_layers=recompute.num_layers,
             overrides=transformer_overrides,
         )
-        core = build_gpt_model(mcfg)
+        chunks = build_model_chunks(mcfg)
         if on_gpu:  # megatron builds linears on the GPU but torch norms on the CPU
-            core.cuda(torch.cuda.current_device())
-        hf_weights.load_hf_weights(core, hf_dir, hf_config)
+            for chunk in chunks:
+                chunk.cuda(torch.cuda.current_device())
+        hf_weights.load_hf_weights(chunks, hf_dir, hf_config)
 
         if not trainable:
-            core.requires_grad_(False)
-            model, optimizer = core, None
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+            models, optimizer = list(chunks), None
             if on_gpu and dtype in (torch.bfloat16, torch.float16):
                 from megatron.core.transformer.module import Float16Module
 
-                model = Float16Module(mcfg.transformer_config, core)
+                models = [Float16Module(mcfg.transformer_config, chunk) for chunk in chunks]
         elif on_gpu:
-            model, optimizer = _gpu_wrap(core, mcfg, parallel, optim, dtype)
+            models, optimizer = _gpu_wrap(chunks, mcfg, parallel, optim, dtype)
+            # the pipeline schedule scales each last-stage loss before its backward
+            mcfg.transformer_config.grad_scale_func = optimizer.scale_loss
         else:
-            model, optimizer = core, _cpu_adamw(core, optim)
-        return cls(model, core, optimizer, hf_config, mcfg, parallel, optim, dtype, with_entropy)
+            params = torch.nn.ModuleList(chunks) if len(chunks) > 1 else chunks[0]
+            models, optimizer = list(chunks), _cpu_adamw(params, optim)
+        return cls(models, chunks, optimizer, hf_config, mcfg, parallel, optim, dtype, with_entropy)
 
     # ----------------------------------------------------------------------------------------------
     # forward
 
-    def _forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool, logits_only=False
-    ):
-        """Per-token (logprobs, entropy) of one micro-batch, ``(b, T)`` each; entropy may be None."""
-        from megatron.core import tensor_parallel
-
-        input_ids = input_ids.to(self.device)
-        attention_mask = attention_mask.to(self.device)
-        t = input_ids.shape[1]
+    def _pack_micro_batch(self, mb: dict[str, Any]) -> _Packed:
+        input_ids = mb["input_ids"].to(self.device)
+        attention_mask = mb["attention_mask"].to(self.device)
         sp_tp = self.tp_size if self.parallel.sequence_parallel else 1
         multiple = sequence_multiple(self.cp_size, sp_tp)  # CP: 2 * cp chunks; SP: TP splits each
         ids, order, lengths = _pack(input_ids, attention_mask, multiple)
-        # next-token targets aligned with the logits that predict them; the last column is a dummy
-        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-        # CP: this rank's share of the columns (identity for cp = 1); Tl = Tc / cp
-        local_ids = split_for_cp(ids, self.cp_size, self.cp_rank)  # CP
-        local_targets = split_for_cp(targets, self.cp_size, self.cp_rank)  # CP
-        positions = local_positions(ids.shape[1], self.cp_size, self.cp_rank, self.device)  # CP: global
-        positions = positions.expand_as(local_ids)
-        logits = self.model(local_ids, positions, None)  # (b, Tl, V/tp); fp32 from Float16Module on GPU
-        logits = logits.float()
-        logits = self._mask_vocab_padding(logits)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        return _Packed(ids, positions, order, lengths, input_ids.shape[1], mb)
+
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool, logits_only=False
+    ):
+        """Per-token (logprobs, entropy) of one micro-batch, ``(b, T)`` each; entropy may be None.
+        One pipeline stage only (the whole model on this rank)."""
+        packed = self._pack_micro_batch({"input_ids": input_ids, "attention_mask": attention_mask})
+        # CP: this rank's share of the columns, at their global positions (identity for cp = 1)
+        local_ids = split_for_cp(packed.ids, self.cp_size, self.cp_rank)
+        positions = local_positions(packed.ids.shape[1], self.cp_size, self.cp_rank, self.device)
+        logits = self.model(local_ids, positions.expand_as(local_ids), None)  # (b, Tc/cp, V/tp), fp32
+        logits = self._mask_vocab_padding(logits.float())
         if logits_only:
-            return gather_from_cp(logits, self.cp_group), order, lengths  # CP
+            return gather_from_cp(logits, self.cp_group), packed.order, packed.lengths
+        return self._token_values(logits, packed, with_entropy)
+
+    def _token_values(self, logits: torch.Tensor, packed: _Packed, with_entropy: bool):
+        """(logprobs, entropy | None), ``(b, T)`` each, from the vocab-parallel logits of ``packed``
+        (under CP: of this rank's columns, ``(b, Tc / cp, V / tp)``)."""
+        from megatron.core import tensor_parallel
+
+        order, lengths, t = packed.order, packed.lengths, packed.t
+        # next-token targets aligned with the logits that predict them; the last column is a dummy
+        targets = torch.nn.functional.pad(packed.ids[:, 1:], (0, 1))
+        local_targets = split_for_cp(targets, self.cp_size, self.cp_rank)  # CP
         entropy = None
         if with_entropy:  # before the cross entropy, which overwrites its input in place
             ent_next = gather_from_cp(vocab_parallel_entropy(logits), self.cp_group)  # CP: (b, Tc)
@@ -332,6 +426,82 @@ class MegatronActor:
         lp_next = gather_from_cp(lp_next, self.cp_group)  # CP: (b, Tl) -> (b, Tc)
         logprobs = _unpack(torch.nn.functional.pad(lp_next[:, :-1], (1, 0)), order, lengths, t)
         return logprobs, entropy
+
+    # ----------------------------------------------------------------------------------------------
+    # pipeline parallelism: megatron's schedules; results live on the last stage, then broadcast
+
+    def _run_pipeline(self, micro_batches: list[dict[str, Any]], on_logits, forward_only: bool) -> list[Any]:
+        """Run megatron's pipeline schedule over ``micro_batches``. On the last stage
+        ``on_logits(packed, logits) -> (loss, result)`` handles each micro-batch's fp32
+        vocab-parallel logits; ``loss / len(micro_batches)`` is back-propagated unless
+        ``forward_only``. Returns the results in micro-batch order on the last stage, [] elsewhere."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        packed = [self._pack_micro_batch(mb) for mb in micro_batches]
+        packed = self._fill_for_interleaving(packed)
+        scale = len(packed) / len(micro_batches)  # megatron divides each loss by its micro-batch count
+        rows = max(p.ids.shape[0] for p in packed)
+        cols = max(p.ids.shape[1] for p in packed)
+
+        def loss_func(item: _Packed, logits: torch.Tensor):
+            b, tc = item.ids.shape
+            logits = self._mask_vocab_padding(logits[:b, :tc].float().contiguous())
+            if item.filler:
+                return logits.sum() * 0.0, None
+            loss, result = on_logits(item, logits)
+            return loss * scale, result
+
+        def forward_step(data_iterator, model):
+            item = next(data_iterator)
+            # stages after the first take their input from the previous stage (set by the schedule)
+            return model(*item.padded_to(rows, cols), None), functools.partial(loss_func, item)
+
+        one = len(self.models) == 1
+        iterators = [iter(packed) for _ in self.models]
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators[0] if one else iterators,
+            model=self.models[0] if one else self.models,
+            num_microbatches=len(packed),
+            seq_length=cols,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+        return [r for r in results if r is not None] if self.is_last_stage else []
+
+    def _fill_for_interleaving(self, packed: list[_Packed]) -> list[_Packed]:
+        """The interleaved (VPP) schedule needs at least ``pp`` micro-batches: repeat the last one as
+        filler (its loss is zeroed and its results dropped), and pick the micro-batch group size."""
+        if len(self.models) == 1:
+            return packed
+        fillers = [replace(packed[-1], filler=True) for _ in range(self.pp_size - len(packed))]
+        packed = packed + fillers
+        self.mcfg.transformer_config.microbatch_group_size_per_vp_stage = _interleaving_group(
+            len(packed), self.pp_size
+        )
+        return packed
+
+    def _broadcast_from_last_stage(self, tensor: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
+        """The last stage's ``tensor`` on every rank of the pipeline group (returned on the CPU)."""
+        if self.pp_size == 1:
+            return tensor
+        if self.is_last_stage:
+            buf = tensor.to(device=self.device, dtype=dtype).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(buf, src=self.last_stage_rank, group=self.pp_group)
+        return buf.cpu()
+
+    def _broadcast_object_from_last_stage(self, obj: Any) -> Any:
+        if self.pp_size == 1:
+            return obj
+        box = [obj if self.is_last_stage else None]
+        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group, device=self.device)
+        return box[0]
+
+    def _set_training(self, mode: bool) -> None:
+        for model in self.models:
+            model.train(mode)
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         if self.mcfg.padded_vocab_size == self.mcfg.hf_vocab_size:
@@ -346,6 +516,8 @@ class MegatronActor:
     ) -> dict[str, torch.Tensor]:
         """``{"logprobs": (B, T) fp32, "entropy": (B, T) fp32 if with_entropy}`` on CPU, no grad."""
         self._require_onloaded("compute_logprobs")
+        if self.pp_size > 1:
+            return self._pipeline_logprobs(batch, micro_batch_size, with_entropy)
         self.model.eval()
         lps, ents = [], []
         for mb in _split(batch, micro_batch_size):
@@ -359,25 +531,56 @@ class MegatronActor:
             out["entropy"] = torch.cat(ents)
         return out
 
+    def _pipeline_logprobs(self, batch, micro_batch_size: int, with_entropy: bool) -> dict[str, torch.Tensor]:
+        def on_logits(packed: _Packed, logits: torch.Tensor):
+            lp, ent = self._token_values(logits, packed, with_entropy)
+            return torch.zeros((), device=logits.device), (lp, ent)
+
+        self._set_training(False)
+        results = self._run_pipeline(list(_split(batch, micro_batch_size)), on_logits, forward_only=True)
+        self._set_training(True)
+        shape = tuple(batch["input_ids"].shape)
+        keys = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
+        return {
+            key: self._broadcast_from_last_stage(
+                torch.cat([r[i] for r in results]) if self.is_last_stage else None, shape
+            )
+            for i, key in enumerate(keys)
+        }
+
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits ``(B, T, V)`` (HF vocab, gathered over TP) at the original positions;
         zeros at padding. For tests and debugging: it gathers the vocab."""
         self._require_onloaded("forward_logits")
+        if self.pp_size == 1:
+            self.model.eval()
+            logits, order, lengths = self._forward(input_ids, attention_mask, False, logits_only=True)
+            self.model.train()
+            return self._full_vocab_logits(logits, order, lengths, input_ids.shape[1])
+
+        def on_logits(packed: _Packed, logits: torch.Tensor):
+            full = self._full_vocab_logits(logits, packed.order, packed.lengths, packed.t)
+            return torch.zeros((), device=logits.device), full
+
+        self._set_training(False)
+        mb = {"input_ids": input_ids, "attention_mask": attention_mask}
+        results = self._run_pipeline([mb], on_logits, forward_only=True)
+        self._set_training(True)
+        shape = (*input_ids.shape, self.mcfg.hf_vocab_size)
+        return self._broadcast_from_last_stage(results[0] if self.is_last_stage else None, shape)
+
+    def _full_vocab_logits(self, logits, order, lengths, t: int) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        self.model.eval()
-        logits, order, lengths = self._forward(input_ids, attention_mask, False, logits_only=True)
-        self.model.train()
+        input_t = t
         logits = gather_from_tensor_model_parallel_region(logits)[..., : self.mcfg.hf_vocab_size]
         b, tc, v = logits.shape
         j = torch.arange(tc, device=logits.device)
         logits = logits * (j[None, :] < lengths[:, None].to(logits.device))[..., None]
-        out = torch.zeros(
-            b, max(input_ids.shape[1], int(order.max()) + 1), v, dtype=logits.dtype, device=logits.device
-        )
+        out = torch.zeros(b, max(input_t, int(order.max()) + 1), v, dtype=logits.dtype, device=logits.device)
         out.scatter_(1, order[..., None].expand(b, tc, v).to(logits.device), logits)
-        return out[:, : input_ids.shape[1]].cpu()
+        return out[:, :input_t].cpu()
 
     @torch.no_grad()
     def eval_loss(
@@ -420,9 +623,27 @@ class MegatronActor:
         lr = self.current_lr()
         micro_batches = list(_split(batch, micro_batch_size))
         n = len(micro_batches)
-        self.model.train()
+        self._set_training(True)
         self._zero_grad()
         self._moe_aux_begin(n)
+        if self.pp_size > 1:
+            sums = self._pipeline_backward(micro_batches, loss_fn, with_entropy)
+        else:
+            sums = self._sequential_backward(micro_batches, loss_fn, with_entropy)
+        if self.on_gpu:
+            grad_norm, skipped = self._gpu_step(lr)
+        else:
+            grad_norm, skipped = self._cpu_step(lr)
+        if not skipped:
+            self.step += 1
+        out = self._dp_mean({**{k: v / n for k, v in sums.items()}, **self._moe_aux_end(n)})
+        out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
+        return out
+
+    def _sequential_backward(self, micro_batches, loss_fn: LossFn, with_entropy: bool) -> dict[str, float]:
+        """One stage: forward and backward of each micro-batch in turn. Returns the summed ``loss``
+        and metrics."""
+        n = len(micro_batches)
         sums: dict[str, float] = {}
         for mb in micro_batches:
             lp, ent = self._forward(mb["input_ids"], mb["attention_mask"], with_entropy)
@@ -434,15 +655,27 @@ class MegatronActor:
             scaled.backward()
             for k, v in {"loss": loss, **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, torch.Tensor) else v)
-        if self.on_gpu:
-            grad_norm, skipped = self._gpu_step(lr)
-        else:
-            grad_norm, skipped = self._cpu_step(lr)
-        if not skipped:
-            self.step += 1
-        out = self._dp_mean({**{k: v / n for k, v in sums.items()}, **self._moe_aux_end(n)})
-        out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
-        return out
+        return sums
+
+    def _pipeline_backward(self, micro_batches, loss_fn: LossFn, with_entropy: bool) -> dict[str, float]:
+        """Forward and backward of every micro-batch through the pipeline; ``loss_fn`` runs on the
+        last stage. Returns the summed ``loss`` and metrics on every rank of the pipeline group."""
+
+        def on_logits(packed: _Packed, logits: torch.Tensor):
+            lp, ent = self._token_values(logits, packed, with_entropy)
+            mb_dev = {
+                k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in packed.micro_batch.items()
+            }
+            loss, metrics = loss_fn(lp, ent, mb_dev)
+            values = {"loss": loss, **metrics}
+            return loss, {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+
+        results = self._run_pipeline(micro_batches, on_logits, forward_only=False)
+        sums: dict[str, float] = {}
+        for metrics in results:
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+        return self._broadcast_object_from_last_stage(sums)
 
     def _moe_aux_begin(self, num_micro_batches: int) -> None:
         if moe.is_moe(self.hf_config):  # aux-loss grads scaled like the main loss (1 / micro-batches)
@@ -455,11 +688,16 @@ class MegatronActor:
         if not moe.is_moe(self.hf_config) or not moe.aux_loss_enabled(self.mcfg.transformer_config):
             return {}
         aux = moe.pop_aux_loss(num_micro_batches, sum(moe.moe_layer_pattern(self.hf_config)))
+        if self.pp_size > 1:  # each stage tracked its own layers: sum them (every stage joins)
+            t = torch.tensor([aux or 0.0, float(aux is not None)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, group=self.pp_group)
+            aux = float(t[0]) if t[1] > 0 else None
         return {} if aux is None else {"moe_aux_loss": aux}
 
     def _zero_grad(self) -> None:
         if self.on_gpu:
-            self.model.zero_grad_buffer()
+            for model in self.models:
+                model.zero_grad_buffer()
             self.optimizer.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -475,7 +713,8 @@ class MegatronActor:
     def _gpu_step(self, lr: float) -> tuple[float, bool]:
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.model])  # DP all-reduce (or reduce-scatter) of the grad buffers
+        # DP all-reduce (or reduce-scatter) of the grad buffers; with PP, tied embedding grads too
+        finalize_model_grads(self.models)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()
@@ -488,6 +727,7 @@ class MegatronActor:
         from .sequence_parallel import tp_partial_grad_params
 
         params = [p for p in self.core.parameters() if p.requires_grad]
+        self._cpu_sum_tied_embedding_grads(params)
         experts = moe.expert_params(self.core)
         expert_ids = {id(p) for p in experts}
         dense = [p for p in params if id(p) not in expert_ids]
@@ -513,21 +753,40 @@ class MegatronActor:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
+    def _cpu_sum_tied_embedding_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Tied embeddings under PP: the first stage's embedding and the last stage's copy of it
+        both get the sum of their gradients (what megatron's finalize_model_grads does on GPU)."""
+        if self.pp_size == 1 or not self.mcfg.tie_word_embeddings:
+            return
+        from megatron.core import parallel_state as ps
+
+        for p in params:
+            if getattr(p, "shared_embedding", False):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=ps.get_embedding_group())
+
     def _cpu_grad_norm(
         self, params: list[torch.nn.Parameter], experts: list[torch.nn.Parameter] = ()
     ) -> float:
-        """Global L2 norm; params replicated over TP (norms) are counted on TP rank 0 only, expert
-        params once per expert shard (:func:`moe.expert_grad_sq`)."""
+        """Global L2 norm over TP and PP; params replicated over TP (norms) are counted on TP rank 0
+        only, the last stage's copy of tied embeddings (``shared``) not at all, expert params once per
+        expert shard (:func:`moe.expert_grad_sq`, summed over the pipeline stages too)."""
+        from megatron.core import parallel_state as ps
+
         sq = torch.zeros((), dtype=torch.float64)
         for p in params:
-            if p.grad is None:
+            if p.grad is None or getattr(p, "shared", False):
                 continue
             if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
                 sq += p.grad.detach().double().pow(2).sum()
-        if self.tp_size > 1:
-            dist.all_reduce(sq, group=self.tp_group)
+        if self.tp_size * self.pp_size > 1:
+            dist.all_reduce(sq, group=ps.get_model_parallel_group())
         if experts:
-            sq += moe.expert_grad_sq(list(experts))
+            expert_sq = moe.expert_grad_sq(list(experts))
+            if self.pp_size > 1:
+                dist.all_reduce(expert_sq, group=self.pp_group)
+            sq += expert_sq
         return float(sq.sqrt())
 
     # ----------------------------------------------------------------------------------------------
@@ -610,13 +869,16 @@ class MegatronActor:
         params = [(f"param {n}", p) for n, p in self.core.named_parameters()]
         params += [(f"buffer {n}", b) for n, b in self.core.named_buffers() if isinstance(b, torch.Tensor)]
         grads: list[tuple[str, torch.Tensor]] = []
-        ddp_buffers = getattr(self.model, "buffers", None)  # megatron DDP: a list (nn.Module: a method)
-        if isinstance(ddp_buffers, list):
-            for i, buf in enumerate(ddp_buffers + list(getattr(self.model, "expert_parallel_buffers", []))):
+        for c, model in enumerate(self.models):
+            ddp_buffers = getattr(model, "buffers", None)  # megatron DDP: a list (nn.Module: a method)
+            if not isinstance(ddp_buffers, list):
+                continue
+            chunk = f" (chunk {c})" if len(self.models) > 1 else ""
+            for i, buf in enumerate(ddp_buffers + list(getattr(model, "expert_parallel_buffers", []))):
                 if buf.param_data is not None:
-                    params.append((f"ddp buffer {i} param_data", buf.param_data))
+                    params.append((f"ddp buffer {i}{chunk} param_data", buf.param_data))
                 if buf.grad_data is not None:
-                    grads.append((f"ddp buffer {i} grad_data", buf.grad_data))
+                    grads.append((f"ddp buffer {i}{chunk} grad_data", buf.grad_data))
         for n, p in self.core.named_parameters():
             if getattr(p, "main_grad", None) is not None:
                 grads.append((f"main_grad {n}", p.main_grad))
@@ -651,16 +913,26 @@ class MegatronActor:
     # weights out
 
     def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors, one at a time (collective over the TP group: every TP rank must
-        consume the iterator)."""
+        """HF-named full tensors, one at a time, on every rank (collective over the TP and PP groups:
+        every rank must consume the iterator)."""
         self._require_onloaded("export_hf_weights")
-        return hf_weights.export_hf_weights(self.core, self.hf_config, dtype=dtype)
+        return hf_weights.export_hf_weights(self.chunks, self.hf_config, dtype=dtype)
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model: every pipeline stage, TP shards counted ``tp`` times (as
+        if every parameter were split), the last stage's copy of tied embeddings not at all.
+        Collective over the pipeline group."""
+        local = sum(p.numel() for p in self.core.parameters() if not getattr(p, "shared", False))
+        total = torch.tensor(float(local * self.tp_size), dtype=torch.float64, device=self.device)
+        if self.pp_size > 1:
+            dist.all_reduce(total, group=self.pp_group)
+        return int(total.item())
 
     def save_hf_checkpoint(
         self, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype | None = None
     ) -> None:
         self._require_onloaded("save_hf_checkpoint")
-        hf_weights.save_hf_checkpoint(self.core, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype)
+        hf_weights.save_hf_checkpoint(self.chunks, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype)
 
     # ----------------------------------------------------------------------------------------------
     # distributed checkpoints (megatron.core.dist_checkpointing: any TP layout can load them)
@@ -676,7 +948,12 @@ class MegatronActor:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         self._require_onloaded("sharded_state_dict")
-        model_sd = self.core.sharded_state_dict()
+        # one dict per model chunk; the tensors inside carry global layer names, so any TP / PP /
+        # VPP layout can load them
+        if len(self.chunks) == 1:
+            model_sd = self.chunks[0].sharded_state_dict()
+        else:
+            model_sd = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
         if self.optimizer is not None and self.on_gpu and is_loading:
             _init_distributed_optimizer_state(self.optimizer)
         if self.optimizer is None:
@@ -689,17 +966,22 @@ class MegatronActor:
             )
         else:
             optim_sd = self._cpu_optimizer_sharded_state_dict(model_sd)
+        # one generator state per model-parallel rank (TP x PP), replicated over DP; without PP the
+        # shape stays (tp,) as in checkpoints written before pipeline parallelism
+        pp = (self.pp_size,) if self.pp_size > 1 else ()
         rng = ShardedObject(
             "rng_state",
             _rng_state(self.on_gpu),
-            global_shape=(self.tp_size,),
-            global_offset=(self.tp_rank,),
+            global_shape=(*pp, self.tp_size),
+            global_offset=(*((self.pp_rank,) if pp else ()), self.tp_rank),
             replica_id=self.dp_rank * self.cp_size + self.cp_rank,  # CP ranks are replicas too
         )
         meta = {
             "step": self.step,
             "tp": self.tp_size,
             "ep": self.parallel.ep,
+            "pp": self.pp_size,
+            "vpp": self.parallel.vpp,
             "model_type": self.mcfg.model_type,
             "padded_vocab_size": self.mcfg.padded_vocab_size,
         }
@@ -736,8 +1018,9 @@ class MegatronActor:
         dist.barrier()
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict[str, Any]:
-        """Load model, optimizer state (not for a frozen actor) and (same TP only) RNG from
-        ``ckpt_dir``; returns its meta (``step``, ``tp``, ``ep``, ``model_type``, ``padded_vocab_size``)."""
+        """Load model, optimizer state (not for a frozen actor) and (same TP and PP only) RNG from
+        ``ckpt_dir``, written at any TP / PP / VPP / EP layout; returns its meta (``step``, ``tp``,
+        ``pp``, ``vpp``, ``ep``, ``model_type``, ``padded_vocab_size``)."""
         from megatron.core import dist_checkpointing
 
         ckpt_dir = os.fspath(ckpt_dir)
@@ -749,11 +1032,15 @@ class MegatronActor:
                 f"this model {self.mcfg.padded_vocab_size} (TP={self.tp_size}); load it with a TP that pads alike"
             )
         sd = self.sharded_state_dict(is_loading=True)
-        same_tp = meta.get("tp") == self.tp_size
-        if not same_tp:
-            del sd["rng"]  # per-TP-rank generator states do not map onto another TP layout
+        same_layout = meta.get("tp") == self.tp_size and meta.get("pp", 1) == self.pp_size
+        if not same_layout:
+            del sd["rng"]  # per-rank generator states do not map onto another TP / PP layout
         loaded = dist_checkpointing.load(sd, ckpt_dir)
-        self.core.load_state_dict(loaded["model"], strict=True)
+        if len(self.chunks) == 1:
+            self.chunks[0].load_state_dict(loaded["model"], strict=True)
+        else:
+            for i, chunk in enumerate(self.chunks):
+                chunk.load_state_dict(loaded["model"][f"model{i}"], strict=True)
         step = int(meta.get("step", 0))
         if self.optimizer is None:
             pass  # frozen model: weights only
@@ -765,7 +1052,7 @@ class MegatronActor:
                 param_state["step"] = torch.tensor(float(step))
             groups = self.optimizer.state_dict()["param_groups"]
             self.optimizer.load_state_dict({"state": state["state"], "param_groups": groups})
-        if same_tp:
+        if same_layout:
             _set_rng_state(loaded["rng"], self.on_gpu)
         self.step = step
         return meta
@@ -800,21 +1087,24 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
-    from rljob_worker.megatron.model_config import MegatronConfigError
-
-    for name, value, key in (
-        ("pp", p.pp, "megatron.pipelineModelParallelSize"),
-    ):
-        if value != 1:
-            raise MegatronConfigError(f"spec.{key}={value} is not supported by the rljob megatron actor yet (use 1)")
-    if p.vpp not in (None, 1):
+    if p.pp < 1:
+        raise MegatronConfigError(f"spec.megatron.pipelineModelParallelSize must be >= 1, got {p.pp}")
+    if p.vpp is not None and p.vpp < 1:
+        raise MegatronConfigError(f"spec.megatron.virtualPipelineModelParallelSize must be >= 1, got {p.vpp}")
+    if p.vpp not in (None, 1) and p.pp < 2:
         raise MegatronConfigError(
-            f"spec.megatron.virtualPipelineModelParallelSize={p.vpp} is not supported (needs pipeline parallelism)"
+            f"spec.megatron.virtualPipelineModelParallelSize={p.vpp} needs pipeline parallelism: set "
+            "spec.megatron.pipelineModelParallelSize >= 2 or unset virtualPipelineModelParallelSize"
         )
     if p.tp < 1:
         raise MegatronConfigError(f"spec.megatron.tensorModelParallelSize must be >= 1, got {p.tp}")
     if p.cp < 1:
         raise MegatronConfigError(f"spec.megatron.contextParallelSize must be >= 1, got {p.cp}")
+    if p.cp > 1 and p.pp > 1:
+        raise MegatronConfigError(
+            f"spec.megatron.contextParallelSize={p.cp} together with pipelineModelParallelSize={p.pp} is not "
+            "supported yet; use one of them (e.g. more pipeline stages, or context parallelism with PP=1)"
+        )
     if p.sequence_parallel and p.tp == 1:
         raise MegatronConfigError(
             "spec.megatron.sequenceParallel=true needs spec.megatron.tensorModelParallelSize > 1 "
@@ -826,6 +1116,23 @@ def _check_parallel(p: ParallelConfig, on_gpu: bool) -> None:
         )
     if p.use_distributed_optimizer and not on_gpu:
         log.warning("use_distributed_optimizer is ignored on CPU (torch AdamW over local shards)")
+
+
+def _check_layer_split(num_layers: int, p: ParallelConfig) -> None:
+    """Every pipeline stage (and each of its virtual chunks) gets the same number of layers."""
+    chunks = p.pp * (p.vpp or 1)
+    if num_layers % chunks == 0:
+        return
+    if p.vpp is None:
+        raise MegatronConfigError(
+            f"spec.megatron.pipelineModelParallelSize={p.pp} does not divide the model's {num_layers} layers; "
+            "choose a pipeline size that divides the layer count"
+        )
+    raise MegatronConfigError(
+        f"spec.megatron.pipelineModelParallelSize={p.pp} x spec.megatron.virtualPipelineModelParallelSize="
+        f"{p.vpp} = {chunks} model chunks does not divide the model's {num_layers} layers; choose sizes whose "
+        "product divides the layer count (or unset virtualPipelineModelParallelSize)"
+    )
 
 
 def _init_model_parallel(p: ParallelConfig) -> None:
@@ -844,6 +1151,7 @@ def _init_model_parallel(p: ParallelConfig) -> None:
         if (
             ps.get_tensor_model_parallel_world_size() == p.tp
             and ps.get_pipeline_model_parallel_world_size() == p.pp
+            and ps.get_virtual_pipeline_model_parallel_world_size() == p.vpp
             and ps.get_context_parallel_world_size() == p.cp
             and ps.get_expert_model_parallel_world_size() == p.ep
             and ps.get_expert_tensor_parallel_world_size() == (p.etp or p.tp)
@@ -853,6 +1161,7 @@ def _init_model_parallel(p: ParallelConfig) -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp,
         context_parallel_size=p.cp,
         expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=p.etp,
@@ -912,21 +1221,27 @@ def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _gpu_wrap(
-    core, mcfg: MegatronModelConfig, parallel: ParallelConfig, optim: OptimConfig, dtype: torch.dtype
+    chunks: list, mcfg: MegatronModelConfig, parallel: ParallelConfig, optim: OptimConfig, dtype: torch.dtype
 ):
-    """GPU: Float16Module (bf16/fp16) -> megatron DDP -> megatron optimizer (fp32 main params)."""
+    """GPU: Float16Module (bf16/fp16) -> megatron DDP per model chunk -> one megatron optimizer over
+    all chunks (fp32 main params)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
     config = mcfg.transformer_config
-    model = Float16Module(config, core) if dtype in (torch.bfloat16, torch.float16) else core
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    models = []
+    for i, core in enumerate(chunks):
+        model = Float16Module(config, core) if dtype in (torch.bfloat16, torch.float16) else core
+        # as megatron's training loop: chunks after the first keep their grads in one bucket
+        models.append(
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, disable_bucketing=i > 0)
+        )
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -940,9 +1255,9 @@ def _gpu_wrap(
         params_dtype=dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(opt_config, models)
     _fix_torch_adam_step_on_load(optimizer)
-    return model, optimizer
+    return models, optimizer
 
 
 def _init_distributed_optimizer_state(optimizer) -> None:

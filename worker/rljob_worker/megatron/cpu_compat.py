@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 
 import torch
 
@@ -76,6 +77,33 @@ def _patch_moe_dispatcher() -> None:
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
 
 
+class _CpuTorchForSchedules(types.ModuleType):
+    """``torch`` as megatron's pipeline schedules see it: their token counter is created with
+    ``torch.zeros(..., device="cuda")``; everything else is torch itself."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _without_tensor_cuda(fn):
+    """Run ``fn`` with ``Tensor.cuda`` as the identity (the tensors stay on the CPU)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    return wrapper
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU + gloo. Returns True when patches are (already) in place."""
     global _APPLIED
@@ -121,6 +149,21 @@ def apply_cpu_patches() -> bool:
 
     rope_utils.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+
+    # Pipeline parallelism. forward_backward_no_pipelining / _pipelining_without_interleaving /
+    # _pipelining_with_interleaving count tokens in torch.zeros([], device="cuda"); the p2p
+    # communicator's buffers use torch.cuda.current_device() and its batched sends
+    # torch.cuda.synchronize() (both patched above).
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuTorchForSchedules("torch")
+    # LanguageModule.setup_embeddings_and_output_layer moves the last stage's copy of tied
+    # embeddings with weight.data.cuda() before all-reducing it with the first stage's.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _without_tensor_cuda(
+        LanguageModule.setup_embeddings_and_output_layer
+    )
 
     _APPLIED = True
     log.info("megatron-core CPU patches applied")

@@ -11,10 +11,17 @@ standing for the layer index. Kinds say how the HF tensors become this rank's me
   are ``[q heads of g | k_g | v_g]`` and each TP rank holds a contiguous run of groups.
 - ``gate_up``: ``[gate shard ; up shard]`` per TP rank (megatron's SwiGLU ``linear_fc1``).
 
+Pipeline parallelism: a rank holds one or more model chunks (``GPTModel`` with ``pre_process`` /
+``post_process``; several with virtual pipeline stages). Each chunk's layers are numbered locally
+from 0; the HF index is the layer's global one (megatron's ``layer_number - 1``). The embedding lives
+on the first chunk of the first stage, the final norm and output layer on the last chunk of the last
+stage; with tied embeddings the last stage's output layer is a copy of the embedding (loaded from
+``model.embed_tokens.weight`` too).
+
 Loading reads only this rank's slice of each tensor (``safe_open(...).get_slice``), so no rank
-materialises the full model. Export all-gathers each parameter over the TP group and yields full
-HF-named tensors one at a time; every rank of a TP group must iterate the generator to the end (the
-gathers are collective).
+materialises the full model. Export all-gathers each parameter over the TP group, broadcasts it from
+the pipeline stage that owns it, and yields full HF-named tensors one at a time on every rank; every
+rank of a model-parallel group must iterate the generator to the end (the gathers are collective).
 """
 
 from __future__ import annotations
@@ -137,7 +144,20 @@ def _tp() -> tuple[int, int, Any]:
     )
 
 
+def _pp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_group(),
+    )
+
+
 def _expanded(table: list[Entry], num_layers: int, tied: bool) -> list[tuple[str, tuple[str, ...], str]]:
+    """The whole model's ``(megatron name, HF names, kind)`` with global layer indices."""
     out = []
     for mname, hf_names, kind in table:
         if tied and mname == "output_layer.weight":
@@ -146,6 +166,47 @@ def _expanded(table: list[Entry], num_layers: int, tied: bool) -> list[tuple[str
         for i in layers:
             out.append((mname.format(i=i), tuple(h.format(i=i) for h in hf_names), kind))
     return out
+
+
+_OUTPUT_LAYER = "output_layer.weight"
+_EMBEDDING = "embedding.word_embeddings.weight"
+_FINAL_NORM = "decoder.final_layernorm.weight"
+
+
+def _chunk_entries(
+    chunk: torch.nn.Module, table: list[Entry], tied: bool
+) -> list[tuple[str, str, tuple[str, ...], str]]:
+    """``(local megatron name, global megatron name, HF names, kind)`` for what ``chunk`` holds: its
+    layers (local index -> global index), the embedding if it pre-processes, the final norm and
+    output layer if it post-processes. A tied output layer on a stage without the embedding is the
+    embedding's copy: it maps to ``model.embed_tokens.weight`` (global name ``output_layer.weight``,
+    which HF export skips)."""
+    layers = [layer.layer_number - 1 for layer in chunk.decoder.layers]
+    out = []
+    for mname, hf_names, kind in table:
+        if "{i}" in mname:
+            for local, i in enumerate(layers):
+                out.append(
+                    (mname.format(i=local), mname.format(i=i), tuple(h.format(i=i) for h in hf_names), kind)
+                )
+        elif mname == _EMBEDDING:
+            if chunk.pre_process:
+                out.append((mname, mname, hf_names, kind))
+        elif mname == _OUTPUT_LAYER:  # tied on one stage: the embedding itself, no parameter
+            if chunk.post_process and not tied:
+                out.append((mname, mname, hf_names, kind))
+            elif chunk.post_process and tied and not chunk.pre_process:
+                embed = next(h for m, h, _ in table if m == _EMBEDDING)
+                out.append((mname, mname, embed, "vocab"))
+        elif chunk.post_process:  # the final norm
+            out.append((mname, mname, hf_names, kind))
+    return out
+
+
+def _chunks(model) -> list[torch.nn.Module]:
+    """The GPTModel chunks of ``model``: a module, or a list / ModuleList of model chunks."""
+    items = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
+    return [unwrap_model(m) for m in items]
 
 
 def _resolve(params: dict[str, torch.nn.Parameter], name: str) -> str | None:
@@ -285,40 +346,45 @@ def load_hf_config(hf_dir: str | os.PathLike):
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, hf_config=None) -> list[str]:
-    """Copy this rank's TP shard of every parameter from the HF checkpoint in ``hf_dir``.
+def load_hf_weights(model, hf_dir: str | os.PathLike, hf_config=None) -> list[str]:
+    """Copy this rank's share of every parameter from the HF checkpoint in ``hf_dir``: its TP shard
+    of the layers its model chunks hold (``model``: a GPTModel or a list of this rank's chunks).
 
     Strict: every megatron parameter must be covered by the table and every shape must match.
-    Returns the megatron parameter names loaded. (Pipeline parallelism is not supported: the model
-    must hold all layers.)
+    Returns the megatron parameter names loaded (prefixed ``"<chunk>."`` with several chunks).
     """
-    core = unwrap_model(model)
+    chunks = _chunks(model)
     hf_config = hf_config if hf_config is not None else load_hf_config(hf_dir)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    table = _table_for(hf_config.model_type)
     r, t, _ = _tp()
-    geo = _Geometry(core, hf_config.vocab_size)
     reader = SafetensorsReader(hf_dir)
-    params = dict(core.named_parameters())
     loaded: list[str] = []
-    for mname, hf_names, kind in _expanded(_table_for(hf_config.model_type), core.config.num_layers, tied):
-        target = _resolve(params, mname)
-        if target is None:
-            if any(h not in reader for h in hf_names):
-                continue  # optional entry absent on both sides
-            raise ValueError(f"the megatron model has no parameter {mname} for HF tensor(s) {hf_names}")
-        shard = _load_shard(reader, hf_names, kind, geo, r, t)
-        param = params[target]
-        if tuple(shard.shape) != tuple(param.shape):
-            raise ValueError(
-                f"{target}: HF {hf_names} gives shard shape {tuple(shard.shape)}, megatron expects {tuple(param.shape)}"
-            )
-        param.data.copy_(shard)
-        loaded.append(target)
-    if moe.is_moe(hf_config):
-        loaded += moe.load_expert_weights(core, reader, hf_config, _load_shard, geo)
-    missing = sorted(set(params) - set(loaded))
-    if missing:
-        raise ValueError(f"parameters not loaded from {hf_dir}: {missing}")
+    for c, chunk in enumerate(chunks):
+        prefix = f"{c}." if len(chunks) > 1 else ""
+        geo = _Geometry(chunk, hf_config.vocab_size)
+        params = dict(chunk.named_parameters())
+        done: list[str] = []
+        for mname, _, hf_names, kind in _chunk_entries(chunk, table, tied):
+            target = _resolve(params, mname)
+            if target is None:
+                if any(h not in reader for h in hf_names):
+                    continue  # optional entry absent on both sides
+                raise ValueError(f"the megatron model has no parameter {mname} for HF tensor(s) {hf_names}")
+            shard = _load_shard(reader, hf_names, kind, geo, r, t)
+            param = params[target]
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{target}: HF {hf_names} gives shard shape {tuple(shard.shape)}, megatron expects {tuple(param.shape)}"
+                )
+            param.data.copy_(shard)
+            done.append(target)
+        if moe.is_moe(hf_config):
+            done += moe.load_expert_weights(chunk, reader, hf_config, _load_shard, geo)
+        missing = sorted(set(params) - set(done))
+        if missing:
+            raise ValueError(f"parameters not loaded from {hf_dir}: {missing}")
+        loaded += [prefix + name for name in done]
     return loaded
 
 
@@ -364,37 +430,102 @@ def _split_full(full: torch.Tensor, hf_names: tuple[str, ...], kind: str, geo: _
     raise ValueError(f"unknown mapping kind {kind!r}")
 
 
-@torch.no_grad()
-def export_hf_weights(
-    model: torch.nn.Module, hf_config, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` one at a time, all-gathered over the TP group (experts: over
-    expert TP and EP).
+def _local_params(chunks, table, tied) -> dict[str, tuple[torch.Tensor, str]]:
+    """``{global megatron name: (this rank's parameter, kind)}`` over this rank's chunks (the tied
+    output-layer copy is left out: HF's files hold the embedding only)."""
+    out = {}
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for local, name, _, kind in _chunk_entries(chunk, table, tied):
+            target = _resolve(params, local)
+            if target is not None and not (tied and name == _OUTPUT_LAYER):
+                out[name] = (params[target].detach(), kind)
+    return out
 
-    Collective: all ranks of a TP group (MoE: of the expert-parallel group too) must consume the
-    whole iterator. Tensors are fresh
-    (not views of parameters), contiguous, on the parameters' device, cast to ``dtype`` if given.
-    For tied embeddings no ``lm_head.weight`` is yielded (as HF's ``save_pretrained``).
+
+def _owners(local: dict[str, tuple[torch.Tensor, str]], pp_size: int, pp_group):
+    """``{global megatron name: (pipeline rank, TP-local shape, dtype)}`` over the PP group."""
+    mine = {name: (tuple(p.shape), p.dtype) for name, (p, _) in local.items()}
+    if pp_size == 1:
+        return {name: (0, *v) for name, v in mine.items()}
+    everyone: list[Any] = [None] * pp_size
+    dist.all_gather_object(everyone, mine, group=pp_group)
+    return {name: (rank, *v) for rank, names in enumerate(everyone) for name, v in names.items()}
+
+
+def _full_shape(local_shape: tuple[int, ...], dim: int | None, t: int) -> tuple[int, ...]:
+    if dim is None or t == 1:
+        return local_shape
+    return tuple(n * t if d == dim else n for d, n in enumerate(local_shape))
+
+
+@torch.no_grad()
+def export_hf_weights(model, hf_config, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` one at a time, on every rank: each parameter is all-gathered
+    over the TP group by the pipeline stage that holds it, then broadcast over the PP group.
+
+    ``model``: a GPTModel or a list of this rank's model chunks. Collective: all ranks of a
+    model-parallel group must consume the whole iterator. Tensors are fresh (not views of
+    parameters), contiguous, on the parameters' device, cast to ``dtype`` if given. For tied
+    embeddings no ``lm_head.weight`` is yielded (as HF's ``save_pretrained``). Experts (MoE) are
+    gathered over expert TP and EP within their stage, then sent over the PP group one at a time.
     """
-    core = unwrap_model(model)
+    chunks = _chunks(model)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    _, t, group = _tp()
-    geo = _Geometry(core, hf_config.vocab_size)
-    params = dict(core.named_parameters())
-    for mname, hf_names, kind in _expanded(_table_for(hf_config.model_type), core.config.num_layers, tied):
-        target = _resolve(params, mname)
-        if target is None:
-            continue
-        param = params[target].detach()
-        full = _gather(param, _partition_dim(kind), t, group)
+    table = _table_for(hf_config.model_type)
+    _, t, tp_group = _tp()
+    pp_rank, pp_size, pp_group = _pp()
+    geo = _Geometry(chunks[0], hf_config.vocab_size)
+    device = next(chunks[0].parameters()).device
+    local = _local_params(chunks, table, tied)
+    owners = _owners(local, pp_size, pp_group)
+    for mname, hf_names, kind in _expanded(table, chunks[0].config.num_layers, tied):
+        if mname not in owners:
+            continue  # an optional entry this architecture variant lacks
+        owner, shape, param_dtype = owners[mname]
+        dim = _partition_dim(kind)
+        if owner == pp_rank:
+            param = local[mname][0]
+            full = _gather(param, dim, t, tp_group)
+        else:
+            param = None
+            full = torch.empty(_full_shape(shape, dim, t), dtype=param_dtype, device=device)
+        if pp_size > 1:
+            full = full.contiguous()
+            dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
         for name, tensor in _split_full(full, hf_names, kind, geo, t):
             tensor = tensor.to(dtype) if dtype is not None else tensor
-            if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+            if param is not None and tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
                 tensor = tensor.clone()  # never hand out views of live parameters
             yield name, tensor.contiguous()
     if moe.is_moe(hf_config):  # gathered copies, never views of parameters
-        for name, tensor in moe.export_expert_weights(core, hf_config, _gather, _split_full, geo):
+        experts = (
+            name_tensor
+            for chunk in chunks
+            for name_tensor in moe.export_expert_weights(chunk, hf_config, _gather, _split_full, geo)
+        )
+        if pp_size > 1:
+            experts = _broadcast_stream_over_pp(experts, pp_rank, pp_size, pp_group, device)
+        for name, tensor in experts:
             yield name, (tensor.to(dtype) if dtype is not None else tensor).contiguous()
+
+
+def _broadcast_stream_over_pp(local_items, pp_rank: int, pp_size: int, pp_group, device):
+    """Every stage's ``(name, tensor)`` stream, stage after stage, on every rank of the PP group: the
+    owning stage announces each tensor's name, shape and dtype, then broadcasts it (None ends a stage)."""
+    for stage in range(pp_size):
+        src = dist.get_global_rank(pp_group, stage)
+        mine = iter(local_items) if stage == pp_rank else None
+        while True:
+            item = next(mine, None) if mine is not None else None
+            header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+            dist.broadcast_object_list(header, src=src, group=pp_group)
+            if header[0] is None:
+                break
+            name, shape, tensor_dtype = header[0]
+            tensor = item[1].contiguous() if item is not None else torch.empty(shape, dtype=tensor_dtype, device=device)
+            dist.broadcast(tensor, src=src, group=pp_group)
+            yield name, tensor
 
 
 def save_hf_checkpoint(
@@ -407,7 +538,7 @@ def save_hf_checkpoint(
 ) -> None:
     """Write ``model*.safetensors`` (+ index when sharded), ``config.json`` and the tokenizer.
 
-    Collective over all ranks (every TP group gathers); global rank 0 writes.
+    Collective over all ranks (every model-parallel group gathers); global rank 0 writes.
     """
     from safetensors.torch import save_file
 

@@ -96,6 +96,9 @@ _NOT_OVERRIDABLE = {
     "expert_model_parallel_size": "set spec.megatron.expertModelParallelSize",
     "expert_tensor_parallel_size": "set spec.megatron.expertTensorParallelSize",
     "sequence_parallel": "set spec.megatron.sequenceParallel",
+    "variable_seq_lengths": "the actor runs each pipeline call at one fixed micro-batch shape",
+    "batch_p2p_comm": "the actor picks megatron's p2p mode for the pipeline layout",
+    "microbatch_group_size_per_vp_stage": "the actor sets it per call for the interleaved schedule",
     "params_dtype": "set spec.model.dtype",
     "pipeline_dtype": "set spec.model.dtype",
     "bf16": "set spec.model.dtype",
@@ -214,6 +217,7 @@ def megatron_config_from_hf(
     cp: int = 1,
     ep: int = 1,
     etp: int | None = None,
+    vpp: int | None = None,
     dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     on_gpu: bool | None = None,
@@ -225,7 +229,7 @@ def megatron_config_from_hf(
     overrides: Mapping[str, Any] | None = None,
 ) -> MegatronModelConfig:
     """Build the megatron model description for ``hf_config`` at tensor/pipeline/context parallel
-    sizes.
+    sizes (``vpp``: model chunks per pipeline stage, None without interleaving).
 
     ``dtype`` is the compute dtype (params on CPU; Float16Module's dtype on GPU). Keep
     ``perform_initialization`` on even though HF weights overwrite the values: megatron only marks
@@ -281,6 +285,11 @@ def megatron_config_from_hf(
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
         "context_parallel_size": cp,
+        "virtual_pipeline_model_parallel_size": vpp if pp > 1 else None,
+        # Interleaved stages at PP=2 exchange activations and gradients with one peer in both
+        # directions at once: megatron's unbatched p2p keeps the two directions apart (on two process
+        # groups); its batched p2p would pair them in posting order.
+        "batch_p2p_comm": not (vpp and pp > 1),
         "sequence_parallel": sequence_parallel,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
@@ -306,7 +315,7 @@ def megatron_config_from_hf(
             recompute_method,
             recompute_num_layers,
             total_layers=hf_config.num_hidden_layers,
-            pp=pp,
+            pp=pp * (vpp or 1),  # megatron recomputes within each model chunk
             overrides=overrides,
         )
     )
@@ -553,8 +562,13 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     return True, value  # a type we do not check (context managers, recipe objects, ...)
 
 
-def build_gpt_model(mcfg: MegatronModelConfig, pre_process: bool = True, post_process: bool = True):
-    """Instantiate this rank's ``GPTModel`` (needs megatron's parallel state initialised)."""
+def build_gpt_model(
+    mcfg: MegatronModelConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+):
+    """Instantiate one ``GPTModel`` (chunk) of this rank (needs megatron's parallel state initialised)."""
     from megatron.core.models.gpt import GPTModel
 
     spec = mcfg.layer_spec
@@ -564,12 +578,32 @@ def build_gpt_model(mcfg: MegatronModelConfig, pre_process: bool = True, post_pr
             get_num_layers_to_build,
         )
 
-        n = get_num_layers_to_build(mcfg.transformer_config)
+        n = get_num_layers_to_build(mcfg.transformer_config, vp_stage=vp_stage)
         spec = TransformerBlockSubmodules(layer_specs=[mcfg.layer_spec] * n, layer_norm=mcfg.final_layernorm)
     return GPTModel(
         config=mcfg.transformer_config,
         transformer_layer_spec=spec,
         pre_process=pre_process,
         post_process=post_process,
+        vp_stage=vp_stage,
         **mcfg.gpt_kwargs,
     )
+
+
+def build_model_chunks(mcfg: MegatronModelConfig) -> list:
+    """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (one without VPP), each
+    holding its share of the layers; the embedding lives on the first chunk of the first stage, the
+    final norm and output layer on the last chunk of the last stage."""
+    from megatron.core import parallel_state as ps
+
+    vpp = mcfg.transformer_config.virtual_pipeline_model_parallel_size
+    stages = [None] if vpp is None else list(range(vpp))
+    return [
+        build_gpt_model(
+            mcfg,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        for stage in stages
+    ]

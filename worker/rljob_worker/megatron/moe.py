@@ -249,14 +249,17 @@ def _expert_layout() -> dict[str, Any]:
 
 def _expert_items(core, hf_config, ep: int) -> Iterator[tuple[int, str, tuple[str, ...], str]]:
     """(local index j, megatron name, HF name templates with ``{e}`` = global expert index, kind) of
-    this rank's experts, layer by layer."""
-    for i, is_moe_layer in enumerate(moe_layer_pattern(hf_config)):
-        if not is_moe_layer or i >= core.config.num_layers:
+    this rank's experts, layer by layer. ``core``: a GPTModel (a pipeline chunk: its layers are named
+    by local index, HF's by global index ``layer_number - 1``)."""
+    pattern = moe_layer_pattern(hf_config)
+    for local, layer in enumerate(core.decoder.layers):
+        i = layer.layer_number - 1
+        if not pattern[i]:
             continue
         for j in range(hf_config.num_experts // ep):
             for mname, hf_names, kind in EXPERT_ENTRIES:
                 templates = tuple(h.replace("{i}", str(i)) for h in hf_names)
-                yield j, mname.format(i=i, j=j), templates, kind
+                yield j, mname.format(i=local, j=j), templates, kind
 
 
 @torch.no_grad()
