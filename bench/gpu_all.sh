@@ -3,7 +3,7 @@
 #   bash bench/gpu_all.sh [sections...]
 #   sections: actor05 grpo actor15 rollout grpombs | grpokl grpo816 actor05w grpo15 grpo15trl trlnockpt
 #             rolloutbase (rollout incl. HF generate static-cache+compile baseline) | sft [jobs] | gputests
-#             grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2)
+#             grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2) | grpocompiled (static vs compiled engine)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Needs wheels (carry: [".whl/megatron_actor_gpu", ".whl/trl"]): megatron-core 0.16.1 cp312; trl 1.16, datasets,
 # dill, multiprocess, pydantic(+core, annotated-types, typing-inspection, typing-extensions). Keep the image's pyarrow.
@@ -48,10 +48,11 @@ for s in $SECTIONS; do
     actor05w) section actor05w 110 python3 bench/actor_update.py --model 0.5b --mbs 4,8 --warmup 2 --systems hf-padded,hf-packed,megatron ;;
     grpombs) section grpombs 200 python3 bench/grpo_step.py --variants rljob-static:32,rljob-static:64 --timeout-each 95 --tag _mbs ;;
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
-    rolloutbase) section rolloutbase 420 python3 bench/rollout.py --hf-generate-baseline --compiled ;;
+    rolloutbase) section rolloutbase 420 python3 bench/rollout.py --hf-generate-baseline --compiled ${ROLLOUT_ARGS:-} ;;
     sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
     gputests) section gputests 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider -x -rs ;;
     grpopp2) section grpopp2 240 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_pp2.yaml --workdir /tmp/pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/pp2/work/metrics.jsonl grpo-digit-sum-pp2" ;;
+    grpocompiled) section grpocompiled 330 python3 bench/grpo_step.py --variants rljob-static:32,rljob-compiled:32 --timeout-each 160 --tag _compiled ;;
     *) echo "unknown section $s" ;;
   esac
 done

@@ -18,6 +18,8 @@ Each variant runs in its own process (megatron's parallel state is process-globa
 - ``trl``: TRL ``GRPOTrainer`` with its defaults (gradient checkpointing on, as TRL defaults),
   per-device batch 8 x 32 accumulation = 256 completions per optimizer step; step time between
   consecutive ``on_step_end`` callbacks. ``trl-nockpt``: the same with gradient checkpointing off.
+- ``rljob-compiled``: ``rljob-static`` with the decode step compiled (RLJOB_HF_STATIC_COMPILE=1; the
+  first rollout, a warm-up step, pays the compile).
 - ``rljob-static:32``: any rljob variant with its micro-batch (update and log-prob) overridden.
 
 tokens/s = (prompt + completion tokens per step) / median step seconds. Output: a table and
@@ -319,7 +321,8 @@ def main() -> int:
             a.child, mbs = a.child.split(":", 1)
             a.mbs = int(mbs)
         if a.child.startswith("rljob"):
-            os.environ["RLJOB_HF_STATIC"] = "1" if a.child == "rljob-static" else "0"
+            os.environ["RLJOB_HF_STATIC"] = "1" if a.child in ("rljob-static", "rljob-compiled") else "0"
+            os.environ["RLJOB_HF_STATIC_COMPILE"] = "1" if a.child == "rljob-compiled" else "0"
             res = run_rljob(a, paths)
         else:
             res = run_trl(a, paths, gradient_checkpointing=False if a.child == "trl-nockpt" else None)
