@@ -319,7 +319,11 @@ class MegatronActor:
         local_targets = split_for_cp(targets, self.cp_size, self.cp_rank)  # CP
         positions = local_positions(ids.shape[1], self.cp_size, self.cp_rank, self.device)  # CP: global
         positions = positions.expand_as(local_ids)
-        logits = self.model(local_ids, positions, None)  # (b, Tl, V/tp); fp32 from Float16Module on GPU
+        extra = {}
+        if moe.is_moe(self.hf_config):  # the router's load-balancing loss counts real tokens only
+            pad = torch.arange(ids.shape[1], device=ids.device)[None, :] >= lengths[:, None]
+            extra["padding_mask"] = split_for_cp(pad, self.cp_size, self.cp_rank)  # (b, Tl) True = pad
+        logits = self.model(local_ids, positions, None, **extra)  # (b, Tl, V/tp); fp32 on GPU
         logits = logits.float()
         logits = self._mask_vocab_padding(logits)
         if logits_only:
