@@ -394,6 +394,18 @@ def _scenario_moe_tp2_sp(hf_dir: str, out_dir: str) -> None:
         torch.save(results, out / "moe_tp2_sp.pt")
 
 
+def _scenario_moe_tp2_sp_ep2(hf_dir: str, out_dir: str) -> None:
+    """Four processes: Qwen3-MoE at TP=2 + sequence parallel + EP=2 (expert TP 2; DP=2 on the same
+    data), as the production layout TP2 + SP + EP4 in miniature. The alltoall dispatcher gathers
+    uneven token counts over expert TP (gloo: cpu_compat pads them)."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import ParallelConfig
+
+    res = run_parallel_steps(hf_dir, ParallelConfig(tp=2, ep=2, sequence_parallel=True))
+    if dist.get_rank() == 0:
+        torch.save(res, Path(out_dir) / "moe_tp2_sp_ep2.pt")
+
+
 def _scenario_ep2_bf16(hf_dir: str, out_dir: str) -> None:
     """GPU: Qwen3-MoE in bf16 with the distributed optimizer on two GPUs, EP=1 against EP=2 (DP=2 for
     the dense part): logprobs, two updates on half batches, export."""
@@ -430,6 +442,7 @@ SCENARIOS = {
     "ep2_bf16": _scenario_ep2_bf16,
     "cp_sp": _scenario_cp_sp,
     "moe_tp2_sp": _scenario_moe_tp2_sp,
+    "moe_tp2_sp_ep2": _scenario_moe_tp2_sp_ep2,
 }
 
 

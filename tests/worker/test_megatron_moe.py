@@ -3,7 +3,8 @@ mapping, the aux loss, expert parallelism across two gloo processes, and the con
 
 One torchrun launch (``megatron_helpers.py ep2``) plays every two-process step (EP=1 and EP=2 on the
 same two ranks, TP=2 with expert TP=2, TP=2 with EP=2, an EP=2 checkpoint); the tests compare its
-results with HF and with EP=1 in this process.
+results with HF and with EP=1 in this process. Training at TP=2 + sequence parallel (``moe_tp2_sp``,
+two processes; ``moe_tp2_sp_ep2``, four) is compared with the same calls in one process.
 """
 
 from __future__ import annotations
@@ -294,7 +295,18 @@ def test_tp2_sp_training_equals_one_process(moe_sp, layout):
     (partial per TP rank under SP) and, with expert TP 1, the replicated experts' grads (each TP rank
     ran its own tokens through them) must be summed over TP."""
     arch = layout.split("_tp2")[0]
-    got, ref = moe_sp[0][layout], moe_sp[1][arch]
+    _assert_equals_one_process(moe_sp[0][layout], moe_sp[1][arch])
+
+
+def test_tp2_sp_ep2_on_four_processes_equals_one_process(moe_sp, hf_dirs, tmp_path):
+    """TP=2 + SP + EP=2 (expert TP 2, DP 2 on the same data): the production layout in miniature."""
+    H.run_torchrun("moe_tp2_sp_ep2", hf_dirs["qwen3_moe"], tmp_path, nproc=4, timeout=300)
+    got = torch.load(tmp_path / "moe_tp2_sp_ep2.pt")
+    assert len([n for n in got["exported_after"] if ".experts." in n]) == 4 * 3  # all 4 experts back
+    _assert_equals_one_process(got, moe_sp[1]["qwen3_moe"])
+
+
+def _assert_equals_one_process(got: dict, ref: dict) -> None:
     assert got["seq_seen"] == [8, 7]  # each TP rank's norms see half of the 16 / 14 padded tokens
     for key in ("logprobs", "entropy", "logits"):
         assert _rel(got[key], ref[key]) <= 1e-5, key
