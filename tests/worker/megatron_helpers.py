@@ -366,7 +366,7 @@ def _scenario_ep2(hf_dir: str, out_dir: str) -> None:
         res["eval_loss"] = actor.eval_loss(ids, mask)
         results[name] = res
     for name, parallel in (("tp2_etp2", ParallelConfig(tp=2, etp=2)), ("tp2_ep2", ParallelConfig(tp=2, ep=2, etp=1))):
-        # frozen: megatron trains MoE under TP only with sequence parallel, which needs a GPU
+        # frozen: megatron trains MoE under TP only with sequence parallel (scenario moe_tp2_sp)
         actor = MegatronActor.from_hf(hf_dir, parallel, OptimConfig(lr=1e-2), seed=1, trainable=False)
         results[name] = {
             "logprobs": actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
@@ -374,6 +374,36 @@ def _scenario_ep2(hf_dir: str, out_dir: str) -> None:
         }
     if rank == 0:
         torch.save(results, out / "ep2.pt")
+
+
+def _scenario_moe_tp2_sp(hf_dir: str, out_dir: str) -> None:
+    """Two processes: Qwen3-MoE (``hf_dir``) trained at TP=2 + sequence parallel, with expert TP = TP
+    (megatron's default) and with expert TP = 1 (experts replicated over the TP ranks, each running
+    its own sequence share); then Qwen2-MoE (shared expert + gate, ``OUT_DIR/hf_qwen2_moe``) alike."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import ParallelConfig
+
+    out = Path(out_dir)
+    results = {}
+    models = {"qwen3_moe": hf_dir, "qwen2_moe": out / "hf_qwen2_moe"}
+    for arch, path in models.items():
+        for name, etp in (("etp2", None), ("etp1", 1)):
+            parallel = ParallelConfig(tp=2, etp=etp, sequence_parallel=True)
+            results[f"{arch}_tp2_sp_{name}"] = run_parallel_steps(path, parallel)
+    if dist.get_rank() == 0:
+        torch.save(results, out / "moe_tp2_sp.pt")
+
+
+def _scenario_moe_tp2_sp_ep2(hf_dir: str, out_dir: str) -> None:
+    """Four processes: Qwen3-MoE at TP=2 + sequence parallel + EP=2 (expert TP 2; DP=2 on the same
+    data), as the production layout TP2 + SP + EP4 in miniature. The alltoall dispatcher gathers
+    uneven token counts over expert TP (gloo: cpu_compat pads them)."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import ParallelConfig
+
+    res = run_parallel_steps(hf_dir, ParallelConfig(tp=2, ep=2, sequence_parallel=True))
+    if dist.get_rank() == 0:
+        torch.save(res, Path(out_dir) / "moe_tp2_sp_ep2.pt")
 
 
 def _scenario_ep2_bf16(hf_dir: str, out_dir: str) -> None:
@@ -500,6 +530,8 @@ SCENARIOS = {
     "cp_sp": _scenario_cp_sp,
     "pp2": _scenario_pp2,
     "pp2_bf16": _scenario_pp2_bf16,
+    "moe_tp2_sp": _scenario_moe_tp2_sp,
+    "moe_tp2_sp_ep2": _scenario_moe_tp2_sp_ep2,
 }
 
 

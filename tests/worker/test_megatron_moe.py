@@ -3,7 +3,8 @@ mapping, the aux loss, expert parallelism across two gloo processes, and the con
 
 One torchrun launch (``megatron_helpers.py ep2``) plays every two-process step (EP=1 and EP=2 on the
 same two ranks, TP=2 with expert TP=2, TP=2 with EP=2, an EP=2 checkpoint); the tests compare its
-results with HF and with EP=1 in this process.
+results with HF and with EP=1 in this process. Training at TP=2 + sequence parallel (``moe_tp2_sp``,
+two processes; ``moe_tp2_sp_ep2``, four) is compared with the same calls in one process.
 """
 
 from __future__ import annotations
@@ -262,3 +263,74 @@ def test_ep2_checkpoint_loads_into_ep1(ep2, hf_dirs):
     state = actor.optimizer.state_dict()["state"]  # Adam moments of every expert came along
     assert len(state) == len(list(actor.core.parameters()))
     assert all(float(s["exp_avg_sq"].sum()) > 0 for s in state.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# training under TP=2 + sequence parallel (two processes) against one process
+
+SP_LAYOUTS = [f"{arch}_tp2_sp_{etp}" for arch in ARCHS for etp in ("etp2", "etp1")]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def moe_sp(hf_dirs, tmp_path_factory):
+    """One torchrun launch (``moe_tp2_sp``) of :func:`H.run_parallel_steps` in every layout of
+    ``SP_LAYOUTS``, and the same calls in this process."""
+    out = tmp_path_factory.mktemp("moe_tp2_sp")
+    (out / "hf_qwen2_moe").symlink_to(hf_dirs["qwen2_moe"])
+    H.run_torchrun("moe_tp2_sp", hf_dirs["qwen3_moe"], out, timeout=300)
+    got = torch.load(out / "moe_tp2_sp.pt")
+    ref = {arch: H.run_parallel_steps(hf_dirs[arch], ParallelConfig()) for arch in ARCHS}
+    return got, ref
+
+
+@pytest.mark.parametrize("layout", SP_LAYOUTS)
+def test_tp2_sp_training_equals_one_process(moe_sp, layout):
+    """Log-probs, two updates (policy loss, load-balancing loss, grad norm) and the weights after them
+    equal one process: the varied batch packs to lengths TP does not divide, so the aux loss must
+    ignore SP's padding, sum its per-rank shares, and the router / shared-expert gate / norm grads
+    (partial per TP rank under SP) and, with expert TP 1, the replicated experts' grads (each TP rank
+    ran its own tokens through them) must be summed over TP."""
+    arch = layout.split("_tp2")[0]
+    _assert_equals_one_process(moe_sp[0][layout], moe_sp[1][arch])
+
+
+def test_tp2_sp_ep2_on_four_processes_equals_one_process(moe_sp, hf_dirs, tmp_path):
+    """TP=2 + SP + EP=2 (expert TP 2, DP 2 on the same data): the production layout in miniature."""
+    H.run_torchrun("moe_tp2_sp_ep2", hf_dirs["qwen3_moe"], tmp_path, nproc=4, timeout=300)
+    got = torch.load(tmp_path / "moe_tp2_sp_ep2.pt")
+    assert len([n for n in got["exported_after"] if ".experts." in n]) == 4 * 3  # all 4 experts back
+    _assert_equals_one_process(got, moe_sp[1]["qwen3_moe"])
+
+
+def _assert_equals_one_process(got: dict, ref: dict) -> None:
+    assert got["seq_seen"] == [8, 7]  # each TP rank's norms see half of the 16 / 14 padded tokens
+    for key in ("logprobs", "entropy", "logits"):
+        assert _rel(got[key], ref[key]) <= 1e-5, key
+    for step, (g, r) in enumerate(zip(got["history"], ref["history"], strict=True)):
+        for key in ("loss", "nll", "entropy", "moe_aux_loss", "grad_norm"):
+            assert g[key] == pytest.approx(r[key], rel=1e-5), (step, key)
+        assert g["skipped"] == 0
+    assert got["history"][1]["loss"] < got["history"][0]["loss"]
+    assert _rel(got["logprobs_after"], ref["logprobs_after"]) <= 1e-5
+    assert sorted(got["exported_after"]) == sorted(ref["exported_after"])
+    for name, want in ref["exported_after"].items():
+        if name.endswith("k_proj.bias"):
+            # its exact gradient is 0 (softmax ignores a per-query constant): Adam turns float noise
+            # into full lr steps, so only the log-probs above speak for it
+            continue
+        # Adam's first steps amplify float noise in tiny gradients: 1e-4 against weights of ~0.1
+        torch.testing.assert_close(got["exported_after"][name], want, rtol=0, atol=1e-4, msg=name)
+
+
+def test_tp2_sp_tags_router_gate_and_norms_for_the_tp_sum(moe_sp):
+    got = moe_sp[0]
+    q3 = {n.split(".")[-2] for n in got["qwen3_moe_tp2_sp_etp2"]["sp_tagged"]}
+    assert {"input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "router"} <= q3
+    assert got["qwen3_moe_tp2_sp_etp2"]["norm_types"] == ["SequenceParallelRMSNorm"]
+    q2 = got["qwen2_moe_tp2_sp_etp2"]["sp_tagged"]
+    assert "decoder.layers.0.mlp.shared_experts.gate_weight" in q2
+    assert "decoder.final_layernorm.weight" in q2

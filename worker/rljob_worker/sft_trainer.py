@@ -40,6 +40,7 @@ from rljob_api.models import RLJobSpec
 
 from rljob_worker.data import EpochSampler
 from rljob_worker.distributed import DistEnv, dist_env_from_environ, init_distributed
+from rljob_worker.flops import active_parameters
 from rljob_worker.sft_data import IGNORE_INDEX, collate, load_sft_datasets
 from rljob_worker.trainer import EXIT_PREEMPTED, Preempted, RunContext, StepResult, _torch_dtype
 
@@ -145,7 +146,7 @@ class SFTTrainer:
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
         self.per_rank = self.global_batch // self.dp_size
         self.micro_batches = self.per_rank // t.micro_batch_size_per_gpu
-        self._num_params = self.actor.num_parameters()
+        self._num_params = active_parameters(self.actor.hf_config)  # MoE: top-k experts only
 
         self.telemetry = self._make_telemetry()
         signal.signal(signal.SIGTERM, self._request_stop)

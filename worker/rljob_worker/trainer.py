@@ -43,6 +43,7 @@ from rljob_worker import algorithms as algo
 from rljob_worker.batching import pad_batch, scatter_response_values, slice_batch, split_batch, trim_padding
 from rljob_worker.data import EpochSampler, load_datasets
 from rljob_worker.distributed import DistEnv, broadcast_object, dist_env_from_environ, init_distributed
+from rljob_worker.flops import active_parameters
 from rljob_worker.rewards import resolve_reward, score_all
 from rljob_worker.rollout import RolloutOutput, SamplingParams, make_engine
 from rljob_worker.rollout.base import resolve_engine_name
@@ -149,7 +150,7 @@ class GRPOTrainer:
         self._offload_plan = [(model, f) for model, f in ((self.actor, flags), (self.ref, ref_flags))
                               if model is not None and any(f.values())]
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
-        self._num_params = self.actor.num_parameters()
+        self._num_params = active_parameters(self.actor.hf_config)  # MoE: top-k experts only
         self.loss_config = algo.LossConfig(
             clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
             kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_placement=a.kl_placement,

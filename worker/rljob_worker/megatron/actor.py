@@ -403,7 +403,11 @@ class MegatronActor:
         # CP: this rank's share of the columns, at their global positions (identity for cp = 1)
         local_ids = split_for_cp(packed.ids, self.cp_size, self.cp_rank)
         positions = local_positions(packed.ids.shape[1], self.cp_size, self.cp_rank, self.device)
-        logits = self.model(local_ids, positions.expand_as(local_ids), None)  # (b, Tc/cp, V/tp), fp32
+        extra = {}
+        if moe.is_moe(self.hf_config):  # the router's load-balancing loss counts real tokens only
+            pad = torch.arange(packed.ids.shape[1], device=self.device)[None, :] >= packed.lengths[:, None]
+            extra["padding_mask"] = split_for_cp(pad, self.cp_size, self.cp_rank)  # (b, Tc/cp) True = pad
+        logits = self.model(local_ids, positions.expand_as(local_ids), None, **extra)  # (b, Tc/cp, V/tp), fp32
         logits = self._mask_vocab_padding(logits.float())
         if logits_only:
             return gather_from_cp(logits, self.cp_group), packed.order, packed.lengths

@@ -68,6 +68,49 @@ def _cpu_dtoh_and_synchronize(self, point, tokens_per_expert=None):
     return tokens_per_expert
 
 
+def _gloo_gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """``mappings._gather_along_first_dim`` for gloo, whose all_gather needs equal sizes: with
+    ``output_split_sizes`` (the alltoall dispatcher's expert-TP gather under EP, uneven token counts)
+    each rank's rows are padded to the largest share, gathered, and cut back."""
+    import torch.distributed as dist
+
+    if output_split_sizes is None or group.size() == 1:
+        return _MEGATRON_GATHER(input_, group, output_split_sizes, use_global_buffer)
+    sizes = [int(s) for s in output_split_sizes]
+    rows = max(sizes)
+    padded = torch.nn.functional.pad(input_.contiguous(), (0, 0) * (input_.dim() - 1) + (0, rows - input_.shape[0]))
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)], dim=0)
+
+
+def _gloo_reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """``mappings._reduce_scatter_along_first_dim`` for gloo with uneven ``input_split_sizes`` (the
+    backward of the gather above): all-reduce the whole tensor, keep this rank's rows."""
+    import torch.distributed as dist
+
+    if input_split_sizes is None or group.size() == 1:
+        return _MEGATRON_REDUCE_SCATTER(input_, group, input_split_sizes, use_global_buffer)
+    sizes = [int(s) for s in input_split_sizes]
+    total = input_.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    rank = group.rank()
+    return total[sum(sizes[:rank]) : sum(sizes[: rank + 1])].clone()
+
+
+_MEGATRON_GATHER = _MEGATRON_REDUCE_SCATTER = None
+
+
+def _patch_uneven_gather() -> None:
+    global _MEGATRON_GATHER, _MEGATRON_REDUCE_SCATTER
+    from megatron.core.tensor_parallel import mappings
+
+    _MEGATRON_GATHER = mappings._gather_along_first_dim
+    _MEGATRON_REDUCE_SCATTER = mappings._reduce_scatter_along_first_dim
+    mappings._gather_along_first_dim = _gloo_gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _gloo_reduce_scatter_along_first_dim
+
+
 def _patch_moe_dispatcher() -> None:
     # MoEAlltoAllTokenDispatcher creates a class-wide torch.cuda.Stream in __init__ (a non-None value
     # skips that) and moves split sizes device-to-host on it.
@@ -142,6 +185,9 @@ def apply_cpu_patches() -> bool:
     tutils.get_default_causal_mask = functools.lru_cache(maxsize=8)(_cpu_causal_mask)
     fused_softmax.get_default_causal_mask = tutils.get_default_causal_mask
     _patch_moe_dispatcher()
+    # gloo's all_gather / reduce_scatter take equal sizes only; the alltoall dispatcher gathers
+    # uneven token counts over expert TP when expert TP > 1 and EP > 1
+    _patch_uneven_gather()
 
     # Context parallelism: RoPE picks this CP rank's chunks of the position table with an index
     # tensor built in pinned memory and moved with .cuda(); the same selection on the CPU.

@@ -343,7 +343,7 @@ def megatron_config_from_hf(
     if is_moe(hf_config):
         layer_spec = moe_block_spec(config, use_te)
         if sequence_parallel and not use_te:
-            sp_norms_in_block_spec(layer_spec, qk_layernorm)
+            sp_norms_in_block_spec(layer_spec, config.qk_layernorm)  # qwen3_moe: from the MoE kwargs
     elif use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 

@@ -13,7 +13,12 @@ softmax over the k (``moe_router_pre_softmax=False``, the same numbers), ``False
 Load balancing: megatron's ``aux_loss`` with ``moe_aux_loss_coeff = router_aux_loss_coef``. It only adds
 gradient (the forward values, hence the log-probs, are unchanged) and only in training. Turn it off
 with ``overrideTransformerConfig: {moe_aux_loss_coeff: 0}`` (or ``moe_router_load_balancing_type:
-none``). The unscaled loss is reported by the actor's update as ``moe_aux_loss``.
+none``). The unscaled loss is reported by the actor's update as ``moe_aux_loss``. It counts real
+tokens only (the actor passes megatron a padding mask, as HF's ``load_balancing_loss_func`` uses the
+attention mask), so the padding that packing, sequence and context parallelism add changes nothing.
+Under sequence / context parallelism each rank adds its tokens' share (the expert load counts are
+all-reduced over TP x CP by megatron); the router weight's gradient is then a per-rank partial sum,
+summed over TP like the other SP-tagged weights.
 
 Experts: megatron's ``SequentialMLP`` (a loop over local experts; grouped GEMM needs a CUDA
 extension). Tokens move between expert-parallel ranks with the ``alltoall`` dispatcher
@@ -327,17 +332,21 @@ def expert_params(core) -> list[torch.nn.Parameter]:
 def average_expert_grads(params: list[torch.nn.Parameter], dp_size: int) -> None:
     """As megatron's DDP: expert grads are summed over the expert-data-parallel group (the ranks
     holding the same experts) and scaled by 1 / (dense) data-parallel size. The all-to-all backward
-    already summed the contributions of the tokens of every EP rank."""
+    already summed the contributions of the tokens of every EP rank (and, under sequence parallel,
+    the expert-TP all-gather's backward those of the expert-TP ranks). With expert TP smaller than
+    TP (e.g. ``etp=1``) the expert-DP group also holds TP ranks, each with its own sequence share:
+    the sum adds them up, even at DP = 1."""
     from megatron.core import parallel_state as ps
 
     for p in params:  # an expert no token reached on this rank: replicas must flatten alike
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
-    if not grads or dp_size == 1:
+    edp = ps.get_expert_data_parallel_world_size()
+    if not grads or (edp == 1 and dp_size == 1):
         return
     flat = torch._utils._flatten_dense_tensors(grads)
-    if ps.get_expert_data_parallel_world_size() > 1:
+    if edp > 1:  # with expert TP < TP it spans TP ranks too: their sequence-parallel token shares
         dist.all_reduce(flat, group=ps.get_expert_data_parallel_group())
     flat /= dp_size
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
@@ -381,7 +390,10 @@ def aux_loss_enabled(config) -> bool:
 
 def pop_aux_loss(num_micro_batches: int, num_moe_layers: int) -> float | None:
     """The unscaled load-balancing loss averaged over MoE layers and micro-batches since the last
-    call (this rank's tokens), or None when none was computed; clears megatron's tracker."""
+    call, or None when none was computed; clears megatron's tracker. Collective over the router's
+    TP x CP group: under sequence / context parallelism each rank's value is its tokens' share of
+    the micro-batch loss (megatron's ``switch_load_balancing_loss_func``), summed here as
+    ``reduce_aux_losses_tracker_across_ranks`` does. Per data-parallel rank (the caller averages)."""
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
@@ -392,6 +404,9 @@ def pop_aux_loss(num_micro_batches: int, num_moe_layers: int) -> float | None:
         return None
     values = entry["values"].detach().double().clone()  # the tracker is zeroed in place below
     clear_aux_losses_tracker()
+    group = entry.get("reduce_group")  # the router's TP x CP group: its ranks hold partial sums
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, group=group)
     if num_moe_layers == 0:
         return None
     return float(values.sum()) / num_moe_layers / max(num_micro_batches, 1)
