@@ -549,12 +549,17 @@ def moe_pp_steps(actor, out_dir=None) -> dict:
         "logits": actor.forward_logits(ids, mask),
         "exported": {k: v.float().cpu() for k, v in actor.export_hf_weights()},
         "local_experts": sorted(
-            {int(n.split("local_experts.")[1].split(".")[0]) for n, _ in actor.core.named_parameters() if "local_experts." in n}
+            {
+                int(n.split("local_experts.")[1].split(".")[0])
+                for n, _ in actor.core.named_parameters()
+                if "local_experts." in n
+            }
         ),
         "layer_numbers": [layer.layer_number for layer in actor.core.decoder.layers],
         "moe_layers": [type(layer.mlp).__name__ for layer in actor.core.decoder.layers],
         "updates": [
-            actor.update(batch, seq_nll_loss, micro_batch_size=mbs, with_entropy=True) for mbs in MOE_PP_MICRO_BATCHES
+            actor.update(batch, seq_nll_loss, micro_batch_size=mbs, with_entropy=True)
+            for mbs in MOE_PP_MICRO_BATCHES
         ],
         "logprobs_after": actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
         "eval_loss": actor.eval_loss(ids, mask),
