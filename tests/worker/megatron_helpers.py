@@ -511,6 +511,7 @@ MOE_PP_MODELS = {  # name -> (arch, overrides) of the models the moe_pp2 scenari
     # (its experts are local layers 0, 1 = HF layers 2, 3)
     "qwen3_moe4": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [1]}),
     "qwen2_moe": ("qwen2_moe", {}),  # shared experts + gate, one MoE layer per stage
+    "qwen3_moe_dense_last": ("qwen3_moe", {}),  # 2 layers, layer 1 dense: stage 1 has no experts
 }
 MOE_PP_MICRO_BATCHES = (2, 4)  # every micro-batch of a call at one (rows, packed length): see moe_pp_steps
 

@@ -2,8 +2,9 @@
 
 One torchrun launch (``megatron_helpers.py moe_pp2``) runs :func:`megatron_helpers.moe_pp_steps` on
 a 4-layer Qwen3-MoE whose layer 1 is dense (stage 0: [moe, dense], stage 1: [moe, moe], so stage 1's
-local layers 0, 1 are HF layers 2, 3) and a 2-layer Qwen2-MoE with shared experts (one MoE layer per
-stage), and writes a checkpoint of each; the tests repeat the same steps at PP=1 and compare.
+local layers 0, 1 are HF layers 2, 3), a 2-layer Qwen2-MoE with shared experts (one MoE layer per
+stage) and a 2-layer Qwen3-MoE whose last stage has no experts, and writes a checkpoint of each; the
+tests repeat the same steps at PP=1 and compare.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def test_each_stage_builds_its_own_layers_with_global_numbers(run, pp1):
     assert r0["local_experts"] == r1["local_experts"] == [0, 1, 2, 3]  # EP=1: every expert
     q2 = (run["rank0"]["qwen2_moe"]["moe_layers"], run["rank1"]["qwen2_moe"]["moe_layers"])
     assert q2 == (["MoELayer"], ["MoELayer"])
+    # a stage without experts still joins the expert grad-norm, aux-loss and export collectives
+    last = run["rank1"]["qwen3_moe_dense_last"]
+    assert last["moe_layers"] == ["MLP"] and last["local_experts"] == []
 
 
 @pytest.mark.parametrize("name", MODELS)
