@@ -571,15 +571,17 @@ def moe_pp_steps(actor, out_dir=None) -> dict:
     return out
 
 
-def _scenario_moe_pp2(models_root: str, out_dir: str, dtype=torch.float32, tag: str = "moe_pp2") -> None:
-    """PP=2 (EP=1, DP=1) over two processes: every model of MOE_PP_MODELS through moe_pp_steps, a
-    checkpoint each; each rank saves its results (they must agree)."""
+def _scenario_moe_pp2(
+    models_root: str, out_dir: str, dtype=torch.float32, tag: str = "moe_pp2", names=tuple(MOE_PP_MODELS)
+) -> None:
+    """PP=2 (EP=1, DP=1) over two processes: the models ``names`` of MOE_PP_MODELS through
+    moe_pp_steps, a checkpoint each; each rank saves its results (they must agree)."""
     import torch.distributed as dist
     from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
     out, root = Path(out_dir), Path(models_root)
     results = {}
-    for name in MOE_PP_MODELS:
+    for name in names:
         actor = MegatronActor.from_hf(
             root / name, ParallelConfig(pp=2), OptimConfig(lr=1e-3, grad_clip=100.0), dtype=dtype, seed=1
         )
@@ -588,11 +590,24 @@ def _scenario_moe_pp2(models_root: str, out_dir: str, dtype=torch.float32, tag: 
 
 
 def _scenario_moe_pp2_bf16(models_root: str, out_dir: str) -> None:
-    """GPU: the moe_pp2 scenario in bf16 (megatron DDP and optimizer per stage)."""
-    _scenario_moe_pp2(models_root, out_dir, dtype=torch.bfloat16, tag="moe_pp2_bf16")
+    """GPU: the moe_pp2 scenario in bf16 (megatron DDP and optimizer per stage), every stage with
+    experts."""
+    names = ("qwen3_moe4", "qwen2_moe")
+    _scenario_moe_pp2(models_root, out_dir, dtype=torch.bfloat16, tag="moe_pp2_bf16", names=names)
 
 
-SCENARIOS.update(moe_pp2=_scenario_moe_pp2, moe_pp2_bf16=_scenario_moe_pp2_bf16)
+def _scenario_moe_pp2_bf16_dense_last(models_root: str, out_dir: str) -> None:
+    """GPU: qwen3_moe_dense_last in bf16 at PP=2: stage 1 has no expert parameters, so megatron's
+    optimizer there chains no expert optimizer (its grad norm must still agree with stage 0's)."""
+    names = ("qwen3_moe_dense_last",)
+    _scenario_moe_pp2(models_root, out_dir, dtype=torch.bfloat16, tag="moe_pp2_bf16", names=names)
+
+
+SCENARIOS.update(
+    moe_pp2=_scenario_moe_pp2,
+    moe_pp2_bf16=_scenario_moe_pp2_bf16,
+    moe_pp2_bf16_dense_last=_scenario_moe_pp2_bf16_dense_last,
+)
 
 
 if __name__ == "__main__":
