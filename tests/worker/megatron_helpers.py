@@ -535,6 +535,113 @@ SCENARIOS = {
 }
 
 
+# --------------------------------------------------------------------------------------------------
+# mixture-of-experts x pipeline parallelism (moe_pp2, moe_pp2_bf16)
+
+MOE_PP_MODELS = {  # name -> (arch, overrides) of the models the moe_pp2 scenarios run
+    # experts in layers 0, 2, 3, a dense MLP in layer 1: stage 0 holds [moe, dense], stage 1 [moe, moe]
+    # (its experts are local layers 0, 1 = HF layers 2, 3)
+    "qwen3_moe4": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [1]}),
+    "qwen2_moe": ("qwen2_moe", {}),  # shared experts + gate, one MoE layer per stage
+    "qwen3_moe_dense_last": ("qwen3_moe", {}),  # 2 layers, layer 1 dense: stage 1 has no experts
+}
+MOE_PP_MICRO_BATCHES = (2, 4)  # every micro-batch of a call at one (rows, packed length): see moe_pp_steps
+
+
+def make_moe_pp_models(root) -> Path:
+    root = Path(root)
+    for i, (name, (arch, overrides)) in enumerate(MOE_PP_MODELS.items()):
+        make_tiny_hf_model(arch, root / name, seed=10 + i, **overrides)
+    return root
+
+
+def moe_pp_batch():
+    """:func:`sample_batch` with row 1 full (lengths 9, 12, 8, 12): micro-batches of 2 or 4 rows all
+    pack to 12 columns."""
+    ids, mask = sample_batch()
+    mask[1] = 1
+    return ids, mask
+
+
+def moe_pp_steps(actor, out_dir=None) -> dict:
+    """What the MoE x PP tests compare between layouts: log-probs, entropy and logits, the HF export
+    before training, two updates, log-probs after, eval loss, the export after (and a checkpoint).
+
+    The updates use micro-batch sizes at which every micro-batch of :func:`sample_batch` has the same
+    rows and packed length: the pipeline pads each micro-batch to the call's largest, and the
+    router's load-balancing loss counts padding tokens (megatron-core 0.16.1's GPTModel passes no
+    padding mask to the router), so uneven micro-batches change the aux loss and its gradient. Here
+    row 1 of :func:`sample_batch` is made full: real lengths 9, 12, 8, 12, so every micro-batch of 2
+    (and the one of 4) packs to 12 columns."""
+    ids, mask = moe_pp_batch()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    res = actor.compute_logprobs(batch, micro_batch_size=2, with_entropy=True)
+    out = {
+        "logprobs": res["logprobs"],
+        "entropy": res["entropy"],
+        "logits": actor.forward_logits(ids, mask),
+        "exported": {k: v.float().cpu() for k, v in actor.export_hf_weights()},
+        "local_experts": sorted(
+            {
+                int(n.split("local_experts.")[1].split(".")[0])
+                for n, _ in actor.core.named_parameters()
+                if "local_experts." in n
+            }
+        ),
+        "layer_numbers": [layer.layer_number for layer in actor.core.decoder.layers],
+        "moe_layers": [type(layer.mlp).__name__ for layer in actor.core.decoder.layers],
+        "updates": [
+            actor.update(batch, seq_nll_loss, micro_batch_size=mbs, with_entropy=True)
+            for mbs in MOE_PP_MICRO_BATCHES
+        ],
+        "logprobs_after": actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
+        "eval_loss": actor.eval_loss(ids, mask),
+    }
+    if out_dir is not None:
+        actor.save_checkpoint(Path(out_dir))
+    out["exported_after"] = {k: v.float().cpu() for k, v in actor.export_hf_weights()}
+    return out
+
+
+def _scenario_moe_pp2(
+    models_root: str, out_dir: str, dtype=torch.float32, tag: str = "moe_pp2", names=tuple(MOE_PP_MODELS)
+) -> None:
+    """PP=2 (EP=1, DP=1) over two processes: the models ``names`` of MOE_PP_MODELS through
+    moe_pp_steps, a checkpoint each; each rank saves its results (they must agree)."""
+    import torch.distributed as dist
+    from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+
+    out, root = Path(out_dir), Path(models_root)
+    results = {}
+    for name in names:
+        actor = MegatronActor.from_hf(
+            root / name, ParallelConfig(pp=2), OptimConfig(lr=1e-3, grad_clip=100.0), dtype=dtype, seed=1
+        )
+        results[name] = moe_pp_steps(actor, out / f"ckpt_{tag}_{name}")
+    torch.save(results, out / f"{tag}_rank{dist.get_rank()}.pt")
+
+
+def _scenario_moe_pp2_bf16(models_root: str, out_dir: str) -> None:
+    """GPU: the moe_pp2 scenario in bf16 (megatron DDP and optimizer per stage), every stage with
+    experts."""
+    names = ("qwen3_moe4", "qwen2_moe")
+    _scenario_moe_pp2(models_root, out_dir, dtype=torch.bfloat16, tag="moe_pp2_bf16", names=names)
+
+
+def _scenario_moe_pp2_bf16_dense_last(models_root: str, out_dir: str) -> None:
+    """GPU: qwen3_moe_dense_last in bf16 at PP=2: stage 1 has no expert parameters, so megatron's
+    optimizer there chains no expert optimizer (its grad norm must still agree with stage 0's)."""
+    names = ("qwen3_moe_dense_last",)
+    _scenario_moe_pp2(models_root, out_dir, dtype=torch.bfloat16, tag="moe_pp2_bf16", names=names)
+
+
+SCENARIOS.update(
+    moe_pp2=_scenario_moe_pp2,
+    moe_pp2_bf16=_scenario_moe_pp2_bf16,
+    moe_pp2_bf16_dense_last=_scenario_moe_pp2_bf16_dense_last,
+)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worker"))
     torch.set_num_threads(1)

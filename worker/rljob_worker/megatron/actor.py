@@ -786,7 +786,7 @@ class MegatronActor:
                 sq += p.grad.detach().double().pow(2).sum()
         if self.tp_size * self.pp_size > 1:
             dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        if experts:
+        if moe.is_moe(self.hf_config):  # every stage joins, one without expert layers with 0
             expert_sq = moe.expert_grad_sq(list(experts))
             if self.pp_size > 1:
                 dist.all_reduce(expert_sq, group=self.pp_group)
