@@ -220,6 +220,12 @@ class _Packed:
         positions = torch.arange(cols, device=ids.device).expand_as(ids)
         return ids, positions
 
+    def padding_mask(self, rows: int, cols: int) -> torch.Tensor:
+        """``(rows, cols) bool``, True where :meth:`padded_to` put padding (a filler: everywhere)."""
+        real = torch.arange(cols, device=self.ids.device)[None, :] < self.lengths[:, None]
+        real = torch.nn.functional.pad(real, (0, 0, 0, rows - real.shape[0]))
+        return torch.ones_like(real) if self.filler else ~real
+
 
 def _interleaving_group(num_micro_batches: int, pp: int) -> int:
     """Micro-batches per virtual-stage group for megatron's interleaved schedule, which needs
@@ -457,8 +463,10 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             item = next(data_iterator)
+            # the router's load-balancing loss counts real tokens only (as in _forward)
+            extra = {"padding_mask": item.padding_mask(rows, cols)} if moe.is_moe(self.hf_config) else {}
             # stages after the first take their input from the previous stage (set by the schedule)
-            return model(*item.padded_to(rows, cols), None), functools.partial(loss_func, item)
+            return model(*item.padded_to(rows, cols), None, **extra), functools.partial(loss_func, item)
 
         one = len(self.models) == 1
         iterators = [iter(packed) for _ in self.models]
