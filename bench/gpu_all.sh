@@ -50,7 +50,7 @@ for s in $SECTIONS; do
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
     rolloutbase) section rolloutbase 420 python3 bench/rollout.py --hf-generate-baseline --compiled ${ROLLOUT_ARGS:-} ;;
     sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
-    gputests) section gputests ${GPUTESTS_LIMIT:-420} python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs ;;
+    gputests) section gputests ${GPUTESTS_LIMIT:-420} python3 -m pytest -m gpu tests -v -p no:cacheprovider -rs ;;
     grpopp2) section grpopp2 150 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_pp2.yaml --workdir /tmp/pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/pp2/work/metrics.jsonl grpo-digit-sum-pp2" ;;
     grpocompiled) section grpocompiled 330 python3 bench/grpo_step.py --variants rljob-static:32,rljob-compiled:32 --timeout-each 160 --tag _compiled ;;
     *) echo "unknown section $s" ;;
