@@ -642,6 +642,47 @@ SCENARIOS.update(
 )
 
 
+# --------------------------------------------------------------------------------------------------
+# four GPUs (issue: 4-GPU parallelism verification): mixed layouts against one GPU
+
+
+FOUR_GPU_LAYOUTS = {  # name -> (model, ParallelConfig kwargs)
+    "tp2_pp2": ("qwen2", {"tp": 2, "pp": 2}),
+    "tp2_dp2_distopt": ("qwen2", {"tp": 2, "use_distributed_optimizer": True}),
+    "pp2_dp2_distopt": ("qwen2", {"pp": 2, "use_distributed_optimizer": True}),
+    "tp2_sp_ep2_moe": ("qwen3_moe", {"tp": 2, "sequence_parallel": True, "ep": 2}),
+    "tp2_cp2": ("qwen2", {"tp": 2, "cp": 2}),
+}
+if os.environ.get("RLJOB_GPU4_ONLY"):  # run a subset (debugging): comma-separated layout names
+    FOUR_GPU_LAYOUTS = {k: v for k, v in FOUR_GPU_LAYOUTS.items() if k in os.environ["RLJOB_GPU4_ONLY"].split(",")}
+
+
+def _scenario_gpu4(models_root: str, out_dir: str) -> None:
+    """Four processes, bf16 on GPUs: each layout of FOUR_GPU_LAYOUTS runs :func:`run_parallel_steps`
+    (every DP rank takes the same batch, so DP must change nothing). A failing layout is recorded,
+    not fatal, so one report covers all of them."""
+    import traceback
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from rljob_worker.megatron.actor import ParallelConfig
+
+    results = {}
+    for name, (model, kwargs) in FOUR_GPU_LAYOUTS.items():
+        try:
+            results[name] = run_parallel_steps(Path(models_root) / model, ParallelConfig(**kwargs), torch.bfloat16)
+        except Exception:  # noqa: BLE001 - report and go on with the next layout
+            results[name] = {"error": traceback.format_exc()[-3000:]}
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+        dist.barrier()
+    if dist.get_rank() == 0:
+        torch.save(results, Path(out_dir) / "gpu4.pt")
+
+
+SCENARIOS["gpu4"] = _scenario_gpu4
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worker"))
     torch.set_num_threads(1)
@@ -649,3 +690,4 @@ if __name__ == "__main__":
     from rljob_worker.distributed import destroy_distributed
 
     destroy_distributed()
+
