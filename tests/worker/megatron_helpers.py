@@ -412,6 +412,7 @@ def _scenario_ep2_bf16(hf_dir: str, out_dir: str) -> None:
     from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     ids, mask = sample_batch()
     rank = int(os.environ["RANK"])
     half = slice(rank * 2, rank * 2 + 2)

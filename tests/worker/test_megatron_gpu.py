@@ -168,14 +168,21 @@ def test_cp2_and_tp2_sequence_parallel_equal_one_gpu_bf16(tmp_path):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
     assert got["cp2"]["seq_seen"] == [8, 8] and got["tp2_sp"]["seq_seen"] == [8, 7]
-    for layout, arch in (("cp2", "qwen2"), ("tp2_sp", "qwen2"), ("tp2_sp_qwen3", "qwen3")):
+    # every comparison is made and printed before the verdict, so one run shows the whole picture
+    off = []
+    for layout, arch in (("cp2", "qwen2"), ("tp2_sp", "qwen2"), ("tp2_qwen3", "qwen3"), ("tp2_sp_qwen3", "qwen3")):
         g, r = got[layout], ref[arch]
         for key in ("logprobs", "entropy", "logprobs_after"):
-            assert rel(g[key], r[key]) <= 1e-2, (layout, key, rel(g[key], r[key]))
+            print(layout, key, f"rel {rel(g[key], r[key]):.2e}")
+            if rel(g[key], r[key]) > 1e-2:
+                off.append((layout, key, rel(g[key], r[key])))
         for step, (mg, mr) in enumerate(zip(g["history"], r["history"])):
             assert mg["skipped"] == 0, (layout, step)
             for key in ("loss", "entropy", "grad_norm"):
-                assert mg[key] == pytest.approx(mr[key], rel=1e-2), (layout, step, key)
+                print(layout, step, key, mg[key], mr[key])
+                if mg[key] != pytest.approx(mr[key], rel=1e-2):
+                    off.append((layout, step, key, mg[key], mr[key]))
+    assert not off, off
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
