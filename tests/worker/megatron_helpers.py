@@ -557,23 +557,19 @@ def make_moe_pp_models(root) -> Path:
 
 
 def moe_pp_batch():
-    """:func:`sample_batch` with row 1 full (lengths 9, 12, 8, 12): micro-batches of 2 or 4 rows all
-    pack to 12 columns."""
-    ids, mask = sample_batch()
-    mask[1] = 1
-    return ids, mask
+    """:func:`sample_batch` (real lengths 9, 9, 8, 12): micro-batches of 2 rows pack to different
+    lengths, which the pipeline pads to one shape; the router's padding mask must keep that padding
+    out of the load-balancing loss for PP2 to equal PP1."""
+    return sample_batch()
 
 
 def moe_pp_steps(actor, out_dir=None) -> dict:
     """What the MoE x PP tests compare between layouts: log-probs, entropy and logits, the HF export
     before training, two updates, log-probs after, eval loss, the export after (and a checkpoint).
 
-    The updates use micro-batch sizes at which every micro-batch of :func:`sample_batch` has the same
-    rows and packed length: the pipeline pads each micro-batch to the call's largest, and the
-    router's load-balancing loss counts padding tokens (megatron-core 0.16.1's GPTModel passes no
-    padding mask to the router), so uneven micro-batches change the aux loss and its gradient. Here
-    row 1 of :func:`sample_batch` is made full: real lengths 9, 12, 8, 12, so every micro-batch of 2
-    (and the one of 4) packs to 12 columns."""
+    The micro-batches of 2 rows pack to different lengths (:func:`moe_pp_batch`); the pipeline pads
+    each to the call's largest, and the actor passes the router a padding mask, so the aux loss and
+    its gradient are those of the real tokens, as at PP1."""
     ids, mask = moe_pp_batch()
     batch = {"input_ids": ids, "attention_mask": mask}
     res = actor.compute_logprobs(batch, micro_batch_size=2, with_entropy=True)
