@@ -344,6 +344,8 @@ class MegatronActor:
 
         if trainable:
             moe.check_training_layout(hf_config, parallel.tp, parallel.sequence_parallel)
+        if moe.is_moe(hf_config):
+            moe.reset_aux_loss_tracker()
         if moe.is_moe(hf_config) and parallel.vpp is not None:
             raise MegatronConfigError(
                 f"spec.megatron.virtualPipelineModelParallelSize={parallel.vpp} is not supported for mixture-of-experts "

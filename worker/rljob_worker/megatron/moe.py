@@ -388,6 +388,14 @@ def aux_loss_enabled(config) -> bool:
     return kind == "aux_loss" and float(coeff) > 0
 
 
+def reset_aux_loss_tracker() -> None:
+    """Forget megatron's process-wide aux-loss tracker: it is sized by the first model's layer count,
+    so a later model with more layers in the same process would index past it."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
 def pop_aux_loss(num_micro_batches: int, num_moe_layers: int) -> float | None:
     """The unscaled load-balancing loss averaged over MoE layers and micro-batches since the last
     call, or None when none was computed; clears megatron's tracker. Collective over the router's
