@@ -38,7 +38,6 @@ returns the same result on every rank of a model-parallel group (call them on ev
 with the same batch). Tied embeddings keep a copy on the last stage whose gradient is summed with the
 first stage's (megatron's ``finalize_model_grads`` on GPU, the same all-reduce on CPU).
 
-
 Context parallelism (``ParallelConfig.cp``): every rank of a CP group takes the same batch; the
 packed length is padded to a multiple of ``2 * cp`` (padding columns are ignored), each CP rank runs
 its load-balanced share of the sequence (:mod:`.context_parallel`), attention all-gathers keys and
@@ -51,7 +50,8 @@ expert-data-parallel group and the grad norm counts each expert shard once; on G
 and optimizer do the same with their expert buffers.
 
 Not supported yet (``MegatronConfigError`` at construction): context parallelism together with
-pipeline parallelism; layer counts that ``pp`` (x ``vpp``) does not divide.
+pipeline parallelism; virtual pipeline stages for MoE models; layer counts that ``pp`` (x ``vpp``)
+does not divide.
 
 Memory: activation recompute (:class:`RecomputeConfig`, megatron's full / selective recompute) and
 ``overrideTransformerConfig`` are applied to the ``TransformerConfig`` before the model is built.
