@@ -70,44 +70,37 @@ def main() -> int:
     kw = {"device": dev, "eos_token_id": a.vocab, "pad_token_id": 0}
     res: dict = {"card": card, "model": a.model}
 
-    try:  # 1. correctness of the graph path
-        ref = HFEngine(paths["model_dir"], dtype=torch.float32, **kw)
-        st = HFStaticEngine(paths["model_dir"], dtype=torch.float32, **kw)
-        greedy = SamplingParams(n=1, temperature=0, max_new_tokens=64)
-        batch = prompts(16, a.prompt_len, a.vocab, 0)
-        x, y = ref.generate(batch, greedy), st.generate(batch, greedy)
-        same = sum(r1 == r2 for r1, r2 in zip(x.response_ids, y.response_ids))
-        prefix = [next((i for i, (u, v) in enumerate(zip(r1, r2)) if u != v), len(r1))
-                  for r1, r2 in zip(x.response_ids, y.response_ids)]
-        diff = max(abs(u - v) for r1, r2 in zip(x.response_logprobs, y.response_logprobs) for u, v in zip(r1, r2))
-        res["fp32_greedy"] = {"rows_identical": same, "rows": len(batch), "min_common_prefix": min(prefix),
-                              "max_abs_logprob_diff": diff, "graph_captures": st.graph_captures}
-        print("fp32 greedy check:", res["fp32_greedy"], flush=True)
-        del ref, st
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    except Exception as exc:  # noqa: BLE001
-        traceback.print_exc()
-        res["fp32_greedy"] = {"error": f"{type(exc).__name__}: {exc}"}
+    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=64)
+    greedy_batch = prompts(16, a.prompt_len, a.vocab, 0)
+    reference = []  # the HF engine's greedy output, computed once
 
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
-    rows = []
-    if a.compiled and dev.type == "cuda":  # the compiled decode step must decode as the eager one
+    def greedy_check(key: str, label: str, **engine_kw) -> None:
+        """1. correctness: a static engine in float32, greedy, against the HF engine (same tokens)."""
         try:
-            ref = HFEngine(paths["model_dir"], dtype=torch.float32, **kw)
-            stc = HFStaticEngine(paths["model_dir"], dtype=torch.float32, compile_decode=True, **kw)
-            batch = prompts(16, a.prompt_len, a.vocab, 0)
-            x, y = ref.generate(batch, greedy), stc.generate(batch, greedy)
-            res["fp32_greedy_compiled"] = {
-                "rows_identical": sum(r1 == r2 for r1, r2 in zip(x.response_ids, y.response_ids)), "rows": len(batch),
-                "max_abs_logprob_diff": max(abs(u - v) for r1, r2 in zip(x.response_logprobs, y.response_logprobs)
-                                            for u, v in zip(r1, r2))}
-            print("fp32 greedy check (compiled decode step):", res["fp32_greedy_compiled"], flush=True)
-            del ref, stc
-            torch.cuda.empty_cache()
+            if not reference:
+                reference.append(HFEngine(paths["model_dir"], dtype=torch.float32, **kw).generate(greedy_batch, greedy))
+            x = reference[0]
+            st = HFStaticEngine(paths["model_dir"], dtype=torch.float32, **kw, **engine_kw)
+            y = st.generate(greedy_batch, greedy)
+            pairs = list(zip(x.response_ids, y.response_ids))
+            prefix = [next((i for i, (u, v) in enumerate(zip(r1, r2)) if u != v), len(r1)) for r1, r2 in pairs]
+            diff = max(abs(u - v) for r1, r2 in zip(x.response_logprobs, y.response_logprobs) for u, v in zip(r1, r2))
+            res[key] = {"rows_identical": sum(r1 == r2 for r1, r2 in pairs), "rows": len(greedy_batch),
+                        "min_common_prefix": min(prefix), "max_abs_logprob_diff": diff,
+                        "graph_captures": st.graph_captures}
+            print(f"fp32 greedy check ({label}):", res[key], flush=True)
+            del st
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
-            res["fp32_greedy_compiled"] = {"error": f"{type(exc).__name__}: {exc}"}
+            res[key] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    greedy_check("fp32_greedy", "graph path")
+    if a.compiled and dev.type == "cuda":  # the compiled decode step must decode as the eager one
+        greedy_check("fp32_greedy_compiled", "compiled decode step", compile_decode=True)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
+    rows = []
     batches = [int(x) for x in a.batches.split(",")]
 
     def throughput(engine, label: str) -> None:

@@ -450,9 +450,10 @@ def make_pp_models(root) -> Path:
     return root
 
 
-def pp_steps(actor, out_dir=None, dtype_tag: str = "fp32") -> dict:
+def pp_steps(actor, out_dir=None) -> dict:
     """What the PP tests compare between layouts: log-probs and entropy, logits, two updates (at
-    micro-batch 2, then 3: uneven micro-batches), log-probs after, eval loss, the exported weights."""
+    micro-batch 2, then 3: uneven micro-batches, which the pipeline pads to one shape), log-probs
+    after, eval loss, the exported weights (and a checkpoint in ``out_dir``)."""
     ids, mask = sample_batch()
     batch = {"input_ids": ids, "attention_mask": mask}
     res = actor.compute_logprobs(batch, micro_batch_size=2, with_entropy=True)
@@ -546,7 +547,6 @@ MOE_PP_MODELS = {  # name -> (arch, overrides) of the models the moe_pp2 scenari
     "qwen2_moe": ("qwen2_moe", {}),  # shared experts + gate, one MoE layer per stage
     "qwen3_moe_dense_last": ("qwen3_moe", {}),  # 2 layers, layer 1 dense: stage 1 has no experts
 }
-MOE_PP_MICRO_BATCHES = (2, 4)  # every micro-batch of a call at one (rows, packed length): see moe_pp_steps
 
 
 def make_moe_pp_models(root) -> Path:
@@ -556,28 +556,12 @@ def make_moe_pp_models(root) -> Path:
     return root
 
 
-def moe_pp_batch():
-    """:func:`sample_batch` (real lengths 9, 9, 8, 12): micro-batches of 2 rows pack to different
-    lengths, which the pipeline pads to one shape; the router's padding mask must keep that padding
-    out of the load-balancing loss for PP2 to equal PP1."""
-    return sample_batch()
-
-
 def moe_pp_steps(actor, out_dir=None) -> dict:
-    """What the MoE x PP tests compare between layouts: log-probs, entropy and logits, the HF export
-    before training, two updates, log-probs after, eval loss, the export after (and a checkpoint).
-
-    The micro-batches of 2 rows pack to different lengths (:func:`moe_pp_batch`); the pipeline pads
-    each to the call's largest, and the actor passes the router a padding mask, so the aux loss and
-    its gradient are those of the real tokens, as at PP1."""
-    ids, mask = moe_pp_batch()
-    batch = {"input_ids": ids, "attention_mask": mask}
-    res = actor.compute_logprobs(batch, micro_batch_size=2, with_entropy=True)
-    out = {
-        "logprobs": res["logprobs"],
-        "entropy": res["entropy"],
-        "logits": actor.forward_logits(ids, mask),
-        "exported": {k: v.float().cpu() for k, v in actor.export_hf_weights()},
+    """:func:`pp_steps` plus where this stage's layers and experts are. Its uneven micro-batches
+    pad to one shape in the pipeline; the router's padding mask must keep that padding out of the
+    load-balancing loss for PP2 to equal PP1."""
+    layers = actor.core.decoder.layers
+    structure = {
         "local_experts": sorted(
             {
                 int(n.split("local_experts.")[1].split(".")[0])
@@ -585,19 +569,10 @@ def moe_pp_steps(actor, out_dir=None) -> dict:
                 if "local_experts." in n
             }
         ),
-        "layer_numbers": [layer.layer_number for layer in actor.core.decoder.layers],
-        "moe_layers": [type(layer.mlp).__name__ for layer in actor.core.decoder.layers],
-        "updates": [
-            actor.update(batch, seq_nll_loss, micro_batch_size=mbs, with_entropy=True)
-            for mbs in MOE_PP_MICRO_BATCHES
-        ],
-        "logprobs_after": actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
-        "eval_loss": actor.eval_loss(ids, mask),
+        "layer_numbers": [layer.layer_number for layer in layers],
+        "moe_layers": [type(layer.mlp).__name__ for layer in layers],
     }
-    if out_dir is not None:
-        actor.save_checkpoint(Path(out_dir))
-    out["exported_after"] = {k: v.float().cpu() for k, v in actor.export_hf_weights()}
-    return out
+    return {**structure, **pp_steps(actor, out_dir)}
 
 
 def _scenario_moe_pp2(

@@ -306,7 +306,7 @@ def _check_moe_pp2_bf16(tmp_path, scenario: str, names: tuple[str, ...]) -> None
             assert rel(got["exported_after"][hf_name], tensor) <= 1e-2, (name, hf_name)
         fresh = pp1(name, seed=5)
         assert fresh.load_checkpoint(tmp_path / "out" / f"ckpt_moe_pp2_bf16_{name}")["pp"] == 2
-        assert fresh.eval_loss(*H.moe_pp_batch()) == pytest.approx(got["eval_loss"], rel=1e-2)
+        assert fresh.eval_loss(*H.sample_batch()) == pytest.approx(got["eval_loss"], rel=1e-2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")

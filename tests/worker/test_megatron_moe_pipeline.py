@@ -100,7 +100,7 @@ def test_moe_pp2_export_equals_hf_files_on_every_rank(run, name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_moe_pp2_checkpoint_loads_into_pp1(run, name):
-    ids, mask = H.moe_pp_batch()
+    ids, mask = H.sample_batch()
     actor = _pp1(run["models"] / name, seed=5)
     meta = actor.load_checkpoint(run["out"] / f"ckpt_moe_pp2_{name}")
     assert meta["pp"] == 2 and meta["step"] == 2 and actor.step == 2

@@ -182,3 +182,19 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group, divisor: float = 1.0) -> None:
+    """Sum the ``.grad`` of ``params`` over ``group`` (skipped when it has one rank) in one flat
+    all-reduce, then divide by ``divisor``: the CPU path's stand-in for megatron's gradient buffers."""
+    grads = [p.grad for p in params if p.grad is not None]
+    reduce = group is not None and dist.get_world_size(group) > 1
+    if not grads or (not reduce and divisor == 1):
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    if reduce:
+        dist.all_reduce(flat, group=group)
+    if divisor != 1:
+        flat /= divisor
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)

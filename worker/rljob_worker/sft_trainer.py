@@ -132,11 +132,7 @@ class SFTTrainer:
         from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig, RecomputeConfig
 
         m = spec.megatron
-        parallel = ParallelConfig(
-            tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-            vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-            ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, sequence_parallel=m.sequence_parallel,
-            use_distributed_optimizer=m.use_distributed_optimizer)
+        parallel = ParallelConfig.from_spec(m)
         # No warm-up here: _set_lr hands the actor each step's lr from lr_at.
         optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_warmup_steps=0)
         self.actor = MegatronActor.from_hf(

@@ -129,11 +129,7 @@ class GRPOTrainer:
         from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig, RecomputeConfig
 
         m, t = spec.megatron, spec.training
-        parallel = ParallelConfig(
-            tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-            vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-            ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, sequence_parallel=m.sequence_parallel,
-            use_distributed_optimizer=m.use_distributed_optimizer)
+        parallel = ParallelConfig.from_spec(m)
         optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_warmup_steps=t.lr_warmup_steps)
         recompute = RecomputeConfig.from_spec(m, spec.model.gradient_checkpointing)
         self.actor = MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype,

@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import dist_env_from_environ, init_distributed
+from ..distributed import all_reduce_grads, dist_env_from_environ, init_distributed
 from . import hf_weights, moe
 from .context_parallel import gather_from_cp, local_positions, sequence_multiple, split_for_cp
 from .cpu_compat import apply_cpu_patches
@@ -107,6 +107,21 @@ class ParallelConfig:
     etp: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+
+    @classmethod
+    def from_spec(cls, megatron_spec: Any) -> ParallelConfig:
+        """From ``spec.megatron`` (the RLJob API's megatron section)."""
+        m = megatron_spec
+        return cls(
+            tp=m.tensor_model_parallel_size,
+            pp=m.pipeline_model_parallel_size,
+            vpp=m.virtual_pipeline_model_parallel_size,
+            cp=m.context_parallel_size,
+            ep=m.expert_model_parallel_size,
+            etp=m.expert_tensor_parallel_size,
+            sequence_parallel=m.sequence_parallel,
+            use_distributed_optimizer=m.use_distributed_optimizer,
+        )
 
 
 @dataclass(frozen=True)
@@ -345,12 +360,12 @@ class MegatronActor:
         if trainable:
             moe.check_training_layout(hf_config, parallel.tp, parallel.sequence_parallel)
         if moe.is_moe(hf_config):
+            if parallel.vpp is not None:
+                raise MegatronConfigError(
+                    f"spec.megatron.virtualPipelineModelParallelSize={parallel.vpp} is not supported for "
+                    "mixture-of-experts models yet (their layer specs are built per pipeline stage); unset it"
+                )
             moe.reset_aux_loss_tracker()
-        if moe.is_moe(hf_config) and parallel.vpp is not None:
-            raise MegatronConfigError(
-                f"spec.megatron.virtualPipelineModelParallelSize={parallel.vpp} is not supported for mixture-of-experts "
-                "models yet (their layer specs are built per pipeline stage); unset it"
-            )
         mcfg = megatron_config_from_hf(
             hf_config,
             tp=parallel.tp,
@@ -748,9 +763,10 @@ class MegatronActor:
         grads = [p.grad for p in dense if p.grad is not None]
         # SP norms and q/k norms: partial grads on each TP rank, summed as finalize_model_grads does
         partial = tp_partial_grad_params(self.core.named_parameters(), self.mcfg.transformer_config)
-        _all_reduce_grads(partial, self.tp_group, average=False)
+        all_reduce_grads(partial, self.tp_group)
         # average over DP x CP (gloo), as megatron's DDP does on GPU (see context_parallel.gather_from_cp)
-        _all_reduce_grads(dense, ps.get_data_parallel_group(with_context_parallel=True), average=True)
+        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        all_reduce_grads(dense, dp_cp_group, divisor=dist.get_world_size(dp_cp_group))
         # experts: summed over the expert-DP group (which spans the CP ranks too), scaled by 1 / (DP x CP)
         moe.average_expert_grads(experts, self.dp_size * self.cp_size)
         grad_norm = self._cpu_grad_norm(dense, experts)
@@ -931,16 +947,6 @@ class MegatronActor:
         every rank must consume the iterator)."""
         self._require_onloaded("export_hf_weights")
         return hf_weights.export_hf_weights(self.chunks, self.hf_config, dtype=dtype)
-
-    def num_parameters(self) -> int:
-        """Parameters of the whole model: every pipeline stage, TP shards counted ``tp`` times (as
-        if every parameter were split), the last stage's copy of tied embeddings not at all.
-        Collective over the pipeline group."""
-        local = sum(p.numel() for p in self.core.parameters() if not getattr(p, "shared", False))
-        total = torch.tensor(float(local * self.tp_size), dtype=torch.float64, device=self.device)
-        if self.pp_size > 1:
-            dist.all_reduce(total, group=self.pp_group)
-        return int(total.item())
 
     def save_hf_checkpoint(
         self, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype | None = None
@@ -1180,20 +1186,6 @@ def _init_model_parallel(p: ParallelConfig) -> None:
         expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=p.etp,
     )
-
-
-def _all_reduce_grads(params: list[torch.nn.Parameter], group, average: bool) -> None:
-    """Sum (or average) the ``.grad`` of ``params`` over ``group`` in one flat all-reduce (gloo)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    size = dist.get_world_size(group) if group is not None else 1
-    if size == 1 or not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    if average:
-        flat /= size
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
 
 
 def _cpu_adamw(core: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:

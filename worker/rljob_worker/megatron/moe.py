@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..distributed import all_reduce_grads
+
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 EXPERT_PREFIX = "mlp.experts."  # megatron names of expert parameters contain ".mlp.experts."
 
@@ -341,16 +343,8 @@ def average_expert_grads(params: list[torch.nn.Parameter], dp_size: int) -> None
     for p in params:  # an expert no token reached on this rank: replicas must flatten alike
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    edp = ps.get_expert_data_parallel_world_size()
-    if not grads or (edp == 1 and dp_size == 1):
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    if edp > 1:  # with expert TP < TP it spans TP ranks too: their sequence-parallel token shares
-        dist.all_reduce(flat, group=ps.get_expert_data_parallel_group())
-    flat /= dp_size
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
+    # with expert TP < TP the expert-DP group spans TP ranks too: their sequence-parallel token shares
+    all_reduce_grads(params, ps.get_expert_data_parallel_group(), divisor=dp_size)
 
 
 def expert_grad_sq(params: list[torch.nn.Parameter]) -> torch.Tensor:
