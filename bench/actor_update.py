@@ -22,8 +22,8 @@ Tokens/s counts real (non-padding) tokens. Model FLOPs per row of n real tokens:
 N_matmul = linear weights of the layers + the (tied) output projection. MFU against 989 TFLOP/s
 (H100/H200 SXM dense bf16 datasheet) and against a bf16 8192^3 matmul measured in this run.
 Optimizer step time: the megatron optimizer's step (grad norm, clip, AdamW, copy to bf16) or
-clip_grad_norm_ + AdamW for HF, with syncs around it. Results: a table on stdout and
-``actor_update_<model>.json`` under --out.
+clip_grad_norm_ + AdamW for HF, with syncs around it. Results: a table on stdout,
+``actor_update_<model>.json`` under --out and one line per figure in results.jsonl (bench/results.py).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-for sub in ("operator", "worker"):
+for sub in ("operator", "worker", "bench"):
     if str(REPO / sub) not in sys.path:
         sys.path.insert(0, str(REPO / sub))
 
@@ -332,12 +332,33 @@ def main() -> int:
             results.append({"system": "megatron", "mbs": None, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
 
     print_table(card, args.model, matmul_tf, results)
+    record_results(card, args, results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"actor_update_{args.model}.json").write_text(json.dumps(
         {"card": card, "model": args.model, "matmul_tflops": matmul_tf, "rows": args.rows, "seq": args.seq,
          "results": results}, indent=1))
     return 0
+
+
+def record_results(card: str, args, results: list[dict]) -> None:
+    """One results.jsonl line per measured figure: tokens/s against HF fed the same packed rows and
+    against HF fed padded batches (same mbs, same run), and MFU of 989 TFLOP/s."""
+    import results as bench_results
+
+    ok = [r for r in results if "tokens_per_s" in r]
+    base = {(r["system"], r["mbs"]): r["tokens_per_s"] for r in ok if r["system"].startswith("hf")}
+    for r in ok:
+        dtype = "bf16" if torch.cuda.is_available() else "fp32"
+        shape = f"{args.model}, {args.rows} rows/step, seq<={args.seq} GRPO mix, mbs {r['mbs']}, {dtype}"
+        work = f"actor_update {r['system']}"
+        baselines = [b for b in ("hf-packed", "hf-padded") if b != r["system"] and (b, r["mbs"]) in base]
+        if r["system"].startswith("hf") or not baselines:
+            bench_results.record(work, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card)
+        for b in baselines if not r["system"].startswith("hf") else []:
+            bench_results.record(work, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card,
+                                 baseline=f"{b} mbs {r['mbs']}", baseline_value=base[(b, r["mbs"])], same_run=True)
+        bench_results.record(work, shape, "mfu_989", 100 * r["mfu_989"], "%", card=card)
 
 
 def print_table(card, model, matmul_tf, results) -> None:
