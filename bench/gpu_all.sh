@@ -5,6 +5,7 @@
 #             rolloutbase (rollout incl. HF generate static-cache+compile baseline) | sft [jobs] | gputests
 #             grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2) | grpocompiled (static vs compiled engine)
 #             grpotp2pp2 + gpu4tests (4 GPUs: TP2 x PP2 GRPO learning; mixed layouts vs one GPU)
+#             head (policy head alone: fused vs unfused log-probs + entropy, forward + backward)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Every figure is also appended to $OUT/results.jsonl (bench/results.py); pass RLJOB_BENCH_COMMIT=<sha> (the
 # device's copy of the tree has no .git), then `python bench/results.py merge <files_at>/results.jsonl`.
@@ -44,6 +45,7 @@ for s in $SECTIONS; do
     actor15) section actor15 150 python3 bench/actor_update.py --model 1.5b --mbs 4,8 ;;
     grpo) section grpo 330 python3 bench/grpo_step.py --variants rljob-static,trl,rljob-hf --timeout-each 110 ;;
     rollout) section rollout 80 python3 bench/rollout.py ;;
+    head) section head 200 python3 bench/fused_logprobs.py ;;
     grpo15) section grpo15 120 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16 --timeout-each 110 --tag _1.5b ;;
     grpo15trl) section grpo15trl 240 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16,trl --timeout-each 115 --tag _1.5b ;;
     grpo816) section grpo816 200 python3 bench/grpo_step.py --prompts 8 --n 16 --variants rljob-static:32,trl --timeout-each 110 --tag _8x16 ;;

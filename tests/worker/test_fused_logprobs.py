@@ -63,6 +63,17 @@ def test_tp1_values_and_gradients_match_unfused(chunk):
     assert torch.all(fused[0] < 0) and torch.all(fused[1] > 0)
 
 
+@pytest.mark.slow
+def test_compiled_chunks_match_eager():
+    """The torch.compile'd chunk functions (the GPU default) on CPU's inductor backend."""
+    hidden, weight, targets, g_lp, g_ent = _case(seed=3)
+    run = {c: _grads(lambda h, w, c=c: fused_logprobs_entropy(h, w, targets, vocab_size=VOCAB, chunk_tokens=8,
+                                                              compiled=c), hidden, weight, g_lp, g_ent)
+           for c in (False, True)}
+    for name, a, b in zip(["logprobs", "entropy", "grad hidden", "grad weight"], run[True], run[False]):
+        _close(a, b, name)
+
+
 def test_without_entropy_and_logprob_only_gradient():
     hidden, weight, targets, g_lp, _ = _case(seed=1)
     fused = _grads(lambda h, w: fused_logprobs_entropy(h, w, targets, vocab_size=VOCAB, with_entropy=False,
