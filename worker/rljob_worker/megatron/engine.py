@@ -92,6 +92,19 @@ from .packing import PackedMicroBatch, interleaving_group, pack, split_micro_bat
 log = logging.getLogger(__name__)
 
 
+def _output_layer_fn(chunk: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``chunk``'s output layer as ``(b, s, H) -> (b, s, out / tp)``; None off the last stage."""
+    layer = getattr(chunk, "output_layer", None)
+    if layer is None:
+        return None
+
+    def apply(hidden: torch.Tensor) -> torch.Tensor:
+        weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+        return layer(hidden.transpose(0, 1), weight=weight)[0].transpose(0, 1)
+
+    return apply
+
+
 @contextlib.contextmanager
 def _capture_decoder_output(chunk: torch.nn.Module | None) -> Iterator[list | None]:
     """Yields a list that a forward hook on ``chunk.decoder`` fills with its output (the hidden state
@@ -117,13 +130,14 @@ class HeadInput:
     ``hidden``: the decoder's output (after the final norm), ``(b, Tc / cp, H)`` (under sequence
     parallelism: this TP rank's sequence shard, in megatron's ``(s, b, H)`` split), when the head
     asked for it (``needs_hidden``), else None: a value head reads it instead of the logits.
-    ``output_layer``: the last chunk's output layer (a head may apply it, or its own, to ``hidden``).
+    ``output_layer``: the model's output layer as a function ``(b, s, H) -> (b, s, out / tp)``
+    (tied embeddings included), e.g. to apply it to ``hidden`` after changing it.
     """
 
     output: torch.Tensor
     packed: PackedMicroBatch
     hidden: torch.Tensor | None = None
-    output_layer: torch.nn.Module | None = None
+    output_layer: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 # head(HeadInput) -> whatever the caller needs per micro-batch (tensors that keep their graph in training)
@@ -499,11 +513,10 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
 
     def _head_input(self, output: torch.Tensor, packed: PackedMicroBatch, hidden: list | None,
                     b: int, t: int) -> HeadInput:
-        last = self.chunks[-1]
         h = None
         if hidden:  # megatron's (s, b, H) -> (b, s, H), cut like the output
             h = hidden[0].transpose(0, 1)[:b, :t]
-        return HeadInput(output, packed, h, getattr(last, "output_layer", None))
+        return HeadInput(output, packed, h, _output_layer_fn(self.chunks[-1]))
 
     def _capture_hidden(self, wanted: bool):
         return _capture_decoder_output(self.chunks[-1] if wanted else None)
