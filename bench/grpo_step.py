@@ -138,7 +138,8 @@ def rljob_spec(a, paths: dict, workdir: Path) -> dict:
 def run_rljob(a, paths: dict) -> dict:
     import torch
     from rljob_api.validation import parse_spec
-    from rljob_worker.trainer import GRPOTrainer, RunContext
+    from rljob_worker.run_loop import RunContext
+    from rljob_worker.trainer import GRPOTrainer
 
     workdir = Path(tempfile.mkdtemp(prefix="rljob_bench_"))
     os.environ.setdefault("RLJOB_METRICS_PORT", "0")
