@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -541,5 +542,10 @@ def test_real_vllm_engine_on_a_tiny_qwen2(tmp_path):
     assert engine.last_sync_stats.bytes > 0 and engine.last_sync_stats.gb_per_s > 0
 
     got, want = engine.generate(prompts, greedy), hf_second.generate(prompts, greedy)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vllm_helpers import release
+
+    release(engine)  # the next test's engine must not share vLLM's process-wide sleep allocator with this one
     same = sum(a[:4] == b[:4] for a, b in zip(got.response_ids, want.response_ids))
     assert same >= 8, (got.response_ids, want.response_ids)  # bf16 kernels differ; sharp weights keep argmax stable
+    assert all(got.response_ids[2 * i] == got.response_ids[2 * i + 1] for i in range(len(prompts)))  # greedy n=2
