@@ -112,15 +112,16 @@ class GRPOTrainer(RunLoop):
         # every rank (its process groups span the torchrun world): each rollout-TP group is one
         # replica that samples a slice of the prompts, and the slices are gathered.
         r = spec.rollout
-        self.engine_name = resolve_engine_name(r.engine, self.device)
-        self.engine_is_vllm = self.engine_name == RolloutEngineName.VLLM
         world = dist.get_world_size() if dist.is_initialized() else 1
+        self.engine_name = resolve_engine_name(r.engine, self.device, world_size=world,
+                                               rollout_tp=r.tensor_model_parallel_size, num_params=self._num_params)
+        self.engine_is_vllm = self.engine_name == RolloutEngineName.VLLM
         self.engine_everywhere = self.engine_is_vllm and world > 1
         self.rollout_layout = (plan_rollout_layout(world, spec.gpus_per_node, m.tensor_model_parallel_size,
                                                    r.tensor_model_parallel_size) if self.engine_everywhere else None)
         self.engine = None
         if self.is_main or self.engine_everywhere:
-            self.engine = make_engine(r.engine, str(self.model_dir), dtype=self.dtype, device=self.device,
+            self.engine = make_engine(self.engine_name, str(self.model_dir), dtype=self.dtype, device=self.device,
                                       eos_token_id=self.eos_id, pad_token_id=self.pad_id,
                                       tensor_parallel_size=r.tensor_model_parallel_size,
                                       gpu_memory_utilization=r.gpu_memory_utilization,
@@ -128,7 +129,8 @@ class GRPOTrainer(RunLoop):
                                       enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
                                       seed=t.seed)
         if self.engine is not None and self.is_main:
-            log.info("rollout engine: %s on %s", type(self.engine).__name__, self.device)
+            log.info("rollout engine: %s on %s (rollout.engine: %s)", type(self.engine).__name__, self.device,
+                     r.engine.value)
 
     def _fetcher(self):
         from rljob_worker.model_source import fetch_file

@@ -10,21 +10,41 @@ import torch
 from rljob_api.enums import RolloutEngine as EngineName
 
 
-def resolve_engine_name(name: EngineName, device: torch.device) -> EngineName:
-    """`auto` -> vllm when importable on a GPU, else hf."""
-    if name == EngineName.AUTO:
-        vllm_available = importlib.util.find_spec("vllm") is not None
-        return EngineName.VLLM if (vllm_available and device.type == "cuda") else EngineName.HF
-    return name
+# `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Measured on
+# one H100 (bench/NOTES.md, 2026-11-26), Qwen2.5-0.5B shape, 32 prompts x 8, 128 + 256 tokens: whole GRPO step
+# static engine 3.18 s vs vLLM 0.26 3.90 s (same call); rollout alone 41.4k vs 29.2k tok/s (compiled static 75.2k).
+# 0.5B is the largest size measured with both engines; above 1B vLLM (paged KV cache, CUDA graphs per batch size,
+# rollout TP) is the default until a measurement says otherwise (bench/gpu_all.sh sections grpo15vllm, grpovllm).
+AUTO_STATIC_MAX_PARAMS = 1_000_000_000
+
+
+def resolve_engine_name(name: EngineName, device: torch.device, *, world_size: int = 1, rollout_tp: int = 1,
+                        num_params: int | None = None) -> EngineName:
+    """`auto` -> the engine the measurements favour; `vllm` / `hf` pass through.
+
+    hf when there is no GPU or vLLM is not importable. Otherwise vllm when the rollout is tensor-parallel or the
+    job has more than one process (the HF engines sample on global rank 0 for everyone; vLLM samples on every
+    rank), or the model has more than AUTO_STATIC_MAX_PARAMS active parameters (or an unknown count); else hf
+    (the static-cache CUDA-graph engine, faster than vLLM 0.26 at 0.5B).
+    """
+    if name != EngineName.AUTO:
+        return name
+    if device.type != "cuda" or importlib.util.find_spec("vllm") is None:
+        return EngineName.HF
+    if rollout_tp > 1 or world_size > 1 or num_params is None or num_params > AUTO_STATIC_MAX_PARAMS:
+        return EngineName.VLLM
+    return EngineName.HF
 
 
 def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
                 pad_token_id: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
                 max_model_len: int | None = None, enforce_eager: bool = False,
-                max_num_batched_tokens: int | None = None, seed: int = 0):
+                max_num_batched_tokens: int | None = None, seed: int = 0, world_size: int = 1,
+                num_params: int | None = None):
     """Build the configured engine (see resolve_engine_name for `auto`)."""
     vllm_available = importlib.util.find_spec("vllm") is not None
-    name = resolve_engine_name(name, device)
+    name = resolve_engine_name(name, device, world_size=world_size, rollout_tp=tensor_parallel_size,
+                               num_params=num_params)
     if name == EngineName.VLLM:
         if not vllm_available:
             raise RuntimeError("spec.rollout.engine is vllm but vLLM is not installed in the worker image; "
