@@ -301,7 +301,8 @@ class TrainingSpec(ApiModel):
     max_tokens_per_micro_batch: int | None = _f(
         None, "Token budget of one actor-update forward/backward on one GPU: rows sorted by length are grouped "
         "so that rows x longest row <= this (the packed tensor the model runs), and rows are assigned to "
-        "data-parallel ranks balancing tokens. Replaces microBatchSizePerGpu for the GRPO actor update; at least "
+        "data-parallel ranks balancing tokens (except with algorithm.klPlacement reward). Replaces "
+        "microBatchSizePerGpu for the GRPO actor update; at least "
         "data.maxPromptLength + data.maxResponseLength. Unset: microBatchSizePerGpu rows per micro-batch. "
         "(verl: actor.use_dynamic_bsz + actor.ppo_max_token_len_per_gpu)", ge=1
     )

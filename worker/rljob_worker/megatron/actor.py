@@ -12,6 +12,10 @@ parallelism they are computed on the last stage and broadcast over the pipeline 
 method returns the same result on every rank of a model-parallel group (call them on every rank of
 it, with the same batch).
 
+By default (``fused_head``; off with ``RLJOB_FUSED_LOGPROBS=0``) the model stops before its output
+layer and :mod:`.fused_head` computes the same values from the last hidden state and the output
+weight in chunks of tokens (:mod:`.fused_logprobs`), never holding the micro-batch's fp32 logits.
+
 Parallel layouts, memory (recompute, offload), checkpoints and weight export are the engine's; see
 :mod:`.engine`.
 """
