@@ -80,8 +80,9 @@ def test_env_turns_the_fused_head_off(hf_dirs, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_fused_head_on_gpu(hf_dirs, dtype, tol):
+@pytest.mark.parametrize("dtype, tol, norm_tol, after_tol", [(torch.float32, 1e-4, 1e-4, 1e-3),
+                                                            (torch.bfloat16, 5e-2, 2e-2, 5e-2)])
+def test_fused_head_on_gpu(hf_dirs, dtype, tol, norm_tol, after_tol):
     """GPU path: megatron DDP + optimizer (the fused weight gradient must reach the main-grad
     buffers), Float16Module in bf16, the torch.compile'd chunk kernels."""
     ids, mask = H.varied_batch()
@@ -97,6 +98,6 @@ def test_fused_head_on_gpu(hf_dirs, dtype, tol):
     (b0, m0, a0), (b1, m1, a1) = out[False], out[True]
     for key in ("logprobs", "entropy"):
         assert (b1[key] - b0[key]).abs().max() <= tol, key
-    assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=tol)
-    assert m1["loss"] == pytest.approx(m0["loss"], rel=tol)
-    assert (a1["logprobs"] - a0["logprobs"]).abs().max() <= 5 * tol
+    assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=norm_tol)
+    assert m1["loss"] == pytest.approx(m0["loss"], rel=norm_tol)
+    assert (a1["logprobs"] - a0["logprobs"]).abs().max() <= after_tol
