@@ -569,6 +569,9 @@ class ApiServer(kmock.KubernetesScaffold):
         if kind.namespaced and request.name is not None and ns is None:
             return error(404, "NotFound", "a namespaced object needs a namespace in the URL")
         action = request.action
+        bad_param = _integer_param_error(request.params) if request.method.value == "GET" else None
+        if bad_param is not None:
+            return error(400, "BadRequest", bad_param)
         if action == kmock.action.WATCH:
             stream = self._watch(request, key, kind, ns)
             return await rendering.Response(payload=stream)(request)
@@ -716,7 +719,7 @@ class ApiServer(kmock.KubernetesScaffold):
                           parse_field_selector(params.get("fieldSelector")), asyncio.Queue())
         since = params.get("resourceVersion")
         bookmarks = params.get("allowWatchBookmarks") in ("true", "1")
-        timeout = float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+        timeout = int(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
         if since in (None, "", "0"):
             initial = [{"type": "ADDED", "object": obj} for (ons, _), obj in self._store[key].items()
                        if watcher.matches(ons, obj)]
@@ -843,6 +846,15 @@ def as_table(kind: Kind, objects: list[dict[str, Any]]) -> dict[str, Any]:
                                                  "metadata": obj["metadata"]}})
     return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {}, "columnDefinitions": columns,
             "rows": rows}
+
+
+def _integer_param_error(params: dict[str, str]) -> str | None:
+    """A list/watch parameter the API server decodes with strconv.ParseInt (`timeoutSeconds=300.0` is a 400)."""
+    for name in ("timeoutSeconds", "limit"):
+        value = params.get(name)
+        if value is not None and not re.fullmatch(r"[+-]?\d+", value):
+            return f'strconv.ParseInt: parsing "{value}": invalid syntax'
+    return None
 
 
 def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:

@@ -349,3 +349,18 @@ def test_worker_progress_patch_over_http(server: ApiServerThread, kube: KubeClie
     stored = kube.get(RLJOBS, ns, "reporting")
     assert decode_progress(stored["metadata"]["annotations"][ANNOTATION])["progressPercentage"] == 30
     assert stored["metadata"]["generation"] == 1
+
+
+# ---------------------------------------------------------------------------- like a real kube-apiserver
+# One test per row of the differences a real kube-apiserver (1.20 and 1.36) showed (issue 20).
+
+
+def test_row01_watch_timeout_must_be_an_integer(kube: KubeClient, ns: str) -> None:
+    for params in ({"timeoutSeconds": "300.0"}, {"timeoutSeconds": "1.5"}, {"limit": "2.0"}):
+        for watch in ("true", None):
+            with pytest.raises(ApiError) as exc:
+                kube.list(CONFIGMAPS, ns, **params, **({"watch": watch} if watch else {}))
+            assert exc.value.status == 400 and exc.value.body["reason"] == "BadRequest"
+            value = next(iter(params.values()))
+            assert exc.value.body["message"] == f'strconv.ParseInt: parsing "{value}": invalid syntax'
+    assert list(kube.watch(CONFIGMAPS, ns, timeoutSeconds="1")) == []
