@@ -66,11 +66,11 @@ class KubeClient:
         self.timeout = timeout
 
     def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-                params: dict[str, str] | None = None) -> Any:
+                params: dict[str, str] | None = None, headers: dict[str, str] | None = None) -> Any:
         url = self.base_url + path + ("?" + urllib.parse.urlencode(params) if params else "")
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url, data=data, method=method, headers={
-            "Content-Type": content_type, "Accept": "application/json"})
+            "Content-Type": content_type, "Accept": "application/json", **(headers or {})})
         try:
             with _OPENER.open(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read() or b"null")
