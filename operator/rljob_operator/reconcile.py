@@ -244,6 +244,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     accepted: tuple[str, str, str]
     suspend_requested = bool((body.get("spec") or {}).get("suspend")) if job is None else job.spec.suspend
     will_create_ptj = False
+    replacing = False  # deleting the PyTorchJob on purpose (a spec edit while suspended)
 
     if job is None:
         accepted = (c.FALSE, c.REASON_INVALID_SPEC,
@@ -290,6 +291,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
                 patches.extend(_configmap_patch(job, settings, cm, desired_hash))
                 requeue = REQUEUE_WAITING
                 phase = PHASE_DELETING
+                replacing = True
             else:
                 accepted = (c.FALSE, c.REASON_SPEC_CHANGE_REJECTED,
                             (f"{what} changed while the job runs; these fields are fixed at launch. Revert "
@@ -344,7 +346,11 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     status = copy.deepcopy(old_status)
     status["observedGeneration"] = generation
     status["conditions"] = conds
-    if ptj is not None or will_create_ptj:
+    # pytorchJobName names the PyTorchJob this RLJob runs; its absence while none exists tells the
+    # next create that a missing PyTorchJob was removed on purpose (a replacement), not lost.
+    if replacing:
+        status.pop("pytorchJobName", None)
+    elif (ptj is not None and phase != PHASE_DELETING) or will_create_ptj:
         status["pytorchJobName"] = ptj_name
     ptj_status = (ptj or {}).get("status") or {}
     if phase in (PHASE_RUNNING, PHASE_RESTARTING, PHASE_SUCCEEDED, PHASE_FAILED) and not status.get("startTime"):
@@ -369,7 +375,7 @@ def _creates(job: RLJob, settings: OperatorSettings, cm: Mapping[str, Any] | Non
              old_status: Mapping[str, Any], desired_hash: str) -> list[Create]:
     out = _aux_and_configmap(job, settings, cm, ensure_aux, desired_hash)
     ptj_name = builders.pytorchjob_name(job.metadata.name)
-    if old_status.get("pytorchJobName"):
+    if old_status.get("pytorchJobName"):  # removed by the replacement of a spec edit: not "missing"
         event = Event("Normal", c.EVENT_RECREATED,
                       f"PyTorchJob {ptj_name} was missing before the job finished; created it again "
                       "(training resumes from the last committed checkpoint).")

@@ -230,6 +230,8 @@ def test_spec_changes_are_rejected_while_running_and_applied_while_suspended(
     assert '"lr": 0.01' in kube.get(CONFIGMAPS, ns, "eps-spec")["data"]["spec.json"]
     eventually.condition(ns, "eps", c.ACCEPTED, "True")
     eventually.condition(ns, "eps", c.SUSPENDED, "True", c.REASON_SUSPENDED)
+    time.sleep(2.0)  # the misleading "was missing" event used to follow about a second later
+    assert c.EVENT_RECREATED not in {e["reason"] for e in kube.events_for(ns, "eps")}, "replaced on purpose"
     kube.patch(RLJOBS, ns, "eps", {"spec": {"suspend": False}})
     eventually(lambda: kube.get(PYTORCHJOBS, ns, "eps")["spec"]["runPolicy"]["suspend"] is False, "resumed")
 

@@ -417,6 +417,26 @@ def test_spec_change_while_suspended_recreates_the_pytorchjob() -> None:
     assert ptj["spec"]["runPolicy"]["suspend"] is True
     assert ptj["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] == new_cm["metadata"]["annotations"][
         builders.ANNOTATION_SPEC_HASH]
+    # It was replaced on purpose: no "was missing before the job finished" event.
+    assert plan.create[-1].event.reason == c.EVENT_CREATED and "missing" not in plan.create[-1].event.message
+    assert plan.status["pytorchJobName"] == "quickstart"
+
+
+def test_replacement_still_deleting_then_hand_deletion_is_reported_as_missing() -> None:
+    body = step(stored(suspend=True), reconcile(stored(suspend=True), Observed(now=T0), SETTINGS))
+    old_ptj = ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True)
+    edited = stored(generation=2, status=body["status"], suspend=True, training__lr=0.25)
+    body = step(edited, reconcile(edited, Observed(now=T1, pytorchjob=old_ptj, configmap=cm_of(body)), SETTINGS))
+    assert "pytorchJobName" not in body["status"]
+    going = copy.deepcopy(old_ptj)
+    going["metadata"]["deletionTimestamp"] = T1  # e.g. a finalizer holds it a while
+    plan = reconcile(body, Observed(now=T1, pytorchjob=going, configmap=cm_of(body)), SETTINGS)
+    assert plan.create == () and "pytorchJobName" not in (plan.status or body["status"])
+    body = step(body, plan)
+    body = step(body, reconcile(body, Observed(now=T2, configmap=cm_of(body)), SETTINGS))
+    # Later, a hand deletion of the replacement IS a missing PyTorchJob.
+    plan = reconcile(body, Observed(now=T2, configmap=cm_of(body)), SETTINGS)
+    assert plan.create[-1].event.reason == c.EVENT_RECREATED
 
 
 def test_spec_change_after_finishing_has_no_effect() -> None:
