@@ -100,12 +100,13 @@ class KubeClient:
     def items(self, resource, namespace=None, **params: str) -> list[dict[str, Any]]:
         return self.list(resource, namespace, **params)["items"]
 
-    def create(self, resource, namespace, body) -> dict[str, Any]:
-        return self.request("POST", path_of(resource, namespace), body)
+    def create(self, resource, namespace, body, **params: str) -> dict[str, Any]:
+        return self.request("POST", path_of(resource, namespace), body, params=params or None)
 
     def patch(self, resource, namespace, name, body, *, subresource=None,
-              content_type="application/merge-patch+json") -> dict[str, Any]:
-        return self.request("PATCH", path_of(resource, namespace, name, subresource), body, content_type=content_type)
+              content_type="application/merge-patch+json", **params: str) -> dict[str, Any]:
+        return self.request("PATCH", path_of(resource, namespace, name, subresource), body, content_type=content_type,
+                            params=params or None)
 
     def delete(self, resource, namespace, name, body=None) -> dict[str, Any]:
         return self.request("DELETE", path_of(resource, namespace, name), body)
@@ -117,12 +118,21 @@ class KubeClient:
             if exc.status != 409:
                 raise
 
-    def apply_crd(self, crd: dict[str, Any]) -> None:
+    def apply_crd(self, crd: dict[str, Any], timeout: float = 30.0) -> None:
+        """Create a CRD (409: already there) and wait until it is Established: a real API server serves a new
+        CRD's resource only a moment after answering the create (`kubectl wait --for condition=established`)."""
         try:
             self.create(CRDS, None, crd)
         except ApiError as exc:
             if exc.status != 409:
                 raise
+        name = crd["metadata"]["name"]
+
+        def established() -> bool:
+            conds = (self.get(CRDS, None, name).get("status") or {}).get("conditions") or []
+            return any(c.get("type") == "Established" and c.get("status") == "True" for c in conds)
+
+        wait_until(established, timeout=timeout, interval=0.05, what=f"CRD {name} Established")
 
     def watch(self, resource, namespace=None, *, timeout: float = 5.0, **params: str) -> Iterable[dict[str, Any]]:
         """Yield watch events until the server ends the stream or `timeout` passes without data."""

@@ -84,6 +84,7 @@ def assert_valid_status(status: dict[str, Any]) -> None:
     RLJobStatus.model_validate(status)  # the status always fits the CRD's status schema
     body = stored(status=status)
     assert opschema.rljob_schema_errors(body) == []
+    assert opschema.dropped_fields(body) == [], "a real API server would prune these status fields silently"
 
 
 # ---------------------------------------------------------------------------- creation
