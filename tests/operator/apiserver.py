@@ -40,9 +40,13 @@ lacks (each item is tested in test_apiserver.py):
 - watches and lists that honour `resourceVersion` (replay from an event log, `410 Expired` once
   compacted), `timeoutSeconds` (an integer: `300.0` is 400 as on a real server),
   `allowWatchBookmarks` (periodic BOOKMARKs), selectors;
+
+- with `tokens={TOKEN: kube_rbac.User(...)}`: bearer-token authentication (401), RBAC from the stored
+  Roles, ClusterRoles and bindings (403; system:masters may do anything), and RBAC's escalation
+  prevention on writes of Roles and bindings (kube_rbac.py);
 - fault injection: HTTP errors, delays before handling, delayed responses, dropped watches.
 
-Gaps, on purpose: no authn/authz (RBAC objects are stored, not enforced), no PUT/replace, no
+Gaps, on purpose: authorization is off unless `tokens` is given, no PUT/replace, no
 defaulting, watches with label selectors do not synthesize ADDED/DELETED when an object's labels
 move it in or out of the selection. The operator suite also runs against a real kube-apiserver
 (RLJOB_TEST_KUBECONFIG; see README, Development).
@@ -55,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextvars
 import copy
 import dataclasses
 import datetime
@@ -72,6 +77,7 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
+import kube_rbac
 import opschema
 import yaml
 from kmock._internal import rendering  # the Request/Response types kmock hands to handlers
@@ -90,9 +96,14 @@ BUILTINS: dict[Key, tuple[str, bool]] = {
     ("events.k8s.io", "v1", "events"): ("Event", True),
     ("rbac.authorization.k8s.io", "v1", "roles"): ("Role", True),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", True),
+    ("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", False),
+    ("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", False),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): ("CustomResourceDefinition", False),
 }
-STRICT_BUILTINS = {"ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding", "Event"}
+STRICT_BUILTINS = {"ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding", "ClusterRole",
+                   "ClusterRoleBinding", "Event"}
+RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+_USER: contextvars.ContextVar[kube_rbac.User | None] = contextvars.ContextVar("user", default=None)
 NAMESPACES: Key = ("", "v1", "namespaces")
 CRDS: Key = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 MAX_ANNOTATIONS_BYTES = 256 * 1024
@@ -355,6 +366,10 @@ class ApiServer(kmock.KubernetesScaffold):
     controllers: bool = True  # run the garbage collector and namespace controller (kube-controller-manager)
     crd_establish_delay: float = 0.05  # a new CRD's resource is served (and Established) this much later
     log_size: int = 20000
+    # Bearer token -> user. None: no authentication or authorization (every request is allowed).
+    # With tokens: unknown tokens are 401, requests are authorized by the stored RBAC objects
+    # (403), and writes of Roles and bindings pass RBAC's escalation prevention.
+    tokens: dict[str, kube_rbac.User] | None = None
     validate_builtins: bool = True
     max_requests_kept: int = 20000
 
@@ -606,6 +621,56 @@ class ApiServer(kmock.KubernetesScaffold):
             causes.extend((e.split(":", 1)[0], e.split(":", 1)[-1].strip()) for e in opschema.builtin_errors(obj))
         return causes
 
+    # ------------------------------------------------------------------ authentication and RBAC
+
+    def _rbac_lookup(self, kind: str, ns: str | None, name: str) -> dict[str, Any] | None:
+        key = ("rbac.authorization.k8s.io", "v1", kind.lower() + "s")
+        return self._store.get(key, {}).get((ns, name))
+
+    def _rbac_listing(self, kind: str) -> list[dict[str, Any]]:
+        return list(self._store.get(("rbac.authorization.k8s.io", "v1", kind.lower() + "s"), {}).values())
+
+    def _authenticate_and_authorize(self, request: rendering.Request) -> aiohttp.web.Response | None:
+        assert self.tokens is not None
+        header = request.headers.get("Authorization", "")
+        user = self.tokens.get(header[7:]) if header.startswith("Bearer ") else None
+        if user is None:
+            return error(401, "Unauthorized", "Unauthorized")
+        _USER.set(user)
+        res = request.resource
+        if res is None or res.plural is None:
+            return None  # discovery and /version: every authenticated user (system:discovery)
+        key = (res.group, res.version, res.plural)
+        kind = self._kinds.get(key)
+        action = request.action
+        verb = ("watch" if action == kmock.action.WATCH else "list" if action == kmock.action.LIST else
+                "get" if action == kmock.action.FETCH else "create" if action == kmock.action.CREATE else
+                "patch" if action == kmock.action.UPDATE else
+                ("delete" if request.name else "deletecollection") if action == kmock.action.DELETE else "get")
+        if verb == "patch" and (request.headers.get("Content-Type") or "").startswith(APPLY_PATCH) and \
+                (None if kind is None else self._store[key].get(
+                    (request.namespace if kind.namespaced else None, request.name))) is None:
+            verb = "create"  # server-side apply of an absent object creates it (needs both verbs)
+        attrs = kube_rbac.Attributes(verb, res.group, res.plural + (f"/{request.subresource}" if request.subresource
+                                                                     else ""),
+                                     request.namespace if kind is None or kind.namespaced else None, request.name)
+        if kube_rbac.authorize(user, attrs, self._rbac_lookup, self._rbac_listing):
+            return None
+        return error(403, "Forbidden", kube_rbac.forbidden_message(user, attrs),
+                     {"name": request.name, "group": res.group, "kind": res.plural})
+
+    def _escalation(self, kind: Kind, obj: dict[str, Any]) -> aiohttp.web.Response | None:
+        user = _USER.get()
+        if self.tokens is None or user is None or kind.kind not in RBAC_KINDS:
+            return None
+        missing = kube_rbac.escalation(user, obj, self._rbac_lookup, self._rbac_listing)
+        if not missing:
+            return None
+        name = obj["metadata"]["name"]
+        return error(403, "Forbidden", f'{kind.kind.lower()}s.rbac.authorization.k8s.io "{name}" is forbidden: user '
+                     f'"{user.name}" (groups={list(user.groups)}) is attempting to grant RBAC permissions not '
+                     f"currently held:\n" + "\n".join(missing))
+
     # ------------------------------------------------------------------ HTTP entry points
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
@@ -641,6 +706,10 @@ class ApiServer(kmock.KubernetesScaffold):
                                               "objects": sum(len(v) for v in self._store.values())})
         self._served += 1
         self._start_controllers()
+        if self.tokens is not None:
+            denied = self._authenticate_and_authorize(request)
+            if denied is not None:
+                return denied
         if res is None or res.plural is None:
             return await super()._handle(request)  # discovery and non-Kubernetes paths: kmock's scaffold
         if len(self._requests) > self.max_requests_kept:
@@ -762,6 +831,9 @@ class ApiServer(kmock.KubernetesScaffold):
         causes = self._invalid(key, obj, None)
         if causes:
             return invalid(kind, name, causes)
+        escalating = self._escalation(kind, obj)
+        if escalating is not None:
+            return escalating
         if key == CRDS:
             # Served (and Established) a moment later, as on a real server: wait for the condition.
             obj["status"] = {"acceptedNames": {"kind": "", "plural": ""}, "conditions": None, "storedVersions": []}
@@ -871,6 +943,9 @@ class ApiServer(kmock.KubernetesScaffold):
         causes = self._invalid(key, new, old)
         if causes:
             return invalid(kind, request.name, causes)
+        escalating = self._escalation(kind, new)
+        if escalating is not None:
+            return escalating
         if meta.get("deletionTimestamp") and not meta.get("finalizers") and key != NAMESPACES:
             return with_warnings(aiohttp.web.json_response(self._remove(key, ns, request.name)), warnings)
         if meta.get("ownerReferences") != old_meta.get("ownerReferences"):

@@ -61,16 +61,17 @@ def path_of(resource: tuple[str, str, str], namespace: str | None = None, name: 
 
 
 class KubeClient:
-    def __init__(self, base_url: str, timeout: float = 10.0):
+    def __init__(self, base_url: str, timeout: float = 10.0, token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
 
     def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
                 params: dict[str, str] | None = None, headers: dict[str, str] | None = None) -> Any:
         url = self.base_url + path + ("?" + urllib.parse.urlencode(params) if params else "")
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url, data=data, method=method, headers={
-            "Content-Type": content_type, "Accept": "application/json", **(headers or {})})
+            "Content-Type": content_type, "Accept": "application/json", **self.auth, **(headers or {})})
         try:
             with _OPENER.open(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read() or b"null")
@@ -138,7 +139,7 @@ class KubeClient:
         """Yield watch events until the server ends the stream or `timeout` passes without data."""
         params = {"watch": "true", **params}
         url = self.base_url + path_of(resource, namespace) + "?" + urllib.parse.urlencode(params)
-        with _OPENER.open(urllib.request.Request(url), timeout=timeout) as resp:
+        with _OPENER.open(urllib.request.Request(url, headers=self.auth), timeout=timeout) as resp:
             try:
                 for line in resp:
                     if line.strip():

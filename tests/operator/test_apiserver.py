@@ -574,3 +574,59 @@ def test_row15_cel_rules_are_not_checked_after_a_schema_error(kube: KubeClient, 
     assert {"field": "<nil>", "message": "some validation rules were not checked because the object was invalid; "
             "correct the existing errors to complete validation"}.items() <= causes[-1].items()
     assert not any("divisible" in c["message"] for c in causes)
+
+
+def test_row13_authentication_rbac_and_escalation_prevention() -> None:
+    from kube_rbac import User
+
+    server = ApiServerThread(tokens={"admin-token": User("admin", ("system:masters",)),
+                                     "alice-token": User("alice", ("system:authenticated",))}).start()
+    try:
+        admin, alice = KubeClient(server.url, token="admin-token"), KubeClient(server.url, token="alice-token")
+        for client in (KubeClient(server.url), KubeClient(server.url, token="wrong")):
+            with pytest.raises(ApiError) as exc:
+                client.items(NAMESPACES)
+            assert exc.value.status == 401 and exc.value.body["reason"] == "Unauthorized"
+        admin.apply_crd(opschema.rljob_crd())
+        for name in ("a", "b"):
+            admin.create_namespace(name)
+            admin.create(CONFIGMAPS, name, configmap("cm"))
+        rbac = ("rbac.authorization.k8s.io", "v1")
+        admin.create((*rbac, "roles"), "a", {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                                             "metadata": {"name": "alice"}, "rules": [
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]},
+            {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
+             "verbs": ["create"]}]})
+        admin.create((*rbac, "rolebindings"), "a", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "alice"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "alice"},
+            "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]})
+        assert alice.get(CONFIGMAPS, "a", "cm")["data"] == {"k": "v"}
+        for call in (lambda: alice.get(CONFIGMAPS, "b", "cm"), lambda: alice.create(CONFIGMAPS, "a", configmap("x")),
+                     lambda: alice.items(RLJOBS, "a")):
+            with pytest.raises(ApiError) as exc:
+                call()
+            assert exc.value.status == 403 and 'User "alice" cannot' in exc.value.body["message"]
+        # Escalation prevention: a Role may grant only what its author holds.
+        progress = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "progress"},
+                    "rules": [{"apiGroups": ["rljob.dev"], "resources": ["rljobs"], "resourceNames": ["job"],
+                               "verbs": ["get", "patch"]}]}
+        with pytest.raises(ApiError) as exc:
+            alice.create((*rbac, "roles"), "a", progress)
+        assert exc.value.status == 403 and "attempting to grant RBAC permissions not currently held" in \
+            exc.value.body["message"]
+        admin.patch((*rbac, "roles"), "a", "alice", {"rules": [
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]},
+            {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": ["create"]},
+            {"apiGroups": ["rljob.dev"], "resources": ["rljobs"], "verbs": ["get", "patch"]}]})
+        alice.create((*rbac, "roles"), "a", progress)
+        binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "b"},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"},
+                   "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": "a"}]}
+        with pytest.raises(ApiError) as exc:  # a binding to a role she does not hold (here: not even there)
+            alice.create((*rbac, "rolebindings"), "a", binding)
+        assert exc.value.status == 403
+        binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "progress"}
+        alice.create((*rbac, "rolebindings"), "a", binding)
+    finally:
+        server.stop()
