@@ -20,7 +20,11 @@ from cluster import (
     KubeClient,
     wait_until,
 )
+from realserver import needs_standin
 from rljob_operator.progress import ANNOTATION, decode_progress, encode_progress, patch_progress
+
+
+pytestmark = needs_standin
 
 
 @pytest.fixture(scope="module")
