@@ -95,4 +95,8 @@ def make_server(**standin_options: Any) -> Any:
     return ApiServerThread(**standin_options).start()
 
 
-needs_standin = pytest.mark.skipif(real(), reason="tests the stand-in API server itself (RLJOB_TEST_KUBECONFIG is set)")
+def version() -> str:
+    """The real server's /version document (JSON), read through kubectl."""
+    kubectl = os.environ.get("RLJOB_TEST_KUBECTL") or shutil.which("kubectl") or "kubectl"
+    return subprocess.run([kubectl, "--kubeconfig", str(KUBECONFIG), "get", "--raw", "/version"], check=True,
+                          capture_output=True, text=True, timeout=30).stdout
