@@ -459,19 +459,22 @@ def test_row05_a_new_crd_is_served_a_moment_later(server: ApiServerThread, kube:
     crd["spec"]["names"].update(kind="Slowpoke", listKind="SlowpokeList", plural="slowpokes", singular="slowpoke")
     crd["spec"]["names"].pop("shortNames", None)
     crd["spec"]["names"].pop("categories", None)
-    server.call(setattr, server.server, "crd_establish_delay", 0.5)
+    if not real():
+        server.call(setattr, server.server, "crd_establish_delay", 0.5)
     try:
         created = kube.create(CRDS, None, crd)
         assert created["status"]["conditions"] is None
-        with pytest.raises(ApiError) as exc:
-            kube.list(("example.com", "v1alpha1", "slowpokes"), ns)
-        assert exc.value.status == 404
+        if not real():  # a real server's gap is too short to hit reliably
+            with pytest.raises(ApiError) as exc:
+                kube.list(("example.com", "v1alpha1", "slowpokes"), ns)
+            assert exc.value.status == 404
         kube.apply_crd(crd)  # waits for Established
         assert kube.list(("example.com", "v1alpha1", "slowpokes"), ns)["items"] == []
         conds = {c["type"]: c["status"] for c in kube.get(CRDS, None, "slowpokes.example.com")["status"]["conditions"]}
         assert conds == {"NamesAccepted": "True", "Established": "True"}
     finally:
-        server.call(setattr, server.server, "crd_establish_delay", 0.05)
+        if not real():
+            server.call(setattr, server.server, "crd_establish_delay", 0.05)
         kube.delete(CRDS, None, "slowpokes.example.com")
 
 
@@ -578,7 +581,8 @@ def test_row12_namespace_deletion_is_asynchronous(server: ApiServerThread, kube:
     time.sleep(0.3)
     assert kube.get(NAMESPACES, None, name)["status"]["phase"] == "Terminating", "held by its content's finalizer"
     kube.patch(CONFIGMAPS, name, "held", {"metadata": {"finalizers": None}})
-    wait_until(lambda: kube.maybe_get(NAMESPACES, None, name) is None, what="the namespace gone")
+    # (a real namespace controller re-checks a namespace with content left after a backoff)
+    wait_until(lambda: kube.maybe_get(NAMESPACES, None, name) is None, timeout=90, what="the namespace gone")
 
 
 def test_row14_annotations_over_256k_are_refused(kube: KubeClient, ns: str) -> None:
