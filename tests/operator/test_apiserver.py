@@ -515,9 +515,9 @@ def test_row08_server_side_apply(kube: KubeClient, ns: str) -> None:
             return json.loads(resp.read())
 
     assert send(body)["data"] == {"k": "v"}, "apply creates an absent object"
-    cm["data"] = {"k": "v2", "n": "1"}
-    assert send(yaml.safe_dump(cm).encode())["data"] == {"k": "v2", "n": "1"}
-    assert kube.get(CONFIGMAPS, ns, "applied")["data"] == {"k": "v2", "n": "1"}
+    cm["data"] = {"k": "v2", "extra": "1"}  # (not the key "n": a YAML 1.1 boolean to the server's parser)
+    assert send(yaml.safe_dump(cm).encode())["data"] == {"k": "v2", "extra": "1"}
+    assert kube.get(CONFIGMAPS, ns, "applied")["data"] == {"k": "v2", "extra": "1"}
 
 
 def test_row09_strategic_merge_patch_on_a_custom_resource_is_415(kube: KubeClient, ns: str) -> None:
