@@ -510,6 +510,9 @@ class ObjectMeta(BaseModel):
     namespace: str = Field("default", description="Namespace.")
     generation: int | None = Field(None, description="Spec generation.")
     uid: str | None = Field(None, description="Object uid.")
+    labels: dict[str, str] = Field(default_factory=dict, description=(
+        "Object labels. kueue.x-k8s.io/queue-name and kueue.x-k8s.io/priority-class are copied to the PyTorchJob "
+        "when it is created (the job then waits for Kueue's admission)."))
 
 
 class RLJob(ApiModel):
