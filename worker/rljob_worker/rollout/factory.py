@@ -9,7 +9,6 @@ import os
 import torch
 from rljob_api.enums import RolloutEngine as EngineName
 
-
 # `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Measured on
 # one H100 (bench/NOTES.md, 2026-11-26), Qwen2.5-0.5B shape, 32 prompts x 8, 128 + 256 tokens: whole GRPO step
 # static engine 3.18 s vs vLLM 0.26 3.90 s (same call); rollout alone 41.4k vs 29.2k tok/s (compiled static 75.2k).
