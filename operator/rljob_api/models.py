@@ -29,6 +29,7 @@ from rljob_api.enums import (
     RecomputeMethod,
     ResumeMode,
     RolloutEngine,
+    RolloutRanks,
     SFTDataFormat,
 )
 
@@ -256,6 +257,13 @@ class RolloutSpec(ApiModel):
         RolloutEngine.AUTO, "Rollout engine: vllm (production), hf (transformers; CPU and fallback), auto (vllm when importable on a GPU)."
     )
     # Not `n`: YAML 1.1 parsers (kubectl's among them) read a bare `n` key as the boolean false.
+    ranks: RolloutRanks = _f(
+        RolloutRanks.AUTO,
+        "Which ranks sample with the hf engines: every-rank (each GPU holds the whole model and samples its "
+        "share of whole prompt groups; the pieces are gathered in prompt order), rank0 (global rank 0 samples the "
+        "whole batch and broadcasts it; the samples then do not depend on the parallel layout), or auto "
+        "(every-rank on GPUs, rank0 on CPU). The vllm engine always samples on every rollout tensor-parallel group.",
+    )
     samples_per_prompt: int = _f(
         8, "Samples per prompt, i.e. the GRPO group size. (verl: actor_rollout_ref.rollout.n)", ge=2, le=1024)
     temperature: float = _f(1.0, "Sampling temperature. (verl: rollout.temperature)", ge=0, le=10)
