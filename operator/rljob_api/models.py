@@ -367,7 +367,8 @@ class CheckpointSpec(ApiModel):
         pattern=STORAGE_URI_PATTERN,
         max_length=1024,
     )
-    save_freq: int = _f(30, "Save every this many steps (and at the end); -1 saves only at the end. (verl: trainer.save_freq)", ge=-1)
+    save_freq: int = _f(30, "Save every this many steps (and at the end); -1 saves only at the end; 0 never saves (benchmarks: "
+        "nothing to resume from). (verl: trainer.save_freq)", ge=-1)
     max_to_keep: int = _f(5, "Committed checkpoints kept; older ones are deleted after a newer one commits; 0 keeps all. (verl: trainer.max_actor_ckpt_to_keep)", ge=0)
     resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom). (verl: trainer.resume_mode)")
     resume_from: str | None = _f(

@@ -70,6 +70,7 @@ STAGES: tuple[str, ...] = (
     "ref_logprob",
     "actor_update",
     "weight_sync",
+    "actor_offload",
     "checkpoint",
     "validation",
 )

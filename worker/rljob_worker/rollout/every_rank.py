@@ -28,9 +28,10 @@ whole model on each sampling GPU and have no tensor-parallel sharding, so
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
-from rljob_worker.rollout.base import RolloutOutput
+from rljob_worker.rollout.base import RolloutOutput, SamplingParams
 
 
 class RolloutLayoutError(ValueError):
@@ -93,6 +94,23 @@ def gather_in_batch_order(pieces: Sequence[RolloutOutput | None], shares: Sequen
             out.response_logprobs += piece.response_logprobs
             out.finished += piece.finished
     return out
+
+
+def sample_share_and_gather(engine, prompt_ids: list[list[int]], params: SamplingParams, *, rank: int,
+                            world_size: int) -> RolloutOutput:
+    """Collective over the default process group: this rank samples its share of whole prompts (all n
+    samples each, seed `replica_seed`), then every rank receives the whole batch in batch order."""
+    import torch.distributed as dist
+
+    shares = prompt_shares(len(prompt_ids), world_size)
+    share = shares[rank]
+    mine = None
+    if share.stop > share.start:
+        seed = replica_seed(params.seed, share, params.n)
+        mine = engine.generate(prompt_ids[share], dataclasses.replace(params, seed=seed))
+    pieces: list[RolloutOutput | None] = [None] * world_size
+    dist.all_gather_object(pieces, mine)
+    return gather_in_batch_order(pieces, shares, params.n)
 
 
 def group_owner(prompt_index: int, shares: Sequence[slice]) -> int:
