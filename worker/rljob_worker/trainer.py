@@ -262,8 +262,7 @@ class GRPOTrainer:
             metrics = self.train_step()
             metrics["timing/step_s"] = time.perf_counter() - step_start
             metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
-            metrics.update({f"memory/{stage}_peak_gib": b / 2**30
-                            for stage, b in self.telemetry.pending_stage_peak_bytes().items()})
+            metrics.update(_stage_peaks_over_ranks(self.telemetry.pending_stage_peak_bytes(), self.device))
             self.history.append(StepResult(self.step, metrics))
             self._append_metrics_log(metrics)
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
@@ -310,6 +309,7 @@ class GRPOTrainer:
                     model.onload()
         batch = payload["batch"]
         metrics.update(payload["metrics"])
+        metrics["batch/tokens"] = float(batch["attention_mask"].sum())  # prompt + response tokens of the step
 
         # 2. this data-parallel rank's slice (N / dp responses)
         per_rank = batch["input_ids"].shape[0] // self.dp_size
@@ -641,6 +641,18 @@ def _reward_pool(num_workers: int):
     from concurrent.futures import ProcessPoolExecutor
 
     return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _stage_peaks_over_ranks(peaks: dict[str, int], device: torch.device) -> dict[str, float]:
+    """{memory/<stage>_peak_gib: the largest peak of any rank} for the standard stages (collective on a GPU)."""
+    if device.type != "cuda":
+        return {}
+    from rljob_worker.telemetry import STAGES
+
+    values = torch.tensor([float(peaks.get(s, 0)) for s in STAGES], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {f"memory/{s}_peak_gib": v / 2**30 for s, v in zip(STAGES, values.tolist()) if v > 0}
 
 
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
