@@ -6,7 +6,8 @@
 #             grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2) | grpocompiled (static vs compiled engine)
 #             grpotp2pp2 + gpu4tests (4 GPUs: TP2 x PP2 GRPO learning; mixed layouts vs one GPU)
 #             q7bprep, then q7bevery q7brank0 q7breport (4 GPUs, issue 23: Qwen2.5-7B-shape GRPO, TP2 x DP2, hf
-#             engine on every GPU vs on rank 0, same call; Q7B_STEPS, Q7B_PROMPTS, Q7B_LIMIT) | q7bpp2 (TP2 x PP2)
+#             engine on every GPU vs on rank 0, same call; 16 prompts x 8 by default so both fit one call:
+#             Q7B_PROMPTS, Q7B_STEPS (3), Q7B_LIMIT) | q7bpp2 (TP2 x PP2, 32 prompts x 8)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Needs wheels (carry: [".whl/megatron_actor_gpu", ".whl/trl"]): megatron-core 0.16.1 cp312; trl 1.16, datasets,
 # dill, multiprocess, pydantic(+core, annotated-types, typing-inspection, typing-extensions). Keep the image's pyarrow.
@@ -59,9 +60,9 @@ for s in $SECTIONS; do
     grpotp2pp2) section grpotp2pp2 130 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_tp2pp2.yaml --workdir /tmp/tp2pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/tp2pp2/work/metrics.jsonl grpo-digit-sum-tp2pp2" ;;
     gpu4tests) section gpu4tests ${GPU4_LIMIT:-300} python3 -m pytest tests/worker/test_megatron_gpu.py -k "${GPU4_K:-four_gpu}" -v -p no:cacheprovider -rs ;;
     q7bprep) section q7bprep 300 python3 bench/gpu_7b_prepare.py ;;
-    q7bevery) section q7bevery ${Q7B_LIMIT:-330} bash bench/q7b_run.sh tp2dp2 every-rank ;;
-    q7brank0) section q7brank0 ${Q7B_LIMIT:-330} bash bench/q7b_run.sh tp2dp2 rank0 ;;
-    q7bpp2) section q7bpp2 ${Q7B_LIMIT:-330} bash bench/q7b_run.sh tp2pp2 every-rank ;;
+    q7bevery) section q7bevery ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 every-rank ;;
+    q7brank0) section q7brank0 ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 rank0 ;;
+    q7bpp2) section q7bpp2 ${Q7B_LIMIT:-420} bash bench/q7b_run.sh tp2pp2 every-rank ;;
     q7breport) section q7breport 60 python3 bench/grpo_scale_report.py --gpus 4 \
       tp2dp2-every-rank=/tmp/q7b-tp2dp2-every-rank/work/metrics.jsonl tp2dp2-rank0=/tmp/q7b-tp2dp2-rank0/work/metrics.jsonl ;;
     *) echo "unknown section $s" ;;

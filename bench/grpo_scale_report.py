@@ -79,7 +79,7 @@ def commit() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, required=True)
-    ap.add_argument("--shape", default="Qwen2.5-7B shape, random init, bf16, 32 prompts x 8, 1024 + 2048 tokens")
+    ap.add_argument("--shape", default="Qwen2.5-7B shape, random init, bf16, 8 samples of 1024 + 2048 tokens per prompt")
     ap.add_argument("--command", default="bash bench/gpu_all.sh q7bprep q7bevery q7brank0 q7breport")
     ap.add_argument("runs", nargs="+", metavar="LABEL=METRICS_JSONL")
     a = ap.parse_args()
@@ -101,7 +101,8 @@ def main() -> int:
         for metric, unit, key in (("tokens_per_s_per_gpu", "tok/s/GPU", "tok_s_gpu"), ("step_seconds", "s", "step_s")):
             value, base_value = subject[key], (base or {}).get(key)
             ratio = value / base_value if value and base_value else None
-            records.append({"date": today, "card": gpu_card, "work": f"grpo {label}", "shape": a.shape, "metric": metric,
+            shape = f"{a.shape}, {subject['tokens'] or 0:.0f} tokens/step"
+            records.append({"date": today, "card": gpu_card, "work": f"grpo {label}", "shape": shape, "metric": metric,
                             "value": value, "unit": unit, "baseline": base_label, "baseline_value": base_value,
                             "ratio": ratio, "same_run": base is not None, "command": a.command, "commit": sha})
             if ratio is not None:
