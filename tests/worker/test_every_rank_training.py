@@ -105,3 +105,19 @@ def test_every_rank_rollout_tp2_dp2_learns_with_uneven_shares(tmp_path):
     records = run_torchrun(every_rank_spec(4, prompts=6, tensorModelParallelSize=2), tmp_path, nproc=4)
     check_shares_and_groups(tmp_path, nproc=4, prompts=6, steps=30)
     check_learns(records)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs")
+def test_every_rank_rollout_on_two_gpus_learns_and_reports_stage_memory(tmp_path):
+    """The same DP2 run on two GPUs in bf16: the static-cache engine on each GPU (released after every
+    rollout), the same share and group checks, learning, and per-stage peak memory in the step metrics."""
+    spec = every_rank_spec(2, prompts=4)
+    spec["device"] = "gpu"
+    spec["model"]["dtype"] = "bfloat16"
+    records = run_torchrun(spec, tmp_path, nproc=2)
+    check_shares_and_groups(tmp_path, nproc=2, prompts=4, steps=30)
+    check_learns(records)
+    for key in ("memory/rollout_peak_gib", "memory/actor_update_peak_gib", "memory/weight_sync_peak_gib"):
+        assert all(0 < rec[key] < 80 for rec in records), key
