@@ -24,7 +24,8 @@ STAGES = ("rollout", "reward", "actor_offload", "old_logprob", "ref_logprob", "a
 
 
 def load(path: str) -> list[dict]:
-    rows = [json.loads(line) for line in open(path) if '"timing/step_s"' in line]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if '"timing/step_s"' in line]
     return rows[1:] if len(rows) > 1 else rows
 
 
@@ -61,7 +62,7 @@ def line(label: str, s: dict) -> str:
 def card() -> str:
     try:
         names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=20).stdout.split("\n")
+                               text=True, timeout=20, check=False).stdout.split("\n")
         names = [n.strip() for n in names if n.strip()]
         return f"{len(names)}x {names[0]}" if names else "unknown"
     except (OSError, subprocess.SubprocessError):
@@ -71,7 +72,7 @@ def card() -> str:
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+                              timeout=10, check=False).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -109,8 +110,7 @@ def main() -> int:
                 print(f"RATIO {label} vs {base_label}: {metric} {ratio:.2f}x")
     out = Path(os.environ.get("OUT", ".")) / "results.jsonl"
     with open(out, "a") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
+        f.writelines(json.dumps(rec) + "\n" for rec in records)
     return 0
 
 

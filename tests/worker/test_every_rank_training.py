@@ -51,7 +51,7 @@ def run_torchrun(spec: dict, workdir: Path, nproc: int) -> list[dict]:
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(HARNESS), str(workdir / "spec.json"), str(workdir), "--record-rollouts"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, check=False)
     assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 

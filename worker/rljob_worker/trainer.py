@@ -51,7 +51,11 @@ from rljob_worker.flops import active_parameters
 from rljob_worker.rewards import resolve_reward, score_all
 from rljob_worker.rollout import RolloutOutput, SamplingParams, make_engine
 from rljob_worker.rollout.base import resolve_engine_name
-from rljob_worker.rollout.every_rank import check_hf_engine_layout, sample_share_and_gather, samples_on_every_rank
+from rljob_worker.rollout.every_rank import (
+    check_hf_engine_layout,
+    sample_share_and_gather,
+    samples_on_every_rank,
+)
 from rljob_worker.rollout.weight_sync import plan_rollout_layout
 
 log = logging.getLogger("rljob.trainer")
