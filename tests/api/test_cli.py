@@ -223,3 +223,48 @@ def test_explain_unknown_field_is_helpful(capsys):
     assert "algorithm" in out and "megatron" in out  # lists what does exist
     code, out = in_process(capsys, "explain", "spec.megatron.tp")
     assert code == 1 and "does not exist in spec.megatron" in out and "tensorModelParallelSize" in out, out
+
+
+# --------------------------------------------------------------------------- run --fresh
+
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+
+
+def test_fresh_refuses_a_workdir_the_run_did_not_create(tmp_path):
+    """`--workdir .` with the user's own files there: --fresh deletes nothing and says why."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "job.yaml").write_text(QUICKSTART.read_text())
+    ckpt = tmp_path / "ckpt"
+    kept = ckpt / "default" / "quickstart" / "step_000001" / "COMMIT"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    code, out = rljob("run", "job.yaml", "--workdir", ".", "--fresh", "--checkpoint-uri", f"file://{ckpt}",
+                      cwd=project)
+    assert code == 2, out
+    assert "refusing to delete anything in" in out and str(project) in out, out
+    assert (project / "job.yaml").exists()
+    assert kept.exists(), "the checkpoints went although the workdir check refused"
+
+
+def test_fresh_deletes_only_what_the_run_wrote(tmp_path):
+    from rljob_cli.main import load_rljob
+    from rljob_worker.launcher import clear_previous_run, mark_workdir, write_spec
+
+    job = load_rljob(str(QUICKSTART))
+    root = tmp_path / "project"
+    (root / "notes").mkdir(parents=True)
+    (root / "notes" / "todo.txt").write_text("mine")
+    (root / "job.yaml").write_text("mine")
+    mark_workdir(job, root)  # as an earlier `rljob run --workdir project` did
+    write_spec(job, root)
+    (root / "work" / "checkpoints").mkdir(parents=True)
+    (root / "pod-1.log").write_text("log")
+    ckpt = tmp_path / "ckpt"
+    for name in ("quickstart", "other"):
+        (ckpt / "default" / name / "step_000001").mkdir(parents=True)
+        (ckpt / "default" / name / "step_000001" / "COMMIT").write_text("{}")
+    clear_previous_run(job, root, f"file://{ckpt}")
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == ["job.yaml", "notes", "notes/todo.txt"]
+    assert not [p for p in (ckpt / "default" / "quickstart").rglob("*") if p.is_file()]
+    assert (ckpt / "default" / "other" / "step_000001" / "COMMIT").exists()

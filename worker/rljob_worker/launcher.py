@@ -70,17 +70,71 @@ def start_pod(job: RLJob, node_rank: int, master_port: int, spec_path: Path, ext
                             start_new_session=True)
 
 
+RUN_MARKER = ".rljob-run"  # written into every workdir `rljob run` uses; `--fresh` deletes only in such folders
+_RUN_OUTPUTS = ("spec.json", "work", "pod-*.log")  # what a run writes into its workdir, besides the marker
+
+
+class FreshRefused(ValueError):
+    """`--fresh` would delete something the job did not write."""
+
+
+def mark_workdir(job: RLJob, root: Path) -> None:
+    """Record that `root` holds this job's run outputs, so a later `--fresh` may delete them (and only them)."""
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / RUN_MARKER
+    if not marker.exists():
+        marker.write_text(json.dumps({"job": job.metadata.name, "namespace": job.metadata.namespace,
+                                      "outputs": list(_RUN_OUTPUTS)}) + "\n")
+
+
+def fresh_targets(job: RLJob, root: Path) -> list[Path]:
+    """What `--fresh` deletes in `root`: the outputs an earlier `rljob run` of this job wrote there.
+
+    Raises FreshRefused for a folder with content but no marker of this job (a folder the run
+    did not create, e.g. `--workdir .` on a first run), so nothing of the user's is ever deleted."""
+    if not root.exists():
+        return []
+    marker = root / RUN_MARKER
+    owner = None
+    if marker.is_file():
+        try:
+            owner = json.loads(marker.read_text())
+        except ValueError:
+            owner = None
+    ours = isinstance(owner, dict) and owner.get("job") == job.metadata.name and \
+        owner.get("namespace") == job.metadata.namespace
+    if not ours:
+        if not root.is_dir() or any(root.iterdir()):
+            who = f"job {owner.get('namespace')}/{owner.get('job')}" if isinstance(owner, dict) else "no rljob run"
+            raise FreshRefused(
+                f"--fresh: refusing to delete anything in {root}: it was not created by `rljob run` for "
+                f"{job.metadata.namespace}/{job.metadata.name} ({who} marker {RUN_MARKER} there); "
+                "pass --workdir with a new or empty folder, or delete what you no longer need by hand")
+        return []
+    found = [p for pattern in _RUN_OUTPUTS for p in sorted(root.glob(pattern))]
+    return found + [marker]
+
+
 def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
-    """`--fresh`: remove the job's committed checkpoints and local outputs."""
+    """`--fresh`: remove the job's committed checkpoints and the run outputs it wrote into `root`.
+
+    Checks the workdir first, so a refusal deletes nothing at all."""
     import shutil
 
     from rljob_worker.storage import open_store
 
+    targets = fresh_targets(job, root)
     store = open_store(checkpoint_uri, endpoint_url=job.spec.s3.endpoint, region=job.spec.s3.region)
     prefix = f"{job.metadata.namespace}/{job.metadata.name}/"
     store.delete_prefix(prefix)
-    shutil.rmtree(root, ignore_errors=True)
-    print(f"rljob: --fresh: deleted {store.uri_for(prefix.rstrip('/'))}/ and {root}", flush=True)
+    for path in targets:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    listed = ", ".join(str(p) for p in targets) or "no local outputs"
+    print(f"rljob: --fresh: deleted the checkpoints under {store.uri_for(prefix.rstrip('/'))}/ and {listed}",
+          flush=True)
 
 
 def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None = None,
@@ -93,7 +147,12 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
             print("note: spec.device is gpu but no GPU is visible; running on CPU with gloo", file=sys.stderr)
     root = Path(workdir or Path("runs") / job.metadata.name).resolve()
     if fresh:
-        clear_previous_run(job, root, checkpoint_uri or spec.checkpoint.uri)
+        try:
+            clear_previous_run(job, root, checkpoint_uri or spec.checkpoint.uri)
+        except FreshRefused as exc:
+            print(f"rljob: {exc}", file=sys.stderr)
+            return 2
+    mark_workdir(job, root)
     spec_path = write_spec(job, root)
     master_port = free_port()
     extra = {"RLJOB_WORKDIR": str(root / "work"), "RLJOB_PROGRESS_BAR": "1" if sys.stdout.isatty() else "0"}
