@@ -132,10 +132,23 @@ def spec_cel_rules() -> list[dict[str, str]]:
     cp = _get("megatron.contextParallelSize", meg("context_parallel_size"))
     rollout_tp = _get("rollout.tensorModelParallelSize", 1)
     return [
+        # One rule per size, so the error names the size that breaks divisibility (as pydantic does).
         {
-            "rule": f"({nnodes} * {gpus}) % ({tp} * {pp} * {cp}) == 0",
-            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x CP",
+            "rule": f"({nnodes} * {gpus}) % {tp} == 0",
+            "message": "nnodes x gpusPerNode must be divisible by megatron tensorModelParallelSize (TP)",
             "fieldPath": ".megatron.tensorModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"({nnodes} * {gpus}) % {tp} != 0 || ({nnodes} * {gpus}) % ({tp} * {pp}) == 0",
+            "message": "nnodes x gpusPerNode must be divisible by megatron TP x pipelineModelParallelSize",
+            "fieldPath": ".megatron.pipelineModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"({nnodes} * {gpus}) % ({tp} * {pp}) != 0 || ({nnodes} * {gpus}) % ({tp} * {pp} * {cp}) == 0",
+            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x contextParallelSize",
+            "fieldPath": ".megatron.contextParallelSize",
             "reason": "FieldValueInvalid",
         },
         {

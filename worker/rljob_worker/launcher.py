@@ -158,7 +158,7 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
     extra = {"RLJOB_WORKDIR": str(root / "work"), "RLJOB_PROGRESS_BAR": "1" if sys.stdout.isatty() else "0"}
     if checkpoint_uri:
         extra["RLJOB_CHECKPOINT_URI"] = checkpoint_uri
-    if steps:
+    if steps is not None:
         extra["RLJOB_MAX_STEPS"] = str(steps)
     ckpt = checkpoint_uri or spec.checkpoint.uri
     print(f"rljob: running {job.metadata.name} locally: {spec.nnodes} pod(s) x {spec.gpus_per_node} process(es); "
