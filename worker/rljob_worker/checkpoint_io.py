@@ -14,9 +14,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rljob_worker.checkpointing import CheckpointManager, resolve_resume, spec_hash, step_dirname
+from rljob_worker.checkpointing import CheckpointError, CheckpointManager, restore_for_resume, spec_hash, step_dirname
 from rljob_worker.distributed import barrier, broadcast_object
-from rljob_worker.storage import open_store
+from rljob_worker.storage import StorageError, open_store
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,33 @@ TRAINER_STATE = "trainer_state.json"
 
 def _utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# Settings a resume must not change: what the weights were trained from and on, the algorithm, and
+# what decides the data order the sampler position refers to. Learning rate, steps, saveFreq,
+# validation, metrics, resources and the parallel layout (megatron checkpoints reshard) may change.
+RESUME_FIXED_FIELDS = (
+    "model.path", "model.tokenizerPath",
+    "data.trainFiles", "data.synthetic", "data.promptKey", "data.maxPromptLength", "data.promptOverflow",
+    "data.applyChatTemplate", "data.shuffle",
+    "algorithm",
+    "rollout.samplesPerPrompt",
+    "training.trainBatchSizePerNode", "training.seed",
+)
+
+
+def resume_fixed_fields(spec_json: dict[str, Any]) -> dict[str, Any]:
+    """The values of RESUME_FIXED_FIELDS in a spec dumped by alias; a section becomes one entry per field."""
+    out: dict[str, Any] = {}
+    for path in RESUME_FIXED_FIELDS:
+        value: Any = spec_json
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, dict) and "." not in path:
+            out.update({f"{path}.{k}": v for k, v in value.items()})
+        else:
+            out[path] = value
+    return out
 
 
 
@@ -37,7 +64,9 @@ class CheckpointIO:
         self.manager = CheckpointManager(self.store, base_prefix=f"{ctx.namespace}/{ctx.job_name}",
                                          max_to_keep=spec.checkpoint.max_to_keep or None)
         self.local_root = Path(ctx.workdir) / "checkpoints"
-        self.spec_hash = spec_hash(spec.model_dump(mode="json", by_alias=True))
+        spec_json = spec.model_dump(mode="json", by_alias=True)
+        self.spec_hash = spec_hash(spec_json)
+        self.spec_fields = resume_fixed_fields(spec_json)
         self.multi_node = spec.nnodes > 1
         self.last_ref = None
         self.last_committed: dict[str, Any] | None = None  # {"step", "uri", "time"} of the newest commit (rank 0)
@@ -59,7 +88,8 @@ class CheckpointIO:
             (local / TRAINER_STATE).write_text(json.dumps(trainer_state))
         if not self.multi_node:
             if self.env.rank == 0:
-                handle = self.manager.save(local, step, metrics, self.spec_hash, remove_local=True)
+                handle = self.manager.save(local, step, metrics, self.spec_hash, remove_local=True,
+                                           spec_fields=self.spec_fields)
                 self._pending = handle
                 log.info("checkpoint step %d: uploading to %s in the background", step, handle.uri)
                 return handle
@@ -73,7 +103,8 @@ class CheckpointIO:
         barrier()
         ref = None
         if self.env.rank == 0:
-            ref = self.manager.commit(step, metrics, self.spec_hash, expected_ranks=list(range(self.spec.nnodes)))
+            ref = self.manager.commit(step, metrics, self.spec_hash, expected_ranks=list(range(self.spec.nnodes)),
+                                      spec_fields=self.spec_fields)
             self.manager.apply_retention()
             self._committed(ref)
         barrier()
@@ -107,15 +138,23 @@ class CheckpointIO:
     def resume(self, actor) -> dict[str, Any] | None:
         """Load the checkpoint the spec asks for (auto / uri / disable); returns the trainer state or None."""
         ck = self.spec.checkpoint
-        uri = None
-        if self.env.rank == 0:
-            ref = resolve_resume(ck.resume_mode.value, self.manager, ck.resume_from)
-            uri = ref.uri if ref is not None else None
-        uri = broadcast_object(uri)
+        local = self.local_root / "restore"
+        choice: dict[str, Any] = {"uri": None}
+        if self.env.rank == 0:  # chooses, verifies (falling back past corrupt steps) and downloads
+            shutil.rmtree(local, ignore_errors=True)
+            try:
+                ref = restore_for_resume(self.manager, ck.resume_mode.value, ck.resume_from, local, self.spec_fields)
+                choice = {"uri": ref.uri if ref is not None else None}
+            except (StorageError, ValueError) as e:  # the other ranks stop too instead of waiting forever
+                broadcast_object({"error": str(e)})
+                raise
+        choice = broadcast_object(choice)
+        if "error" in choice:
+            raise CheckpointError(choice["error"])
+        uri = choice["uri"]
         if uri is None:
             return None
-        local = self.local_root / "restore"
-        if self.env.local_rank == 0:
+        if self.env.local_rank == 0 and self.env.rank != 0:  # the other nodes download the chosen step
             shutil.rmtree(local, ignore_errors=True)
             self.manager.restore(uri, local)
         barrier()
