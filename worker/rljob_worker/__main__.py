@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: invalid spec: {exc}", file=sys.stderr)  # one line: errors joined by '; '
         return 2
 
+    job_doc = Path(args.spec).with_name("job.json")  # the operator's ConfigMap: the RLJob's uid
+    if job_doc.is_file() and not os.environ.get("RLJOB_UID"):
+        try:
+            os.environ["RLJOB_UID"] = str(json.loads(job_doc.read_text()).get("uid") or "")
+        except (OSError, ValueError):
+            pass
+
     from rljob_worker.trainer import RunContext, run
 
     name = os.environ.get("RLJOB_NAME", "rljob")

@@ -72,13 +72,21 @@ class CheckpointIO:
         self.last_committed: dict[str, Any] | None = None  # {"step", "uri", "time"} of the newest commit (rank 0)
         self._pending = None  # SaveHandle of the upload in flight (rank 0, one node)
         self._fresh = False  # a commit nobody has polled yet
+        self.lease = None  # rank 0: the CheckpointLease on the job prefix
 
     def check_access(self) -> None:
         """Fail at start-up, not at the first save, when storage is unreachable or credentials are wrong."""
         if self.env.rank == 0:
             self.store.check_access("spec.checkpoint.uri", write=True)
+            from rljob_worker.checkpoint_lease import CheckpointLease
+
+            # One writer per prefix, taken before resume moves or quarantines anything.
+            self.lease = CheckpointLease(self.store, self.manager.base_prefix)
+            self.lease.acquire()
 
     def save(self, step: int, actor, trainer_state: dict[str, Any], metrics: dict[str, float]):
+        if self.lease is not None:
+            self.lease.check()
         local = self.local_root / step_dirname(step)
         if self.env.local_rank == 0 and local.exists():
             shutil.rmtree(local)
