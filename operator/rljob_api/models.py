@@ -348,7 +348,10 @@ class RewardSpec(ApiModel):
         max_length=256,
     )
     num_workers: int = _f(0, "Processes scoring rewards off the training loop; 0 scores inline.", ge=0, le=256)
-    timeout_seconds: float = _f(30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index.", gt=0)
+    timeout_seconds: float = _f(
+        30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index. Holds with numWorkers 0 "
+        "too (an alarm interrupts Python code; a reward stuck inside C code, such as a pathological regex, is "
+        "only stopped with numWorkers > 0).", gt=0)
 
 
 class CheckpointSpec(ApiModel):

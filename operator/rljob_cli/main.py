@@ -132,7 +132,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         job = load_rljob(args.file)
     except (ValueError, RLJobValidationError) as exc:
-        return _report_invalid(args.file, exc)
+        _report_invalid(args.file, exc)
+        return 2  # a configuration error, as the worker's own start-up errors
     from rljob_worker.launcher import run_local
 
     return run_local(job, workdir=args.workdir, checkpoint_uri=args.checkpoint_uri, steps=args.steps,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 from test_learning import HARNESS, quickstart_spec, rewards, run_trainer  # noqa: E402
 
@@ -26,9 +28,11 @@ def test_reward_workers_match_inline(tmp_path):
     assert list(pooled) == list(inline)
 
 
-def test_hanging_reward_times_out_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_hanging_reward_times_out_with_a_clear_error(tmp_path, workers):
+    """With a worker pool and with the default numWorkers 0 (inline) alike."""
     (tmp_path / "slow_reward.py").write_text("import time\n\ndef score(p, c, t, e):\n    time.sleep(60)\n    return 0.0\n")
-    spec = spec_with(tmp_path, "slow_reward:score", numWorkers=1, timeoutSeconds=1.0)
+    spec = spec_with(tmp_path, "slow_reward:score", numWorkers=workers, timeoutSeconds=1.0)
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(HARNESS), str(tmp_path / "spec.json"), str(tmp_path / "w")],

@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: invalid spec: {exc}", file=sys.stderr)  # one line: errors joined by '; '
         return 2
 
+    problem = _metrics_port_problem(spec)
+    if problem:
+        print(f"rljob worker: {problem}", file=sys.stderr)
+        return 2
+
     job_doc = Path(args.spec).with_name("job.json")  # the operator's ConfigMap: the RLJob's uid
     if job_doc.is_file() and not os.environ.get("RLJOB_UID"):
         try:
@@ -70,6 +75,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rljob worker: {exc}", file=sys.stderr)
             return 2
         raise
+
+
+def _metrics_port_problem(spec) -> str | None:
+    """Say at once, not after a minute of loading, that the metrics port is taken (an earlier run?)."""
+    import socket
+
+    if not spec.metrics.enabled or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    port = int(os.environ.get("RLJOB_METRICS_PORT", spec.metrics.port))
+    if port == 0:
+        return None
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the metrics server binds
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as e:
+            return (f"spec.metrics.port {port}: cannot serve metrics there ({e.strerror}); another process (an "
+                    "earlier run?) holds it: stop it, or choose another port")
+    return None
 
 
 if __name__ == "__main__":

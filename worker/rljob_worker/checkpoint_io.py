@@ -16,7 +16,7 @@ from typing import Any
 
 from rljob_worker.checkpointing import CheckpointError, CheckpointManager, restore_for_resume, spec_hash, step_dirname
 from rljob_worker.distributed import barrier, broadcast_object
-from rljob_worker.storage import StorageError, open_store
+from rljob_worker.storage import LocalStore, StorageError, open_store, remove_temp_files
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,6 @@ class CheckpointIO:
         """Fail at start-up, not at the first save, when storage is unreachable or credentials are wrong."""
         if self.env.rank == 0:
             self.store.check_access("spec.checkpoint.uri", write=True)
-            from rljob_worker.checkpoint_lease import CheckpointLease
-
-            # One writer per prefix, taken before resume moves or quarantines anything.
-            self.lease = CheckpointLease(self.store, self.manager.base_prefix)
-            self.lease.acquire()
 
     def save(self, step: int, actor, trainer_state: dict[str, Any], metrics: dict[str, float]):
         if self.lease is not None:
@@ -143,6 +138,15 @@ class CheckpointIO:
         barrier()
         return self.last_ref
 
+    def _remove_stale_temp_files(self) -> None:
+        """Half-written files of killed runs, in the local checkpoint folders and (file:// URIs) the job prefix."""
+        folders = [self.local_root]
+        if isinstance(self.store, LocalStore):
+            folders.append(self.store.root / self.manager.base_prefix)
+        removed = [p for folder in folders if folder.exists() for p in remove_temp_files(folder)]
+        if removed:
+            log.info("removed %d partial files left by an earlier, killed run (e.g. %s)", len(removed), removed[0])
+
     def resume(self, actor) -> dict[str, Any] | None:
         """Load the checkpoint the spec asks for (auto / uri / disable); returns the trainer state or None."""
         ck = self.spec.checkpoint
@@ -151,6 +155,13 @@ class CheckpointIO:
         if self.env.rank == 0:  # chooses, verifies (falling back past corrupt steps) and downloads
             shutil.rmtree(local, ignore_errors=True)
             try:
+                from rljob_worker.checkpoint_lease import CheckpointLease
+
+                # One writer per prefix, taken after the configuration checks and before resume
+                # moves or quarantines anything.
+                self.lease = CheckpointLease(self.store, self.manager.base_prefix)
+                self.lease.acquire()
+                self._remove_stale_temp_files()
                 ref = restore_for_resume(self.manager, ck.resume_mode.value, ck.resume_from, local, self.spec_fields)
                 choice = {"uri": ref.uri if ref is not None else None}
             except (StorageError, ValueError) as e:  # the other ranks stop too instead of waiting forever

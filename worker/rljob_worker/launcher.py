@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from rljob_api.models import RLJob
@@ -50,7 +51,7 @@ def pod_environment(job: RLJob, node_rank: int, master_port: int, *, master_addr
 
 def pod_command(spec_path: Path) -> list[str]:
     """The container command the operator puts in the PyTorchJob (torchrun reads the PET_* variables)."""
-    return [sys.executable, "-m", "torch.distributed.run", "-m", "rljob_worker", "--spec", str(spec_path)]
+    return [sys.executable, "-m", "rljob_worker.launch", "-m", "rljob_worker", "--spec", str(spec_path)]
 
 
 def write_spec(job: RLJob, directory: Path) -> Path:
@@ -146,10 +147,18 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
         if not torch.cuda.is_available():
             print("note: spec.device is gpu but no GPU is visible; running on CPU with gloo", file=sys.stderr)
     root = Path(workdir or Path("runs") / job.metadata.name).resolve()
+    from rljob_worker.storage import StorageError, parse_uri
+
+    if checkpoint_uri is not None:
+        try:
+            parse_uri(checkpoint_uri)
+        except ValueError as exc:
+            print(f"rljob: --checkpoint-uri: {exc}", file=sys.stderr)
+            return 2
     if fresh:
         try:
             clear_previous_run(job, root, checkpoint_uri or spec.checkpoint.uri)
-        except FreshRefused as exc:
+        except (FreshRefused, StorageError) as exc:
             print(f"rljob: {exc}", file=sys.stderr)
             return 2
     mark_workdir(job, root)
@@ -165,17 +174,30 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
           f"metrics on :{spec.metrics.port}; checkpoints under {ckpt.rstrip('/')}/{job.metadata.namespace}/"
           f"{job.metadata.name}/", flush=True)
     started = time.monotonic()
-    pods = [start_pod(job, rank, master_port, spec_path, extra,
-                      log_path=None if rank == 0 else root / f"pod-{rank}.log") for rank in range(spec.nnodes)]
+    from rljob_worker.process_guard import RUN_ID_VAR, kill_run, start_guard
 
-    def forward(signum, _frame):
+    run_id = uuid.uuid4().hex
+    extra[RUN_ID_VAR] = run_id  # every process of the run inherits it; the guard ends them all
+    guard = start_guard(run_id)
+    pods: list[subprocess.Popen] = []
+
+    def forward(signum, _frame):  # SIGTERM, Ctrl-C, a closed terminal: the pods save and stop
         for pod in pods:
             if pod.poll() is None:
                 os.killpg(pod.pid, signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    codes = [pod.wait() for pod in pods]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        pods.extend(start_pod(job, rank, master_port, spec_path, extra,
+                              log_path=None if rank == 0 else root / f"pod-{rank}.log") for rank in range(spec.nnodes))
+        codes = [pod.wait() for pod in pods]
+    finally:
+        # Helpers that outlived their worker (reward pools, checkpoint writers) go now, not never.
+        kill_run(run_id, grace_s=5.0)
+        if guard is not None:
+            guard.stdin.close()
+            guard.wait()
     code = next((c for c in codes if c != 0), 0)
     print(f"rljob: {job.metadata.name} finished with exit code {code} in {time.monotonic() - started:.0f}s; "
           f"outputs in {root}", flush=True)

@@ -171,6 +171,19 @@ def _iter_local_files(local_dir: Path) -> list[tuple[str, Path, int]]:
     return out
 
 
+def remove_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """Delete the ``.rljob-tmp-*`` files a killed process left under ``folder`` (half-written copies that
+    listings skip but disks keep). Call it only while no other process writes there."""
+    removed = []
+    for dirpath, _dirs, names in os.walk(folder):
+        for name in names:
+            if _TMP_MARKER in name:
+                path = Path(dirpath) / name
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
 def _run_parallel(fn: Callable[..., T], items: Iterable, max_workers: int) -> list[T]:
     items = list(items)
     if not items:

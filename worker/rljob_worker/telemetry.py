@@ -271,7 +271,14 @@ class TrainerTelemetry:
         with self._lock:
             if self._server is not None:
                 raise RuntimeError(f"metrics already served on port {self._server.server_port}")
-            server, thread = start_http_server(int(port), addr=addr, registry=self.registry)
+            try:
+                server, thread = start_http_server(int(port), addr=addr, registry=self.registry)
+            except OSError as e:
+                from rljob_worker.startup_errors import StartupError
+
+                raise StartupError(
+                    f"spec.metrics.port {port}: cannot serve metrics there ({e.strerror}); another process (an "
+                    "earlier run?) holds it: stop it, or choose another port") from None
             self._server, self._server_thread = server, thread
         bound = int(server.server_port)
         log.info("serving Prometheus metrics on http://%s:%d/metrics", addr, bound)

@@ -112,7 +112,7 @@ class GRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
         self.train_set, self.val_set = load_datasets(spec.data, self.tokenizer, spec.training.seed,
-                                                     fetch=self._fetcher())
+                                                     fetch=self._fetcher(), reward=spec.reward.function)
         if self.device.type == "cpu":
             from rljob_worker.megatron.cpu_compat import apply_cpu_patches
 
