@@ -56,6 +56,34 @@ def resume_fixed_fields(spec_json: dict[str, Any]) -> dict[str, Any]:
 
 
 
+_writer_managers: list = []  # keeps the shielded multiprocessing Manager of megatron's writer alive
+
+
+def shield_checkpoint_writer() -> None:
+    """Start megatron's checkpoint-writer results queue in a Manager process that ignores SIGTERM.
+
+    megatron-core's async filesystem writer keeps a spawned multiprocessing Manager for its results
+    queue, created at the first save. torchrun sends SIGTERM to each worker's whole process group,
+    so after one periodic save the preemption signal killed that Manager too and the preemption save
+    died with BrokenPipeError (exit 1, up to saveFreq steps lost). Created here first, the Manager
+    ignores the signal and goes away with the worker."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", None) is not None or not hasattr(filesystem_async, "_results_queue"):
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from rljob_worker.process_guard import ignore_stop_signals
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=ignore_stop_signals)
+    filesystem_async._results_queue = manager.Queue()
+    _writer_managers.append(manager)
+
+
 class CheckpointIO:
     def __init__(self, spec, ctx, env):
         self.spec, self.env = spec, env
@@ -86,6 +114,7 @@ class CheckpointIO:
         if self.env.local_rank == 0 and local.exists():
             shutil.rmtree(local)
         barrier()
+        shield_checkpoint_writer()
         actor.save_checkpoint(local)  # collective; rank 0 writes the common metadata
         if self.env.rank == 0:
             (local / TRAINER_STATE).write_text(json.dumps(trainer_state))

@@ -17,11 +17,29 @@ import sys
 
 EXIT_CONFIG = 2
 EXIT_PREEMPTED = 143
+STOP_TIMEOUT_S = 7 * 24 * 3600  # "until the workers exit": kubelet's grace period is the real bound
 
 
 def exit_code_of(exitcode: int) -> int:
     """A worker's Popen-style exit code as a shell reports it: -15 (killed by SIGTERM) -> 143."""
     return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _let_workers_finish_their_save() -> None:
+    """On SIGTERM torchrun signals the workers and SIGKILLs them 30 s later, cutting a preemption save
+    short. The deadline that counts is the pod's terminationGracePeriodSeconds (kubelet's SIGKILL) or
+    the user's patience (a second Ctrl-C), so torchrun waits for the workers as long as they run."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+    if getattr(close, "_rljob_patient", False):
+        return
+
+    def patient_close(self, death_sig=None, timeout: int = 30):
+        return close(self, death_sig, max(int(timeout), STOP_TIMEOUT_S))
+
+    patient_close._rljob_patient = True
+    api.PContext.close = patient_close
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
+    _let_workers_finish_their_save()
     # torchrun's own ERROR/WARNING lines ("failed (exitcode: 2) local_rank: 0 ...") repeat what the
     # worker said; this module reports what is left.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -57,6 +57,14 @@ def kill_run(run_id: str, grace_s: float = 0.0) -> list[int]:
     return pids
 
 
+def ignore_stop_signals() -> None:
+    """For helper processes of a worker: SIGTERM/SIGINT are the worker's to handle (finish the step, save,
+    exit 143). torchrun signals a worker's whole process group, and a helper that died of it took the
+    preemption save down with it; the helpers end with the worker instead."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def start_guard(run_id: str) -> subprocess.Popen | None:
     """Start the guard; keep the returned Popen (its stdin is the pipe) until the run is over."""
     if not Path("/proc/self/environ").exists():
