@@ -489,6 +489,8 @@ class TrainerStatus(ApiModel):
     progress_percentage: int | None = _f(None, "step / totalSteps in percent.")
     reward_mean: float | None = _f(None, "Mean training reward of the last step.")
     val_reward_mean: float | None = _f(None, "Mean validation reward of the last validation.")
+    nonfinite_rewards: int | None = _f(
+        None, "Samples whose reward came back NaN or +-Inf so far (scored 0); above 0 the reward function has a bug.")
     last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")
     last_updated_time: str | None = _f(None, "When the worker last reported (RFC 3339).")
 

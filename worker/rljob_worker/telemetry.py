@@ -86,6 +86,10 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "reward/std": ("rljob_reward_std", "Standard deviation of sequence rewards in the last step's batch."),
     "reward/min": ("rljob_reward_min", "Smallest sequence reward in the last step's batch."),
     "reward/max": ("rljob_reward_max", "Largest sequence reward in the last step's batch."),
+    "reward/nonfinite_count": (
+        "rljob_reward_nonfinite", "Samples of the last step's batch whose reward was NaN or +-Inf (scored 0)."),
+    "actor/skipped": (
+        "rljob_actor_update_skipped", "1 when the last step's optimizer update was skipped (non-finite gradients)."),
     "response_length/mean": (
         "rljob_response_length_mean_tokens", "Mean response length (tokens) of the last step's batch."),
     "response_length/max": (
