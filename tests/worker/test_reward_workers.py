@@ -39,3 +39,22 @@ def test_hanging_reward_times_out_with_a_clear_error(tmp_path, workers):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0
     assert "timed out" in proc.stderr and "spec.reward.timeoutSeconds" in proc.stderr and "sample 0" in proc.stderr
+
+
+def test_nan_rewards_are_counted_and_a_run_that_cannot_learn_fails(tmp_path):
+    """A reward returning NaN for every sample used to skip every update and exit 0."""
+    (tmp_path / "nan_reward.py").write_text("def score(p, c, t, e):\n    return float('nan')\n")
+    spec = spec_with(tmp_path, "nan_reward:score")
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "rljob_worker", "--spec", str(tmp_path / "spec.json")],
+                          capture_output=True, text=True, timeout=600,
+                          env={**env, "RLJOB_WORKDIR": str(tmp_path / "w"), "RLJOB_METRICS_PORT": "0",
+                               "RLJOB_CHECKPOINT_URI": f"file://{tmp_path}/ckpt"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "3 steps in a row could not learn" in proc.stderr and "every reward was NaN/Inf" in proc.stderr
+    steps = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["reward/nonfinite_count"] for s in steps] == [s["reward/samples"] for s in steps] != []
+    assert len(steps) == 3
