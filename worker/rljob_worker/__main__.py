@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rljob_worker", description="rljob worker (run under torchrun)")
     parser.add_argument("--spec", required=True, help="RLJob spec as JSON (the operator mounts it from a ConfigMap)")
     args = parser.parse_args(argv)
+    _die_with_torchrun()
     rank = os.environ.get("RANK", "0")
     # megatron-core announces every missing optional kernel package; the worker image has them,
     # CPU runs do not need them, and either way the notices bury the progress lines.
@@ -98,6 +99,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rljob worker: {exc}", file=sys.stderr)
             return 2
         raise
+
+
+def _die_with_torchrun() -> None:
+    """torchrun starts each worker in a session of its own, so a SIGKILLed torchrun (outside a container,
+    whose processes all die together) left its workers training on, holding the metrics port and the
+    checkpoint lease. Linux: the kernel SIGKILLs this worker when its parent goes."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
 
 
 def _metrics_port_problem(spec) -> str | None:
