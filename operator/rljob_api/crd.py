@@ -132,10 +132,23 @@ def spec_cel_rules() -> list[dict[str, str]]:
     cp = _get("megatron.contextParallelSize", meg("context_parallel_size"))
     rollout_tp = _get("rollout.tensorModelParallelSize", 1)
     return [
+        # One rule per size, so the error names the size that breaks divisibility (as pydantic does).
         {
-            "rule": f"({nnodes} * {gpus}) % ({tp} * {pp} * {cp}) == 0",
-            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x CP",
+            "rule": f"({nnodes} * {gpus}) % {tp} == 0",
+            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x CP; TP (tensorModelParallelSize) alone does not divide it",
             "fieldPath": ".megatron.tensorModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"({nnodes} * {gpus}) % {tp} != 0 || ({nnodes} * {gpus}) % ({tp} * {pp}) == 0",
+            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x CP; TP x PP (pipelineModelParallelSize) does not divide it",
+            "fieldPath": ".megatron.pipelineModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"({nnodes} * {gpus}) % ({tp} * {pp}) != 0 || ({nnodes} * {gpus}) % ({tp} * {pp} * {cp}) == 0",
+            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x CP; TP x PP x CP (contextParallelSize) does not divide it",
+            "fieldPath": ".megatron.contextParallelSize",
             "reason": "FieldValueInvalid",
         },
         {

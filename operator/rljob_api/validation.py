@@ -200,8 +200,11 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
                       m.context_parallel_size, m.expert_model_parallel_size)
     model_parallel = tp * pp * cp
     if world % model_parallel:
+        # Name the first size that breaks divisibility (TP, then TP x PP, then TP x PP x CP).
+        culprit = ("tensorModelParallelSize" if world % tp else
+                   "pipelineModelParallelSize" if world % (tp * pp) else "contextParallelSize")
         errs.append(FieldError(
-            "spec.megatron.tensorModelParallelSize",
+            f"spec.megatron.{culprit}",
             f"nnodes x gpusPerNode = {world} GPUs is not divisible by TP x PP x CP = {tp}x{pp}x{cp} = {model_parallel}; "
             "choose parallel sizes whose product divides the GPU count"))
         dp = None

@@ -28,9 +28,11 @@ CROSS_INVALID = [
      {M + "tensorModelParallelSize": ["8 GPUs", "3x1x1", "choose parallel sizes whose product divides"]}),
     ("tp-pp-cp-product-too-big", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2,
                                   M + "contextParallelSize": 4},
-     {M + "tensorModelParallelSize": ["2x2x4 = 16"]}),
+     {M + "contextParallelSize": ["2x2x4 = 16"]}),
     ("cp-not-dividing-multi-node", {"spec.nnodes": 3, M + "contextParallelSize": 16},
-     {M + "tensorModelParallelSize": ["24 GPUs"]}),
+     {M + "contextParallelSize": ["24 GPUs"]}),
+    ("pp-not-dividing-gpus", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 3},
+     {M + "pipelineModelParallelSize": ["8 GPUs", "2x3x1 = 6"]}),
     # EP (with expert TP) must fit the GPUs of a pipeline stage
     ("ep-too-large", {M + "expertModelParallelSize": 16}, {M + "expertModelParallelSize": ["1x16x1", "reduce EP"]}),
     ("etp-times-ep-too-large", {M + "expertModelParallelSize": 8, M + "expertTensorParallelSize": 2},

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 
+class StartupError(ValueError):
+    """A setting or the machine's state stops the run at start-up; the message names the setting and the fix."""
+
+
 def is_configuration_error(exc: BaseException) -> bool:
     from rljob_worker.data import DataError
     from rljob_worker.megatron.errors import MegatronConfigError
@@ -11,4 +15,4 @@ def is_configuration_error(exc: BaseException) -> bool:
     from rljob_worker.storage import StorageError
 
     return isinstance(exc, (DataError, ModelSourceError, RewardError, StorageError, MegatronConfigError,
-                            RolloutLayoutError))
+                            RolloutLayoutError, StartupError))
