@@ -110,3 +110,25 @@ def test_algorithm_variants_learn(tmp_path, variant):
         assert any(rec.get("actor/kl", 0) != 0 for rec in records[1:]), "KL never moved"
     if variant == "dapo":
         assert "dynamic_sampling/kept_group_fraction" in records[0]
+
+
+def test_kl_in_reward_is_subtracted_before_group_normalisation(tmp_path):
+    """Issue #18's example through the trainer's real step: one group of 2, k1, coef 0.1, rewards [1, 1],
+    summed KL [2, 0]: the scores [0.8, 1.0] are group-normalised to advantages [-1, +1] (subtracting the
+    KL from the finished advantages gave [-0.2, 0])."""
+    spec = quickstart_spec()
+    spec["algorithm"].update(klCoef=0.1, klEstimator="k1", klPlacement="reward")
+    spec["rollout"]["samplesPerPrompt"] = 2
+    spec["training"].update(trainBatchSizePerNode=1, ppoMiniBatchSizePerNode=1, microBatchSizePerGpu=2,
+                            totalTrainingSteps=1, testFreq=-1, valBeforeTrain=False)
+    spec["checkpoint"].update(saveFreq=-1, exportHf=False)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(HARNESS.with_name("kl_reward_probe.py")), str(tmp_path / "spec.json"),
+                           str(tmp_path), str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    (rows,) = result["advantages"]  # one mini-batch
+    assert all(v == pytest.approx(-1.0, abs=1e-4) for v in rows[0]), rows
+    assert all(v == pytest.approx(1.0, abs=1e-4) for v in rows[1]), rows
+    assert result["metrics"]["reward/kl_penalty_mean"] == pytest.approx(0.1, abs=1e-5)  # 0.1 x mean(2, 0)
