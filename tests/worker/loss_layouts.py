@@ -8,7 +8,8 @@ CP2. The gradient is read where the optimizer would step (the step itself is ski
 starts from the same weights), with gradient clipping off, and saved by global parameter name.
 
 ``--local-normaliser`` runs the loss as the trainer did before global normalisers: each micro-batch
-normalised by its own counts (the "before" numbers of issue #18).
+normalised by its own counts, the mean of the micro-batch losses back-propagated (the "before"
+numbers of issue #18).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def mini_batch(vocab: int = 128) -> dict[str, torch.Tensor]:
             "advantages": advantages.contiguous(), "ref_shift": ref_shift}
 
 
-def make_loss_fn(mode: str, local_normaliser: bool):
+def make_loss_fn(mode: str):
     """The trainer's GRPO loss (policy gradient at ratio 1, KL in the loss, entropy bonus)."""
     from rljob_worker.algorithms import LossConfig, grpo_loss
 
@@ -48,8 +49,6 @@ def make_loss_fn(mode: str, local_normaliser: bool):
                         norm_length=max(RESPONSE_LENGTHS))
 
     def loss_fn(logprobs, entropy, micro, num_tokens=None, num_sequences=None):
-        if local_normaliser:
-            num_tokens = num_sequences = None
         ref = logprobs.detach() - micro["ref_shift"]
         return grpo_loss(logprobs, logprobs.detach(), micro["advantages"], micro["response_mask"], config,
                          ref_logprobs=ref, entropy=entropy, num_tokens=num_tokens, num_sequences=num_sequences)
@@ -90,8 +89,8 @@ def run_layout(hf_dir, parallel, rows: slice, micro_sizes, local_normaliser: boo
     out = {}
     for mode in MODES:
         for mbs in micro_sizes:
-            metrics = actor.update(batch, make_loss_fn(mode, local_normaliser), micro_batch_size=mbs,
-                                   with_entropy=True)
+            metrics = actor.update(batch, make_loss_fn(mode), micro_batch_size=mbs,
+                                   with_entropy=True, normalise_by=None if local_normaliser else "response_mask")
             grads = [None] * dist.get_world_size()
             dist.all_gather_object(grads, box["grads"])  # every stage's and rank's parameters
             merged = {}

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import free_port, make_tiny_hf_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from megatron_helpers import free_port, make_tiny_hf_model  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("loss_layouts.py")
 TOL = 1e-5

@@ -22,7 +22,10 @@ How this departs from textbook GRPO (Shao et al. 2024):
   group-centred and std-scaled with the reward; the advantages are then computed after the
   reference log-probs, on every rank, from the DP-gathered KL.
 - Loss aggregation is over the whole mini-batch of an optimizer step, whatever the
-  micro-batch size and parallel layout (see megatron.actor.MegatronActor.update).
+  micro-batch size and parallel layout: the actor counts the mini-batch's response tokens and
+  sequences over the DP ranks and each micro-batch's loss is its share (see
+  megatron.actor.MegatronActor.update). The reported
+  actor/loss is the mini-batch loss, actor/pg_loss, actor/kl and actor/entropy micro-batch means.
 - Rollouts: the engine on global rank 0 samples the whole batch and broadcasts it; each
   data-parallel rank trains on its contiguous slice. (The vLLM engine generates per
   rollout-TP group instead; see rljob_worker.rollout.)
@@ -197,9 +200,10 @@ class GRPOTrainer(RunLoop):
             update_metrics = []
             for _ in range(spec.training.ppo_epochs):
                 for mini in split_batch(local, mini_batches_per_step):
+                    # the loss is normalised by the mini-batch's response tokens / sequences over all DP ranks
                     update_metrics.append(self.actor.update(
                         mini, self._loss_fn(single_update), micro_batch_size=spec.training.micro_batch_size_per_gpu,
-                        with_entropy=a.entropy_coeff > 0))
+                        with_entropy=a.entropy_coeff > 0, normalise_by="response_mask"))
         for key, value in _mean_dicts(update_metrics).items():
             metrics[key if key.startswith("rollout/") else f"actor/{key}"] = value
         metrics.update(self._training_throughput(local, time.perf_counter() - update_start))
