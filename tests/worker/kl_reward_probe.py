@@ -19,10 +19,10 @@ def main() -> int:
     spec_path, workdir, out_path = sys.argv[1:4]
     os.environ.setdefault("RLJOB_METRICS_PORT", "0")
     from rljob_api.validation import parse_spec
-    from rljob_worker import trainer
+    from rljob_worker import run_loop, trainer
 
     spec = parse_spec(json.loads(Path(spec_path).read_text()))
-    ctx = trainer.RunContext(job_name="klprobe", namespace="test", workdir=Path(workdir),
+    ctx = run_loop.RunContext(job_name="klprobe", namespace="test", workdir=Path(workdir),
                              checkpoint_uri=f"file://{workdir}/ckpt")
     t = trainer.GRPOTrainer(spec, ctx)
     t.setup()
@@ -50,7 +50,7 @@ def main() -> int:
     t.actor.update = recording_update
     metrics = t.train_step()
     Path(out_path).write_text(json.dumps({"advantages": seen, "metrics": metrics}))
-    t.telemetry.close()
+    t.close()
     return 0
 
 
