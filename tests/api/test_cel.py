@@ -23,6 +23,7 @@ VPP = "spec.megatron.virtualPipelineModelParallelSize"
 DATA = "spec.data"
 RESUME = "spec.checkpoint.resumeFrom"
 SFT = "spec.sft"
+GSPO = "spec.algorithm.lossAggregation"
 
 # pydantic's error path(s) for the rule behind each CEL fieldPath
 PYDANTIC_PATHS = {
@@ -35,6 +36,7 @@ PYDANTIC_PATHS = {
     DATA: {"spec.data.trainFiles", "spec.data.synthetic"},
     RESUME: {"spec.checkpoint.resumeFrom"},
     SFT: {"spec.sft"},
+    GSPO: {"spec.algorithm.lossAggregation"},
 }
 
 
@@ -97,6 +99,17 @@ CASES = [
     # algorithm sft <-> spec.sft
     ("sft-without-section", changed(gpu_job(), {"spec.algorithm.name": "sft"}), {SFT}),
     ("sft-section-under-grpo", changed(gpu_job(), {"spec.sft": {"format": "tokenized"}}), {SFT}),
+    # GSPO (importanceLevel sequence) refuses token-mean, the default aggregation
+    ("gspo-default-aggregation", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence"}), {GSPO}),
+    ("gspo-token-mean", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence",
+                                            "spec.algorithm.lossAggregation": "token-mean"}), {GSPO}),
+    ("gspo-minimal", minimal({"model": {"path": "/m"}, "data": FILES, "algorithm": {"importanceLevel": "sequence"}}),
+     {GSPO}),
+    ("gspo-seq-mean", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence",
+                                          "spec.algorithm.lossAggregation": "seq-mean-token-mean"}), set()),
+    ("gspo-dr-grpo", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence",
+                                         "spec.algorithm.lossAggregation": "seq-mean-token-sum-norm"}), set()),
+    ("token-level-token-mean", changed(gpu_job(), {"spec.algorithm.importanceLevel": "token"}), set()),
     # resumeMode uri needs resumeFrom
     ("resume-uri-no-from", changed(gpu_job(), {"spec.checkpoint.resumeMode": "uri"}), {RESUME}),
     ("resume-uri-with-from", changed(gpu_job(), {"spec.checkpoint.resumeMode": "uri",

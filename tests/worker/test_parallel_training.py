@@ -54,11 +54,8 @@ def single_process(tmp_path_factory):
     {"nnodes": 2, "training.trainBatchSizePerNode": 2, "training.ppoMiniBatchSizePerNode": 2},  # DP2 over two pods
     {"gpusPerNode": 2, "megatron.pipelineModelParallelSize": 2},  # PP2 in one pod: one layer per stage
     # DP2 with token-budget micro-batches (two or more per rank) and token-balanced rows per rank
-    pytest.param({"nnodes": 2, "training.trainBatchSizePerNode": 2, "training.ppoMiniBatchSizePerNode": 2,
-                  "training.maxTokensPerMicroBatch": 64},
-                 marks=pytest.mark.xfail(strict=True, reason="needs issue #18's global normalisers: the loss is still "
-                                         "a per-micro-batch mean averaged over micro-batches and ranks, so other "
-                                         "micro-batches and rows per rank change the gradient")),
+    {"nnodes": 2, "training.trainBatchSizePerNode": 2, "training.ppoMiniBatchSizePerNode": 2,
+     "training.maxTokensPerMicroBatch": 64},
 ], ids=["tp2", "two-pods-dp2", "pp2", "two-pods-dp2-token-budget"])
 def test_parallel_layout_trains_the_same_trajectory(tmp_path, single_process, layout):
     records = run_job(job("parallel", **layout), tmp_path)

@@ -1,6 +1,6 @@
-"""Token-budget micro-batches in the actor update: every row trains once, and with a loss whose
-normaliser is the whole mini-batch's (the global-normaliser rule) the gradient equals the one of
-row micro-batches."""
+"""Token-budget micro-batches in the actor update: every row trains once, and with the loss
+normalised by the whole mini-batch's token count (``update(normalise_by=...)``, the global-normaliser
+rule) the gradient equals the one of row micro-batches, whatever the number of micro-batches."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ def hf_dir(tmp_path_factory):
     return H.make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("hf") / "qwen2")
 
 
-def _global_nll(total_valid: float, seen: list):
-    """-sum(log-prob) / (valid positions of the whole batch): each micro-batch's share of the batch loss."""
+def _global_nll(seen: list):
+    """-sum(log-prob) / (valid positions of the whole mini-batch, counted by the actor): each
+    micro-batch's share of the mini-batch loss."""
 
-    def loss_fn(logprobs, entropy, mb):
+    def loss_fn(logprobs, entropy, mb, num_tokens=None, num_sequences=None):
         seen.append(mb["row"].tolist())
-        valid = valid_logprob_mask(mb["attention_mask"]).float()
-        loss = -(logprobs * valid).sum() / total_valid
+        loss = -(logprobs * mb["valid"]).sum() / num_tokens
         return loss, {}
 
     return loss_fn
@@ -38,7 +38,8 @@ def _global_nll(total_valid: float, seen: list):
 def _grads(hf_dir, **split) -> tuple[dict, list, float]:
     actor = MegatronActor.from_hf(hf_dir, ParallelConfig(), OptimConfig(lr=1e-3), seed=1)
     ids, mask = H.varied_batch()  # 15, 7, 11 and 13 real tokens
-    batch = {"input_ids": ids, "attention_mask": mask, "row": torch.arange(4)}
+    batch = {"input_ids": ids, "attention_mask": mask, "row": torch.arange(4),
+             "valid": valid_logprob_mask(mask).float()}
     grads, step = {}, actor._cpu_step
 
     def snapshot_then_step(lr):
@@ -47,7 +48,7 @@ def _grads(hf_dir, **split) -> tuple[dict, list, float]:
 
     actor._cpu_step = snapshot_then_step
     seen: list = []
-    metrics = actor.update(batch, _global_nll(float(valid_logprob_mask(mask).sum()), seen), **split)
+    metrics = actor.update(batch, _global_nll(seen), normalise_by="valid", **split)
     return grads, seen, metrics["grad_norm"]
 
 
@@ -67,8 +68,6 @@ def test_budget_micro_batches_cover_every_row_once_and_equal_row_micro_batches(h
     _assert_same(budget, rows)
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue #18's global normalisers in the engine: it still divides each "
-                   "micro-batch loss by the micro-batch count, so 3 token micro-batches weigh 2/3 of 2 row ones")
 def test_budget_with_another_micro_batch_count_gives_the_same_gradient(hf_dir):
     rows, _, norm_rows = _grads(hf_dir, micro_batch_size=2)
     # budget 26: [15] alone, [13, 11] (2 x 13 = 26), [7]: three micro-batches

@@ -1,9 +1,11 @@
-"""Pure GRPO algorithm math: advantages, KL estimators, loss aggregation, policy loss, batch filters."""
+"""Pure GRPO algorithm math: advantages, KL estimators, loss aggregation, policy loss, rollout
+correction, batch filters."""
 
-from .advantages import broadcast_to_tokens, compute_outcome_advantages
-from .aggregation import aggregate_loss, masked_mean, masked_zero
+from .advantages import broadcast_to_tokens, compute_outcome_advantages, compute_token_reward_advantages
+from .aggregation import aggregate_loss, loss_counts, masked_mean, masked_zero
 from .kl import apply_kl_to_rewards, kl_penalty
 from .policy_loss import LossConfig, entropy_bonus, grpo_loss, policy_loss
+from .rollout_correction import rollout_correction_weights
 from .sampling_filters import (
     nonzero_variance_groups,
     overlong_penalty,
@@ -17,14 +19,17 @@ __all__ = [
     "apply_kl_to_rewards",
     "broadcast_to_tokens",
     "compute_outcome_advantages",
+    "compute_token_reward_advantages",
     "entropy_bonus",
     "grpo_loss",
     "kl_penalty",
+    "loss_counts",
     "masked_mean",
     "masked_zero",
     "nonzero_variance_groups",
     "overlong_penalty",
     "policy_loss",
     "response_length_clip_ratio",
+    "rollout_correction_weights",
     "select_groups",
 ]
