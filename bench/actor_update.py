@@ -12,6 +12,10 @@ row holds at most 2048 real tokens. The same batches go to every system:
   Float16Module, SDPA core attention, each row's padding packed out and the micro-batch cut to its
   longest row); ``megatron+fusedadam``: the same actor after switching its torch AdamW to
   ``fused=True`` (bench-only switch, a lever for the actor);
+- ``megatron-unfused``: the same actor with the fused policy head off (log-probs and entropy over
+  the full fp32 vocab logits, as RLJOB_FUSED_LOGPROBS=0); ``megatron`` runs the default (fused);
+- ``megatron-budget``: token-budget micro-batches of ``--max-tokens`` packed tokens
+  (``spec.training.maxTokensPerMicroBatch``) instead of ``--mbs`` rows;
 - ``hf-padded``: transformers eager (sdpa), pure bf16, fused AdamW, each micro-batch cut to its used
   columns and run with its padding mask (how TRL-style trainers feed it);
 - ``hf-packed``: the same model fed exactly what the actor's model sees (rows packed to the front,
@@ -22,8 +26,8 @@ Tokens/s counts real (non-padding) tokens. Model FLOPs per row of n real tokens:
 N_matmul = linear weights of the layers + the (tied) output projection. MFU against 989 TFLOP/s
 (H100/H200 SXM dense bf16 datasheet) and against a bf16 8192^3 matmul measured in this run.
 Optimizer step time: the megatron optimizer's step (grad norm, clip, AdamW, copy to bf16) or
-clip_grad_norm_ + AdamW for HF, with syncs around it. Results: a table on stdout and
-``actor_update_<model>.json`` under --out.
+clip_grad_norm_ + AdamW for HF, with syncs around it. Results: a table on stdout,
+``actor_update_<model>.json`` under --out and one line per figure in results.jsonl (bench/results.py).
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-for sub in ("operator", "worker"):
+for sub in ("operator", "worker", "bench"):
     if str(REPO / sub) not in sys.path:
         sys.path.insert(0, str(REPO / sub))
 
@@ -177,8 +181,11 @@ def hf_step(model, opt, mbs, packed, dev, timer, batch) -> None:
 # ------------------------------------------------------------------------------------------ megatron
 
 
-def megatron_step(actor, mbs, batch) -> None:
-    actor.update(batch, pg_loss, mbs)
+def megatron_step(actor, mbs, batch, max_tokens=None) -> None:
+    if max_tokens:
+        actor.update(batch, pg_loss, mbs, max_tokens_per_micro_batch=max_tokens)
+    else:
+        actor.update(batch, pg_loss, mbs)
 
 
 def time_megatron_optimizer(actor, timer: dict) -> None:
@@ -250,7 +257,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--systems", default="hf-padded,hf-packed,megatron,megatron+fusedadam")
+    ap.add_argument("--systems", default="hf-padded,hf-packed,megatron,megatron+fusedadam",
+                    help="also: megatron-unfused (policy head over full-vocab logits), megatron-budget "
+                         "(token-budget micro-batches of --max-tokens)")
+    ap.add_argument("--max-tokens", type=int, default=32768, help="megatron-budget: tokens per micro-batch")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     mbs_list = [int(x) for x in args.mbs.split(",")]
@@ -309,15 +319,20 @@ def main() -> int:
                                           dtype=dtype, seed=0)
             timer = {"opt_s": []}
             time_megatron_optimizer(actor, timer)
+            fused_default = getattr(actor, "fused_head", None)
             for system in meg:
                 if system == "megatron+fusedadam":
                     if not on_gpu:
                         continue
                     switch_to_fused_adamw(actor.optimizer)
-                for mbs in mbs_list:
+                # megatron-unfused: the policy head over full-vocab logits (RLJOB_FUSED_LOGPROBS=0)
+                if fused_default is not None:
+                    actor.fused_head = fused_default and system != "megatron-unfused"
+                budget = args.max_tokens if system == "megatron-budget" else None
+                for mbs in mbs_list if not budget else [f"{budget // 1024}k tokens"]:
                     timer["opt_s"] = []
                     try:
-                        step = functools.partial(megatron_step, actor, mbs)
+                        step = functools.partial(megatron_step, actor, mbs if not budget else 1, max_tokens=budget)
                         r = run_variant(system, step, batches, args.warmup, args.steps, cfg, matmul_tf, timer)
                         results.append({**r, "mbs": mbs})
                     except Exception as exc:  # noqa: BLE001
@@ -332,12 +347,43 @@ def main() -> int:
             results.append({"system": "megatron", "mbs": None, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
 
     print_table(card, args.model, matmul_tf, results)
+    record_results(card, args, results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"actor_update_{args.model}.json").write_text(json.dumps(
         {"card": card, "model": args.model, "matmul_tflops": matmul_tf, "rows": args.rows, "seq": args.seq,
          "results": results}, indent=1))
     return 0
+
+
+def record_results(card: str, args, results: list[dict]) -> None:
+    """One results.jsonl line per measured figure: tokens/s against HF fed the same packed rows, HF
+    fed padded batches and the actor with the unfused head (same mbs, same run; a token-budget run
+    against the best mbs of each), and MFU of 989 TFLOP/s."""
+    import results as bench_results
+
+    ok = [r for r in results if "tokens_per_s" in r]
+    base = {(r["system"], r["mbs"]): r["tokens_per_s"] for r in ok}
+    best = {}
+    for r in ok:
+        best[r["system"]] = max(best.get(r["system"], 0.0), r["tokens_per_s"])
+    dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    for r in ok:
+        shape = f"{args.model}, {args.rows} rows/step, seq<={args.seq} GRPO mix, mbs {r['mbs']}, {dtype}"
+        work = f"actor_update {r['system']}"
+        kws = []
+        if r["system"] == "megatron-budget":
+            kws = [{"baseline": f"{b} best of mbs {args.mbs}", "baseline_value": best[b]}
+                   for b in ("hf-packed", "megatron", "megatron-unfused") if b in best]
+        elif r["system"].startswith("megatron"):
+            candidates = ["hf-packed", "hf-padded"] + (["megatron-unfused"] if r["system"] == "megatron" else [])
+            kws = [{"baseline": f"{b} mbs {r['mbs']}", "baseline_value": base[(b, r["mbs"])]}
+                   for b in candidates if (b, r["mbs"]) in base]
+        if not kws:
+            bench_results.record(work, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card)
+        for kw in kws:
+            bench_results.record(work, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card, same_run=True, **kw)
+        bench_results.record(work, shape, "mfu_989", 100 * r["mfu_989"], "%", card=card)
 
 
 def print_table(card, model, matmul_tf, results) -> None:

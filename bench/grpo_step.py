@@ -370,7 +370,25 @@ def main() -> int:
         (out / f"grpo_step{a.tag}.json").write_text(json.dumps({"card": card, "args": vars(a), "rows": rows},
                                                                indent=1))
     print_table(card, a, rows)
+    record_results(card, a, rows)
     return 0
+
+
+def record_results(card: str, a, rows: list[dict]) -> None:
+    """One results.jsonl line per rljob variant and TRL baseline measured in this run (tokens/s)."""
+    import results as bench_results
+
+    ok = [r for r in rows if "tokens_per_s" in r]
+    shape = (f"{a.model}, {a.prompts} prompts x {a.n}, {a.prompt_len}+{a.new_tokens} tokens, beta {a.kl_coef}, "
+             f"bf16")
+    trls = [r for r in ok if r["variant"].startswith("trl")]
+    for r in ok:
+        name = f"grpo_step {r['variant']}" + (f" ({r['engine']}, mbs {r['mbs']})" if r.get("engine") else "")
+        if r["variant"].startswith("trl") or not trls:
+            bench_results.record(name, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card)
+        for t in trls if not r["variant"].startswith("trl") else []:
+            bench_results.record(name, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card,
+                                 baseline=t["variant"], baseline_value=t["tokens_per_s"], same_run=True)
 
 
 if __name__ == "__main__":

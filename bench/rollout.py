@@ -31,6 +31,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import grpo_step
 
+HF_GENERATE = "HF generate (static cache + torch.compile)"
+
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
@@ -252,7 +254,7 @@ def main() -> int:
                     sync()
                     times.append(time.perf_counter() - t0)
                 new = out_ids.shape[1] - ids.shape[1]
-                rows.append({"engine": "HF generate (static cache + torch.compile)", "batch": b, "first_call_s": first,
+                rows.append({"engine": HF_GENERATE, "batch": b, "first_call_s": first,
                              "tokens_per_s": b * new / min(times), "decode_ms_per_step": 1e3 * min(times) / new})
                 print(rows[-1], flush=True)
             del model
@@ -280,7 +282,26 @@ def main() -> int:
     print("fp32 greedy check:", res.get("fp32_greedy"), "| weight sync:", res.get("weight_sync"))
     if "vllm" in res:
         print("vllm:", res["vllm"])
+    record_results(card, a, rows, res.get("weight_sync"))
     return 0
+
+
+def record_results(card: str, a, rows: list[dict], weight_sync: dict | None) -> None:
+    """One results.jsonl line per engine and batch (tokens/s, against HF generate static+compile at the
+    same batch when it ran in this call), and the weight sync's seconds per GB."""
+    import results as bench_results
+
+    ok = [r for r in rows if "tokens_per_s" in r]
+    base = {r["batch"]: r["tokens_per_s"] for r in ok if r["engine"] == HF_GENERATE}
+    for r in ok:
+        shape = f"{a.model}, batch {r['batch']}, {a.prompt_len}+{a.new_tokens} tokens, bf16, temperature 1"
+        kw = {}
+        if r["engine"] != HF_GENERATE and r["batch"] in base:
+            kw = {"baseline": f"{HF_GENERATE} batch {r['batch']}", "baseline_value": base[r["batch"]], "same_run": True}
+        bench_results.record(f"rollout {r['engine']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card, **kw)
+    if weight_sync:
+        bench_results.record("weight_sync hf-static", f"{a.model}, {weight_sync['gb']:.2f} GB bf16 on the GPU",
+                             "seconds_per_gb", weight_sync["s_per_gb"], "s/GB", card=card)
 
 
 if __name__ == "__main__":

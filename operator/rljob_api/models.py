@@ -343,6 +343,14 @@ class TrainingSpec(ApiModel):
         4, "Sequences per forward/backward on one GPU. (verl: actor.ppo_micro_batch_size_per_gpu; "
         "SFT: data.micro_batch_size_per_gpu)", ge=1
     )
+    max_tokens_per_micro_batch: int | None = _f(
+        None, "Token budget of one actor-update forward/backward on one GPU: rows sorted by length are grouped "
+        "so that rows x longest row <= this (the packed tensor the model runs), and rows are assigned to "
+        "data-parallel ranks balancing tokens (except with algorithm.klPlacement reward). Replaces "
+        "microBatchSizePerGpu for the GRPO actor update; at least "
+        "data.maxPromptLength + data.maxResponseLength. Unset: microBatchSizePerGpu rows per micro-batch. "
+        "(verl: actor.use_dynamic_bsz + actor.ppo_max_token_len_per_gpu)", ge=1
+    )
     ppo_epochs: int = _f(1, "Passes over each rollout batch. (verl: actor.ppo_epochs)", ge=1, le=64)
     lr: float = _f(1e-6, "Peak learning rate. (verl: actor.optim.lr)", gt=0, le=1)
     lr_warmup_steps: int = _f(0, "Linear warm-up optimizer steps. (verl: actor.optim.lr_warmup_steps)", ge=0)

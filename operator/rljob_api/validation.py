@@ -257,11 +257,21 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             errs.append(FieldError(
                 "spec.training.ppoMiniBatchSizePerNode",
                 f"mini-batch responses {mini} x samplesPerPrompt={r.samples_per_prompt} = {mini_responses} must divide evenly over {dp} data-parallel ranks"))
-        elif (mini_responses // dp) % t.micro_batch_size_per_gpu:
+        elif t.max_tokens_per_micro_batch is None and (mini_responses // dp) % t.micro_batch_size_per_gpu:
             errs.append(FieldError(
                 "spec.training.microBatchSizePerGpu",
                 f"per-rank mini-batch of {mini_responses // dp} responses is not a multiple of microBatchSizePerGpu="
                 f"{t.micro_batch_size_per_gpu}; pick a divisor of {mini_responses // dp}"))
+    if t.max_tokens_per_micro_batch is not None:
+        row = spec.data.max_prompt_length + spec.data.max_response_length
+        if sft:
+            errs.append(FieldError("spec.training.maxTokensPerMicroBatch",
+                                   "is used by the GRPO actor update only; remove it (SFT packs rows with sft.packing)"))
+        elif t.max_tokens_per_micro_batch < row:
+            errs.append(FieldError(
+                "spec.training.maxTokensPerMicroBatch",
+                f"{t.max_tokens_per_micro_batch} is less than one full row (data.maxPromptLength + "
+                f"data.maxResponseLength = {row}); raise it to at least {row}"))
     if not spec.data.train_files and spec.data.synthetic is None:
         errs.append(FieldError("spec.data.trainFiles", "give training parquet files or a synthetic task (data.synthetic)"))
     if spec.data.train_files and spec.data.synthetic is not None:

@@ -66,6 +66,8 @@ CROSS_INVALID = [
     ("micro-checked-with-model-parallel-dp", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2,
                                               T + "microBatchSizePerGpu": 128},
      {T + "microBatchSizePerGpu": ["per-rank mini-batch of 64", "microBatchSizePerGpu=128"]}),
+    ("token-budget-below-one-row", {T + "maxTokensPerMicroBatch": 1000},
+     {T + "maxTokensPerMicroBatch": ["less than one full row", "at least 3072"]}),
     # data: exactly one of trainFiles and synthetic; URIs well-formed
     ("no-training-data", {"spec.data.trainFiles": DELETE}, {"spec.data.trainFiles": ["synthetic task"]}),
     ("empty-train-files", {"spec.data.trainFiles": []}, {"spec.data.trainFiles": ["give training parquet files"]}),
@@ -132,6 +134,7 @@ CROSS_VALID = [
     ("mini-equals-train", {T + "ppoMiniBatchSizePerNode": 64}),
     ("micro-equals-per-rank-mini", {T + "microBatchSizePerGpu": 16}),
     ("micro-1", {T + "microBatchSizePerGpu": 1}),
+    ("token-budget-ignores-micro-divisor", {T + "maxTokensPerMicroBatch": 16384, T + "microBatchSizePerGpu": 3}),
     ("group-size-2", {R + "samplesPerPrompt": 2}),
     ("synthetic-only", SYNTHETIC),
     ("synthetic-with-empty-train-files", {"spec.data.trainFiles": [], "spec.data.synthetic": {"task": "digit-sum"}}),

@@ -53,7 +53,10 @@ def single_process(tmp_path_factory):
     {"gpusPerNode": 2, "megatron.tensorModelParallelSize": 2},  # TP2 in one pod (two gloo processes)
     {"nnodes": 2, "training.trainBatchSizePerNode": 2, "training.ppoMiniBatchSizePerNode": 2},  # DP2 over two pods
     {"gpusPerNode": 2, "megatron.pipelineModelParallelSize": 2},  # PP2 in one pod: one layer per stage
-], ids=["tp2", "two-pods-dp2", "pp2"])
+    # DP2 with token-budget micro-batches (two or more per rank) and token-balanced rows per rank
+    {"nnodes": 2, "training.trainBatchSizePerNode": 2, "training.ppoMiniBatchSizePerNode": 2,
+     "training.maxTokensPerMicroBatch": 64},
+], ids=["tp2", "two-pods-dp2", "pp2", "two-pods-dp2-token-budget"])
 def test_parallel_layout_trains_the_same_trajectory(tmp_path, single_process, layout):
     records = run_job(job("parallel", **layout), tmp_path)
     assert [r["step"] for r in records] == list(range(1, 13))

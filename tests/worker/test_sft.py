@@ -206,6 +206,7 @@ def test_synthetic_data_and_collate():
     ({"gpusPerNode": 4, "training.trainBatchSizePerNode": 6, "training.microBatchSizePerGpu": 1},
      "spec.training.trainBatchSizePerNode", "6 sequences (x nnodes=1) must divide evenly over 4"),
     ({"sft.format": "messages"}, "spec.sft.format", "data.synthetic generates prompt-response rows"),
+    ({"training.maxTokensPerMicroBatch": 65536}, "spec.training.maxTokensPerMicroBatch", "GRPO actor update only"),
 ])
 def test_sft_rules_reject(changes, path, words):
     doc = sft_doc(**{k: v for k, v in changes.items() if k != "sft"})

@@ -48,6 +48,12 @@ def slice_batch(batch: dict[str, torch.Tensor], start: int, stop: int) -> dict[s
     return {k: v[start:stop] for k, v in batch.items()}
 
 
+def take_rows(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    """The rows ``rows`` of every (N, ...) tensor, in that order."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    return {k: v.index_select(0, idx) for k, v in batch.items()}
+
+
 def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
     """Split along N into `parts` equal contiguous pieces (N must divide)."""
     n = next(iter(batch.values())).shape[0]

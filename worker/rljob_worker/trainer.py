@@ -49,7 +49,14 @@ from rljob_api.enums import KLPlacement
 from rljob_api.enums import RolloutEngine as RolloutEngineName
 
 from rljob_worker import algorithms as algo
-from rljob_worker.batching import pad_batch, scatter_response_values, slice_batch, split_batch, trim_padding
+from rljob_worker.batching import (
+    pad_batch,
+    scatter_response_values,
+    slice_batch,
+    split_batch,
+    take_rows,
+    trim_padding,
+)
 from rljob_worker.data import EpochSampler, load_datasets
 from rljob_worker.distributed import all_gather_rows, broadcast_object
 from rljob_worker.flops import active_parameters
@@ -64,6 +71,7 @@ from rljob_worker.rollout.every_rank import (
 from rljob_worker.rollout.factory import make_engine, resolve_engine_name
 from rljob_worker.rollout.weight_sync import plan_rollout_layout
 from rljob_worker.run_loop import RunLoop
+from rljob_worker.token_budget import balanced_dp_order
 
 log = logging.getLogger("rljob.trainer")
 
@@ -218,11 +226,17 @@ class GRPOTrainer(RunLoop):
         metrics["batch/tokens"] = float(batch["attention_mask"].sum())  # prompt + response tokens of the step
 
         # 2. this data-parallel rank's slice (N / dp responses)
+        mini_batches_per_step = self.prompts_per_step // (spec.training.ppo_mini_batch_size_per_node * spec.nnodes)
+        kl_in_reward = self.use_ref and a.kl_placement == KLPlacement.REWARD
+        budget = spec.training.max_tokens_per_micro_batch
+        if budget and self.dp_size > 1 and not kl_in_reward:
+            # token budget: ranks get rows of equal token totals (each optimizer step keeps its rows;
+            # the advantages are already per row; KL in the reward computes them later by prompt group)
+            batch = take_rows(batch, balanced_dp_order(batch["attention_mask"].sum(-1).tolist(), self.dp_size,
+                                                       mini_batches_per_step))
         per_rank = batch["input_ids"].shape[0] // self.dp_size
         lo = self.dp_rank * per_rank
         local = slice_batch(batch, lo, lo + per_rank)
-        mini_batches_per_step = self.prompts_per_step // (spec.training.ppo_mini_batch_size_per_node * spec.nnodes)
-        kl_in_reward = self.use_ref and a.kl_placement == KLPlacement.REWARD
         single_update = mini_batches_per_step == 1 and spec.training.ppo_epochs == 1 and not kl_in_reward
         lp_micro = spec.rollout.log_prob_micro_batch_size_per_gpu
 
@@ -247,7 +261,8 @@ class GRPOTrainer(RunLoop):
                     # the loss is normalised by the mini-batch's response tokens / sequences over all DP ranks
                     update_metrics.append(self.actor.update(
                         mini, self._loss_fn(single_update), micro_batch_size=spec.training.micro_batch_size_per_gpu,
-                        with_entropy=a.entropy_coeff > 0, normalise_by="response_mask"))
+                        with_entropy=a.entropy_coeff > 0, normalise_by="response_mask",
+                        max_tokens_per_micro_batch=budget))
         for key, value in _mean_dicts(update_metrics).items():
             metrics[key if key.startswith("rollout/") else f"actor/{key}"] = value
         metrics.update(self._training_throughput(local, time.perf_counter() - update_start))

@@ -6,7 +6,10 @@
   groups), ``packing`` (padding-free micro-batches), ``optim_step`` (optimizer and its step, GPU and
   CPU) and ``engine_state`` (offload, dist-checkpoints, RNG, HF export); ``errors``: ``MegatronConfigError``.
 - ``actor``: :class:`~rljob_worker.megatron.actor.MegatronActor`, the policy head on the engine
-  (log-probs, entropy, vocab padding; ``update``, ``compute_logprobs``).
+  (log-probs, entropy, vocab padding; ``update``, ``compute_logprobs``), by default through
+  ``fused_head`` / ``fused_logprobs``: log-probs and entropy from the last hidden state and the
+  vocab-parallel output weight in token chunks, no full-vocab fp32 logits (``RLJOB_FUSED_LOGPROBS=0``
+  turns it off).
 - ``model_config``: HF config -> megatron ``TransformerConfig`` + layer spec + ``GPTModel`` kwargs.
 - ``hf_weights``: HF safetensors <-> megatron weights, per TP rank and pipeline stage (mapping
   tables per architecture).

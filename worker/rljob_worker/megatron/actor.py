@@ -12,6 +12,10 @@ parallelism they are computed on the last stage and broadcast over the pipeline 
 method returns the same result on every rank of a model-parallel group (call them on every rank of
 it, with the same batch).
 
+By default (``fused_head``; off with ``RLJOB_FUSED_LOGPROBS=0``) the model stops before its output
+layer and :mod:`.fused_head` computes the same values from the last hidden state and the output
+weight in chunks of tokens (:mod:`.fused_logprobs`), never holding the micro-batch's fp32 logits.
+
 Parallel layouts, memory (recompute, offload), checkpoints and weight export are the engine's; see
 :mod:`.engine`.
 """
@@ -36,6 +40,7 @@ from .engine_config import (
     RecomputeConfig,
 )
 from .errors import MegatronConfigError
+from .fused_head import fused_head_enabled, fused_token_values
 from .packing import PackedMicroBatch, unpack
 
 __all__ = [
@@ -65,9 +70,11 @@ class MegatronActor(MegatronEngine):
     :meth:`from_hf`. ``with_entropy``: whether :meth:`update` hands the loss function the entropy
     unless told otherwise."""
 
-    def __init__(self, *args: Any, with_entropy: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, with_entropy: bool = False, fused_head: bool | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loss_fn_needs_entropy = with_entropy
+        # log-probs and entropy from the hidden state in token chunks (no (b, T, V) fp32 logits)
+        self.fused_head = fused_head_enabled() if fused_head is None else fused_head
 
     @classmethod
     def from_hf(
@@ -81,19 +88,41 @@ class MegatronActor(MegatronEngine):
         trainable: bool = True,
         recompute: RecomputeConfig = DEFAULT_RECOMPUTE,
         transformer_overrides: Mapping[str, Any] | None = None,
+        fused_head: bool | None = None,
     ) -> MegatronActor:
         """Build the policy from an HF checkpoint directory (see :meth:`MegatronEngine.from_hf`);
-        ``trainable=False`` builds a frozen reference policy (:meth:`update` refuses)."""
+        ``trainable=False`` builds a frozen reference policy (:meth:`update` refuses).
+        ``fused_head``: log-probs and entropy by :mod:`.fused_head` (default: on unless
+        ``RLJOB_FUSED_LOGPROBS=0``)."""
         built = cls.build_from_hf(hf_dir, parallel=parallel, optim=optim, dtype=dtype, seed=seed, trainable=trainable,
                                   recompute=recompute, transformer_overrides=transformer_overrides)
-        return cls(**built, with_entropy=with_entropy)
+        return cls(**built, with_entropy=with_entropy, fused_head=fused_head)
 
     # ----------------------------------------------------------------------------------------------
     # the policy head
 
     def policy_head(self, with_entropy: bool) -> Callable[[HeadInput], tuple[torch.Tensor, torch.Tensor | None]]:
-        """The engine head: ``(logprobs (b, T), entropy (b, T) | None)`` of one micro-batch."""
+        """The engine head: ``(logprobs (b, T), entropy (b, T) | None)`` of one micro-batch. Fused
+        (:attr:`fused_head`): from the hidden state (the engine runs with ``output_hidden``)."""
+        if self.fused_head:
+            return lambda x: self._fused_token_values(x.output, x.packed, with_entropy)
         return lambda x: self._token_values(self._mask_vocab_padding(x.output), x.packed, with_entropy)
+
+    def _fused_token_values(self, hidden: torch.Tensor, packed: PackedMicroBatch, with_entropy: bool):
+        """:meth:`_token_values` from the final-norm hidden state ``(b, Tc / cp, H)`` (``/ tp`` more
+        columns under sequence parallelism) by :func:`.fused_head.fused_token_values`."""
+        order, lengths, t = packed.order, packed.lengths, packed.t
+        targets = torch.nn.functional.pad(packed.ids[:, 1:], (0, 1))
+        local_targets = split_for_cp(targets, self.cp_size, self.cp_rank)  # CP
+        lp_next, ent_next = fused_token_values(hidden, self.chunks[-1], local_targets, self.mcfg.hf_vocab_size,
+                                               with_entropy, self.parallel.sequence_parallel)
+        entropy = None
+        if with_entropy:
+            ent_next = gather_from_cp(ent_next, self.cp_group)  # CP: (b, Tc)
+            entropy = unpack(torch.nn.functional.pad(ent_next[:, :-1], (1, 0)), order, lengths, t)
+        lp_next = gather_from_cp(lp_next, self.cp_group)
+        logprobs = unpack(torch.nn.functional.pad(lp_next[:, :-1], (1, 0)), order, lengths, t)
+        return logprobs, entropy
 
     def _token_values(self, logits: torch.Tensor, packed: PackedMicroBatch, with_entropy: bool):
         """(logprobs, entropy | None), ``(b, T)`` each, from the vocab-parallel logits of ``packed``
@@ -129,7 +158,7 @@ class MegatronActor(MegatronEngine):
     ) -> dict[str, torch.Tensor]:
         """``{"logprobs": (B, T) fp32, "entropy": (B, T) fp32 if with_entropy}`` on CPU, no grad."""
         self._require_onloaded("compute_logprobs")
-        results = self.forward(batch, micro_batch_size, self.policy_head(with_entropy))
+        results = self.forward(batch, micro_batch_size, self.policy_head(with_entropy), output_hidden=self.fused_head)
         keys = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
         if self.pp_size == 1:
             return {key: torch.cat([r[i].cpu() for r in results]) for i, key in enumerate(keys)}
@@ -188,6 +217,7 @@ class MegatronActor(MegatronEngine):
         loss_fn: LossFn,
         micro_batch_size: int,
         with_entropy: bool | None = None,
+        max_tokens_per_micro_batch: int | None = None,
         normalise_by: str | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``batch`` (this rank's share of the mini-batch).
@@ -207,7 +237,8 @@ class MegatronActor(MegatronEngine):
         back-propagates the sum of the shares over micro-batches and DP ranks
         (``train_step(loss_reduction="sum")``), and ``loss`` is that sum. The count runs over DP,
         not DP x CP: the ranks of a context-parallel group hold the same rows. Unset: the mean of
-        the micro-batch losses over micro-batches and DP ranks (``loss_reduction="mean"``).
+        the micro-batch losses over micro-batches and DP ranks (``loss_reduction="mean"``). ``max_tokens_per_micro_batch``: micro-batches of at most this many
+        packed tokens (rows x longest row) instead of ``micro_batch_size`` rows.
         """
         if self.optimizer is None:
             raise RuntimeError("this actor was built with trainable=False (a frozen reference model)")
@@ -220,7 +251,8 @@ class MegatronActor(MegatronEngine):
             return loss_fn(logprobs, entropy, micro_batch, **counts)
 
         return self.train_step(batch, micro_batch_size, self.policy_head(with_entropy), engine_loss,
-                               loss_reduction="mean" if normalise_by is None else "sum")
+                               loss_reduction="mean" if normalise_by is None else "sum",
+                               output_hidden=self.fused_head, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
 
     def mini_batch_counts(self, mask: torch.Tensor) -> dict[str, int]:
         """``{"num_tokens", "num_sequences"}`` of the whole mini-batch: this rank's ``mask (B, T)``

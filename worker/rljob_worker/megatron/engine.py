@@ -84,10 +84,11 @@ from .engine_config import (
 )
 from .engine_state import EngineStateMixin
 from .errors import MegatronConfigError
+from .fused_head import output_layer_returns_hidden
 from .model_config import MegatronModelConfig, build_model_chunks, megatron_config_from_hf
 from .offload import StorageOffloader
 from .optim_step import OptimStepMixin, cpu_adamw, gpu_wrap
-from .packing import PackedMicroBatch, interleaving_group, pack, split_micro_batches
+from .packing import PackedMicroBatch, interleaving_group, pack, split_micro_batches, token_budget_split
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,9 @@ class HeadInput:
     """What a head function sees for one micro-batch, on the last pipeline stage.
 
     ``output``: the model's post-process output, fp32, ``(b, Tc / cp, out / tp)`` for the packed ids of
-    ``packed`` (for a GPTModel: its output layer's vocab-parallel logits, padded vocab included);
+    ``packed`` (for a GPTModel: its output layer's vocab-parallel logits, padded vocab included; with
+    ``output_hidden``: the final-norm hidden state ``(b, Tc / cp, H)``, under sequence parallelism
+    this TP rank's ``1 / tp`` of the columns);
     columns are this CP rank's share (:func:`.context_parallel.split_for_cp`).
     ``hidden``: the decoder's output (after the final norm), ``(b, Tc / cp, H)`` (under sequence
     parallelism: this TP rank's sequence shard, in megatron's ``(s, b, H)`` split), when the head
@@ -306,26 +309,31 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
     # running micro-batches with a head
 
     def forward(self, batch: Mapping[str, Any], micro_batch_size: int, head: HeadFn,
-                needs_hidden: bool = False) -> list[Any]:
+                needs_hidden: bool = False, output_hidden: bool = False) -> list[Any]:
         """Forward only (eval mode, no grad): ``head(HeadInput)`` of each micro-batch of
-        ``micro_batch_size`` rows, in order, on the last pipeline stage ([] on the others)."""
-        return self.forward_micro_batches(list(split_micro_batches(batch, micro_batch_size)), head, needs_hidden)
+        ``micro_batch_size`` rows, in order, on the last pipeline stage ([] on the others).
+        ``output_hidden``: the model stops before its output layer (``HeadInput.output`` is the
+        final-norm hidden state, for a head that applies the output weight itself)."""
+        return self.forward_micro_batches(list(split_micro_batches(batch, micro_batch_size)), head, needs_hidden,
+                                          output_hidden)
 
     @torch.no_grad()
     def forward_micro_batches(self, micro_batches: Sequence[dict[str, Any]], head: HeadFn,
-                              needs_hidden: bool = False) -> list[Any]:
+                              needs_hidden: bool = False, output_hidden: bool = False) -> list[Any]:
         """:meth:`forward` over given micro-batches (each a batch dict)."""
         self._require_onloaded("forward")
         self._set_training(False)
-        if self.pp_size > 1:
-            results = self._run_pipeline(micro_batches, lambda x: (None, head(x)), True, needs_hidden)
-        else:
-            results = [head(self._forward_one(mb, needs_hidden)) for mb in micro_batches]
+        with output_layer_returns_hidden(self.chunks[-1], output_hidden):
+            if self.pp_size > 1:
+                results = self._run_pipeline(micro_batches, lambda x: (None, head(x)), True, needs_hidden)
+            else:
+                results = [head(self._forward_one(mb, needs_hidden)) for mb in micro_batches]
         self._set_training(True)
         return results
 
     def train_step(self, batch: Mapping[str, Any], micro_batch_size: int, head: HeadFn, loss_fn: EngineLossFn,
-                   needs_hidden: bool = False, loss_reduction: str = "mean") -> dict[str, float]:
+                   needs_hidden: bool = False, loss_reduction: str = "mean", output_hidden: bool = False,
+                   max_tokens_per_micro_batch: int | None = None) -> dict[str, float]:
         """One optimizer step over ``batch`` (this rank's share of the mini-batch).
 
         For each micro-batch: ``loss, metrics = loss_fn(head(HeadInput), micro_batch)`` (the
@@ -352,6 +360,8 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         (``skipped`` = 1). The MoE load-balancing loss keeps megatron's convention in both modes:
         each micro-batch's aux loss weighs ``1 / num_micro_batches`` and is averaged over DP ranks
         (megatron's ``MoEAuxLossAutoScaler`` scale ``loss_scale / num_micro_batches``).
+        ``output_hidden``: as in :meth:`forward`. ``max_tokens_per_micro_batch``: micro-batches by token
+        budget (:func:`.packing.token_budget_split`) instead of ``micro_batch_size`` rows.
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -359,17 +369,21 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             raise RuntimeError("this model was built with trainable=False (a frozen model)")
         self._require_onloaded("train_step")
         lr = self.current_lr()
-        micro_batches = list(split_micro_batches(batch, micro_batch_size))
+        if max_tokens_per_micro_batch:
+            micro_batches = token_budget_split(batch, max_tokens_per_micro_batch)
+        else:
+            micro_batches = list(split_micro_batches(batch, micro_batch_size))
         n = len(micro_batches)
         self._set_training(True)
         self._zero_grad()
         self._moe_aux_begin(n)
         # what each micro-batch's loss is multiplied by before its backward (see the docstring)
         loss_scale = float(self.dp_size) if loss_reduction == "sum" else 1.0 / n
-        if self.pp_size > 1:
-            sums = self._pipeline_backward(micro_batches, head, loss_fn, needs_hidden, loss_scale)
-        else:
-            sums = self._sequential_backward(micro_batches, head, loss_fn, needs_hidden, loss_scale)
+        with output_layer_returns_hidden(self.chunks[-1], output_hidden):
+            if self.pp_size > 1:
+                sums = self._pipeline_backward(micro_batches, head, loss_fn, needs_hidden, loss_scale)
+            else:
+                sums = self._sequential_backward(micro_batches, head, loss_fn, needs_hidden, loss_scale)
         if self.on_gpu:
             grad_norm, skipped = self._gpu_step(lr)
         else:

@@ -57,6 +57,25 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> Iter
         }
 
 
+def token_budget_split(batch: Mapping[str, Any], max_tokens: int) -> list[dict[str, Any]]:
+    """Micro-batches of ``batch`` whose packed tensors hold at most ``max_tokens`` tokens (rows x
+    longest row; a longer row alone): :func:`rljob_worker.token_budget.token_budget_micro_batches`
+    over the rows' real-token counts. Every row once; longest rows first."""
+    from ..token_budget import token_budget_micro_batches
+
+    b = batch["input_ids"].shape[0]
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    out = []
+    for rows in token_budget_micro_batches(lengths, max_tokens):
+        idx = torch.tensor(rows, dtype=torch.long)
+        out.append({
+            k: (v.index_select(0, idx.to(v.device)) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b
+                else v)
+            for k, v in batch.items()
+        })
+    return out
+
+
 @dataclass
 class PackedMicroBatch:
     """One micro-batch as the model sees it: ids (b, Tc) with real tokens packed to the front, and
