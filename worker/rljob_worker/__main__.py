@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: invalid spec: {exc}", file=sys.stderr)  # one line: errors joined by '; '
         return 2
 
+    if spec.critic is not None:  # API and validation are ahead of the trainer here: refuse, do not half-run
+        print("rljob worker: spec.critic: PPO with a value model (advantageEstimator gae) is not implemented by this "
+              "worker version yet; use an outcome estimator (grpo, rloo, reinforce_plus_plus)", file=sys.stderr)
+        return 2
+
     from rljob_worker.trainer import RunContext, run
 
     name = os.environ.get("RLJOB_NAME", "rljob")

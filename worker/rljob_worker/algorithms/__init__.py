@@ -1,7 +1,9 @@
-"""Pure GRPO algorithm math: advantages, KL estimators, loss aggregation, policy loss, batch filters."""
+"""Pure RL algorithm math: advantages (outcome and GAE), KL estimators, loss aggregation, policy and value
+losses, batch filters."""
 
 from .advantages import broadcast_to_tokens, compute_outcome_advantages
 from .aggregation import aggregate_loss, masked_mean, masked_zero
+from .gae import compute_gae, explained_variance, masked_whiten, token_level_rewards, value_loss
 from .kl import apply_kl_to_rewards, kl_penalty
 from .policy_loss import LossConfig, entropy_bonus, grpo_loss, policy_loss
 from .sampling_filters import (
@@ -16,15 +18,20 @@ __all__ = [
     "aggregate_loss",
     "apply_kl_to_rewards",
     "broadcast_to_tokens",
+    "compute_gae",
     "compute_outcome_advantages",
     "entropy_bonus",
+    "explained_variance",
     "grpo_loss",
     "kl_penalty",
     "masked_mean",
+    "masked_whiten",
     "masked_zero",
     "nonzero_variance_groups",
     "overlong_penalty",
     "policy_loss",
     "response_length_clip_ratio",
     "select_groups",
+    "token_level_rewards",
+    "value_loss",
 ]
