@@ -172,3 +172,23 @@ def test_explained_variance_hand_cases():
     assert explained_variance(t([[1.0, 2.0, 3.0, 5.0]]), returns, mask) == pytest.approx(0.85)
     assert explained_variance(t([[9.0, 2.0, 3.0, 4.0]]), returns, t([[0, 1, 1, 1]])) == pytest.approx(1.0)
     assert explained_variance(t([[0.0, 0.0]]), t([[1.0, 1.0]]), t([[1, 1]])) == 0.0  # nothing to explain
+
+
+def test_moments_summed_over_row_shards_give_the_whole_batch_result():
+    """What data-parallel ranks do: each sums its rows' moments, the sum whitens / scores like one batch."""
+    from rljob_worker.algorithms.gae import (
+        explained_variance_from_moments,
+        explained_variance_moments,
+        masked_moments,
+        whiten,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    values, returns = torch.randn(6, 5, generator=gen), torch.randn(6, 5, generator=gen)
+    mask = (torch.rand(6, 5, generator=gen) > 0.3).float()
+    whole = masked_whiten(values, mask)
+    moments = masked_moments(values[:3], mask[:3]) + masked_moments(values[3:], mask[3:])
+    close(torch.cat([whiten(values[:3], mask[:3], moments), whiten(values[3:], mask[3:], moments)]), whole, tol=1e-5)
+    ev = explained_variance_from_moments(explained_variance_moments(values[:3], returns[:3], mask[:3])
+                                         + explained_variance_moments(values[3:], returns[3:], mask[3:]))
+    assert ev == pytest.approx(explained_variance(values, returns, mask), abs=1e-9)

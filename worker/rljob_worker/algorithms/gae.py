@@ -82,6 +82,34 @@ def compute_gae(
     return advantages, returns
 
 
+def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[count, sum, sum of squares]`` (float64, shape (3,)) of values over the counted positions, so that
+    data-parallel ranks can all-reduce them and whiten over the whole mini-batch (:func:`whiten`).
+
+    values, mask: same shape."""
+    mask = mask.bool()
+    v = masked_zero(values.detach().double(), mask)
+    return torch.stack([mask.sum().double(), v.sum(), v.square().sum()])
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, shift_mean: bool = True,
+           eps: float = 1e-8) -> torch.Tensor:
+    """Normalise values with the mean and unbiased variance of ``moments`` (from :func:`masked_moments`,
+    possibly summed over ranks). values, mask: (N, T). Returns (N, T), 0 outside the mask. Fewer than
+    two counted positions: centred but unscaled."""
+    mask = mask.bool()
+    count, total, total_sq = (float(x) for x in moments)
+    mean = total / max(count, 1.0)
+    centred = masked_zero(values - mean, mask)
+    if count < 2:
+        return centred if shift_mean else masked_zero(values, mask)
+    var = max((total_sq - count * mean * mean) / (count - 1), 0.0)
+    whitened = centred / (var + eps) ** 0.5
+    if not shift_mean:
+        whitened = whitened + mean
+    return masked_zero(whitened, mask)
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """Normalise values to zero mean and unit variance over the counted positions (verl's masked_whiten).
 
@@ -89,17 +117,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     shift_mean False the mean is added back (only the scale changes). Returns (N, T), 0 outside
     the mask. Fewer than two counted positions: returned centred but unscaled.
     """
-    mask = mask.bool()
-    count = mask.sum()
-    mean = masked_mean(values, mask)
-    centred = masked_zero(values - mean, mask)
-    if count < 2:
-        return centred if shift_mean else masked_zero(values, mask)
-    var = centred.square().sum() / (count - 1)
-    whitened = centred * torch.rsqrt(var + eps)
-    if not shift_mean:
-        whitened = whitened + mean
-    return masked_zero(whitened, mask)
+    return whiten(values, mask, masked_moments(values, mask), shift_mean, eps)
 
 
 def value_loss(
@@ -140,17 +158,29 @@ def value_loss(
     return loss, metrics
 
 
+def explained_variance_moments(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[count, sum R, sum R^2, sum E, sum E^2]`` (float64, (5,)) with E = R - V over the counted tokens:
+    what :func:`explained_variance_from_moments` needs, summable over data-parallel ranks."""
+    returns, error = returns.detach(), returns.detach() - values.detach()
+    r, e = masked_moments(returns, mask), masked_moments(error, mask)
+    return torch.cat([r, e[1:]])
+
+
+def explained_variance_from_moments(moments: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) (population variances) from :func:`explained_variance_moments`; 0.0 when
+    the returns do not vary or nothing is counted."""
+    count, r_sum, r_sq, e_sum, e_sq = (float(x) for x in moments)
+    if count <= 0:
+        return 0.0
+    var_returns = r_sq / count - (r_sum / count) ** 2
+    if var_returns <= 1e-12:
+        return 0.0
+    var_error = max(e_sq / count - (e_sum / count) ** 2, 0.0)
+    return 1.0 - var_error / var_returns
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var(R - V) / Var(R) over the counted tokens: 1 for a perfect critic, 0 for one that predicts
     the mean, negative for worse. values, returns, mask: (N, T). Population variances; 0.0 when the
     returns do not vary (nothing to explain)."""
-    mask = mask.bool()
-    if mask.sum() == 0:
-        return 0.0
-    returns, values = returns.detach().float(), values.detach().float()
-    var_returns = masked_mean((returns - masked_mean(returns, mask)).square(), mask)
-    if var_returns <= 0:
-        return 0.0
-    error = returns - values
-    var_error = masked_mean((error - masked_mean(error, mask)).square(), mask)
-    return float(1.0 - var_error / var_returns)
+    return explained_variance_from_moments(explained_variance_moments(values, returns, mask))
