@@ -131,9 +131,9 @@ def measure_matmul_tflops(n: int = 8192) -> float:
 
 
 def _pack_rows(ids, mask, values):
-    from rljob_worker.megatron.actor import _pack
+    from rljob_worker.megatron.packing import pack
 
-    packed, order, lengths = _pack(ids, mask)
+    packed, order, lengths = pack(ids, mask)
     return packed, lengths, [torch.gather(v, 1, order) for v in values]
 
 

@@ -5,6 +5,10 @@
 #             rolloutbase (rollout incl. HF generate static-cache+compile baseline) | sft [jobs] | gputests
 #             grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2) | grpocompiled (static vs compiled engine)
 #             grpotp2pp2 + gpu4tests (4 GPUs: TP2 x PP2 GRPO learning; mixed layouts vs one GPU)
+#             with vLLM installed (bench/vllm_carry.sh install first): vllmtests (the real-vLLM GPU tests),
+#             grpovllm1 (digit-sum GRPO, engine: vllm, 1 GPU), grpovllmtp2 (same at rollout TP2, 2 GPUs),
+#             grpovllm (GRPO step: static engine vs vLLM [+ TRL: GRPOVLLM_VARIANTS]), rolloutvllm (rollout
+#             bench incl. vLLM rows and its sleep / wake / sync timings), grpo15vllm (the same at 1.5B)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Needs wheels (carry: [".whl/megatron_actor_gpu", ".whl/trl"]): megatron-core 0.16.1 cp312; trl 1.16, datasets,
 # dill, multiprocess, pydantic(+core, annotated-types, typing-inspection, typing-extensions). Keep the image's pyarrow.
@@ -13,15 +17,19 @@ SECTIONS=${*:-"actor05 grpo actor15 rollout grpombs"}
 OUT=${OUT:-/tmp/bench_out}
 mkdir -p "$OUT"
 LOG="$OUT/all.log"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/megatron_actor_gpu/*.whl .whl/trl/*.whl 2>&1 | grep -v -i "warning" | tail -3
+# whichever wheel folders this call carried (a vLLM call may carry megatron alone); same /tmp/site as vLLM's
+WHEELS=$(ls .whl/megatron_actor_gpu/*.whl .whl/trl/*.whl 2>/dev/null)
+[ -n "$WHEELS" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  $WHEELS 2>&1 | grep -v -i "warning" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/operator:$PWD/worker:$PWD/bench
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# vLLM (when installed): engine core in this process (the engine sets it too), no FlashInfer sampler JIT
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$LOG"
 python3 - <<'PY' 2>&1 | grep -v -i warn | tee -a "$LOG"
 import importlib
-for m in ("torch", "transformers", "trl", "datasets", "pyarrow", "megatron.core", "pydantic", "accelerate"):
+for m in ("torch", "transformers", "trl", "datasets", "pyarrow", "megatron.core", "pydantic", "accelerate", "vllm"):
     try:
         print(m, getattr(importlib.import_module(m), "__version__", "?"))
     except Exception as e:
@@ -56,8 +64,14 @@ for s in $SECTIONS; do
     grpocompiled) section grpocompiled 330 python3 bench/grpo_step.py --variants rljob-static:32,rljob-compiled:32 --timeout-each 160 --tag _compiled ;;
     grpotp2pp2) section grpotp2pp2 130 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_tp2pp2.yaml --workdir /tmp/tp2pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/tp2pp2/work/metrics.jsonl grpo-digit-sum-tp2pp2" ;;
     gpu4tests) section gpu4tests ${GPU4_LIMIT:-300} python3 -m pytest tests/worker/test_megatron_gpu.py -k "${GPU4_K:-four_gpu}" -v -p no:cacheprovider -rs ;;
+    vllmtests) section vllmtests ${VLLMTESTS_LIMIT:-240} bash -c "python3 -m pytest tests/worker/test_vllm_gpu.py -v -s -p no:cacheprovider -rs; python3 -m pytest tests/worker/test_vllm_engine.py -m vllm -v -p no:cacheprovider -rs" ;;
+    grpovllm1) section grpovllm1 180 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm.yaml --workdir /tmp/vllm1 --fresh | grep -E 'step (1|100|300|500|700)/|rollout engine|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/vllm1/work/metrics.jsonl grpo-digit-sum-vllm" ;;
+    grpovllmtp2) section grpovllmtp2 240 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm_tp2.yaml --workdir /tmp/vllmtp2 --fresh | grep -E 'step (1|100|300|500|700)/|rollout engine|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/vllmtp2/work/metrics.jsonl grpo-digit-sum-vllm-tp2" ;;
+    grpovllm) section grpovllm ${GRPOVLLM_LIMIT:-240} python3 bench/grpo_step.py --variants ${GRPOVLLM_VARIANTS:-rljob-static:32,rljob-vllm:32} --timeout-each 150 --tag _vllm ;;
+    grpo15vllm) section grpo15vllm 330 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16,rljob-vllm:16 --timeout-each 160 --tag _1.5b_vllm ;;
+    rolloutvllm) section rolloutvllm ${ROLLOUTVLLM_LIMIT:-200} python3 bench/rollout.py --vllm ${ROLLOUT_ARGS:-} ;;
     *) echo "unknown section $s" ;;
   esac
 done
 echo; echo "################ SUMMARY ($(nvidia-smi --query-gpu=name --format=csv,noheader))"
-grep -h -E "^(## |\| |card |fp32 greedy|RESULT|[0-9]+ (passed|failed))" "$LOG"
+grep -h -E "^(## |\| |card |fp32 greedy|vllm|RESULT|[0-9]+ (passed|failed)|.*(passed|failed).* in )" "$LOG"

@@ -20,6 +20,8 @@ Each variant runs in its own process (megatron's parallel state is process-globa
   consecutive ``on_step_end`` callbacks. ``trl-nockpt``: the same with gradient checkpointing off.
 - ``rljob-compiled``: ``rljob-static`` with the decode step compiled (RLJOB_HF_STATIC_COMPILE=1; the
   first rollout, a warm-up step, pays the compile).
+- ``rljob-vllm``: the real vLLM engine (0.26, CUDA graphs; sleep level 1 during the update; bucketed
+  weight sync each step) with ``gpuMemoryUtilization`` --vllm-gpu-memory-utilization (0.3);
 - ``rljob-static:32``: any rljob variant with its micro-batch (update and log-prob) overridden.
 
 tokens/s = (prompt + completion tokens per step) / median step seconds. Output: a table and
@@ -124,7 +126,9 @@ def rljob_spec(a, paths: dict, workdir: Path) -> dict:
         "data": {"trainFiles": [paths["parquet"]], "maxPromptLength": a.prompt_len, "maxResponseLength": a.new_tokens,
                  "applyChatTemplate": False, "shuffle": False},
         "algorithm": {"klCoef": a.kl_coef, "lossAggregation": "token-mean"},
-        "rollout": {"engine": "hf", "samplesPerPrompt": a.n, "temperature": 1.0, "logProbMicroBatchSizePerGpu": a.mbs},
+        "rollout": {"engine": "hf", "samplesPerPrompt": a.n, "temperature": 1.0, "logProbMicroBatchSizePerGpu": a.mbs,
+                    **({"engine": "vllm", "gpuMemoryUtilization": a.vllm_gpu_memory_utilization}
+                       if getattr(a, "child", None) == "rljob-vllm" else {})},
         "training": {"trainBatchSizePerNode": a.prompts, "ppoMiniBatchSizePerNode": a.prompts,
                      "microBatchSizePerGpu": a.mbs, "lr": 1e-6, "weightDecay": 0.0,
                      "totalTrainingSteps": a.warmup + a.steps, "testFreq": -1, "valBeforeTrain": False, "seed": 1},
@@ -138,7 +142,8 @@ def rljob_spec(a, paths: dict, workdir: Path) -> dict:
 def run_rljob(a, paths: dict) -> dict:
     import torch
     from rljob_api.validation import parse_spec
-    from rljob_worker.trainer import GRPOTrainer, RunContext
+    from rljob_worker.run_loop import RunContext
+    from rljob_worker.trainer import GRPOTrainer
 
     workdir = Path(tempfile.mkdtemp(prefix="rljob_bench_"))
     os.environ.setdefault("RLJOB_METRICS_PORT", "0")
@@ -187,6 +192,8 @@ def run_rljob(a, paths: dict) -> dict:
               flush=True)
         steps.append(record)
     extra = {"graph_captures": getattr(trainer.engine, "graph_captures", None)}
+    if hasattr(trainer.engine, "metrics"):  # vLLM: start-up seconds and the last weight sync's size and rate
+        extra["engine_metrics"] = trainer.engine.metrics()
     trainer.telemetry.close()
     return {"engine": engine, "mbs": a.mbs, "setup_s": setup_s, "steps": steps, **extra}
 
@@ -264,7 +271,7 @@ def summarize(name: str, res: dict, a) -> dict:
             out[k] = statistics.median(vals)
     if res.get("peak_gib") is not None:
         out["peak_gib"] = res["peak_gib"]
-    for k in ("setup_s", "gradient_checkpointing", "completion_lengths", "graph_captures"):
+    for k in ("setup_s", "gradient_checkpointing", "completion_lengths", "graph_captures", "engine_metrics"):
         if k in res:
             out[k] = res[k]
     return out
@@ -303,6 +310,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--mbs", type=int, default=16, help="rljob micro-batch (update and log-prob)")
     ap.add_argument("--trl-mbs", type=int, default=8)
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--kl-coef", type=float, default=0.0)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)

@@ -8,7 +8,10 @@ row decodes all 256), temperature 1.
    tokens expected (the graph path is the one under test), max |log-prob difference|;
 2. tokens/s (generated tokens / wall) of HFStaticEngine at batch 64 and 256 (bf16; one warm-up
    call that captures the graph, then timed calls) and of HFEngine at batch 64;
-3. weight sync seconds per GB into the static engine (HF-named bf16 tensors already on the GPU).
+3. weight sync seconds per GB into the static engine (HF-named bf16 tensors already on the GPU);
+4. with --vllm, last (after the other engines freed the GPU): the real vLLM engine (bf16, CUDA graphs,
+   gpu_memory_utilization --vllm-gpu-memory-utilization) at the same batches and at 32 prompts x 8 samples,
+   its sleep (level 1) / wake seconds, and its bucketed weight sync seconds per GB.
 Writes ``rollout.json`` under --out and prints a table.
 """
 from __future__ import annotations
@@ -48,6 +51,57 @@ def timed_generate(engine, batch, params) -> float:
     return time.perf_counter() - t0
 
 
+class SkipHF(Exception):
+    """--skip-hf: leave out the HF engines' rows."""
+
+
+def vllm_rows(a, paths: dict, params, rows: list, throughput) -> dict:
+    """4. The real vLLM engine: throughput at the same batches (and 32 prompts x 8 samples), sleep / wake and
+    bucketed weight sync timings. Runs last: vLLM sizes its KV cache from the memory free at start-up."""
+    from rljob_worker.rollout import SamplingParams
+    from rljob_worker.rollout.vllm_engine import VLLMEngine
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    engine = VLLMEngine(paths["model_dir"], dtype=torch.bfloat16, gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                        max_model_len=a.prompt_len + a.new_tokens, eos_token_id=a.vocab, seed=0)
+    info = {"version": engine.vllm_version, "startup_s": time.perf_counter() - t0,
+            "gpu_memory_utilization": a.vllm_gpu_memory_utilization}
+    print("vllm started:", info, flush=True)
+    throughput(engine, "vllm 0.26 (CUDA graphs)")
+    grouped = prompts(32, a.prompt_len, a.vocab, 32)
+    group_params = SamplingParams(n=8, temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
+    timed_generate(engine, grouped, group_params)
+    t = min(timed_generate(engine, grouped, group_params) for _ in range(2))
+    rows.append({"engine": "vllm 0.26 (CUDA graphs), 32 prompts x 8", "batch": 256, "tokens_per_s": 256 * a.new_tokens / t,
+                 "decode_ms_per_step": 1e3 * t / a.new_tokens})
+    print(rows[-1], flush=True)
+    model = AutoModelForCausalLM.from_pretrained(paths["model_dir"], dtype=torch.bfloat16).cuda()
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    for _ in range(2):  # the second cycle is the one reported (the first maps the pools for the first time)
+        sync()
+        t0 = time.perf_counter()
+        engine.sleep()
+        sync()
+        info["sleep_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.wake_up(tags=["weights"])
+        sync()
+        info["wake_weights_s"] = time.perf_counter() - t0
+        engine.update_weights(iter(named))
+        t0 = time.perf_counter()
+        engine.wake_up(tags=["kv_cache"])
+        sync()
+        info["wake_kv_cache_s"] = time.perf_counter() - t0
+        s = engine.last_sync_stats
+        info["weight_sync"] = {"gb": s.gb, "s": s.seconds, "s_per_gb": s.seconds / s.gb, "buckets": s.buckets}
+    timed_generate(engine, grouped, group_params)  # still generates after the cycle
+    print("vllm sleep / sync / wake:", info, flush=True)
+    del model, named
+    engine.shutdown()
+    return info
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="0.5b")
@@ -59,6 +113,9 @@ def main() -> int:
     ap.add_argument("--compiled", action="store_true", help="also time the static engine with a compiled decode step")
     ap.add_argument("--hf-generate-baseline", action="store_true",
                     help="also time transformers generate() with a static cache and a compiled forward")
+    ap.add_argument("--vllm", action="store_true", help="also time the real vLLM engine (needs vLLM installed)")
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--skip-hf", action="store_true", help="only the vLLM rows (with --vllm)")
     a = ap.parse_args()
     from rljob_worker.rollout import SamplingParams
     from rljob_worker.rollout.hf_engine import HFEngine
@@ -96,7 +153,8 @@ def main() -> int:
             traceback.print_exc()
             res[key] = {"error": f"{type(exc).__name__}: {exc}"}
 
-    greedy_check("fp32_greedy", "graph path")
+    if not a.skip_hf:
+        greedy_check("fp32_greedy", "graph path")
     if a.compiled and dev.type == "cuda":  # the compiled decode step must decode as the eager one
         greedy_check("fp32_greedy_compiled", "compiled decode step", compile_decode=True)
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
@@ -124,6 +182,8 @@ def main() -> int:
             traceback.print_exc()
             rows.append({"engine": "hf-static compiled", "error": f"{type(exc).__name__}: {exc}"})
     try:  # 2. throughput + 3. weight sync
+        if a.skip_hf:
+            raise SkipHF
         st = HFStaticEngine(paths["model_dir"], dtype=torch.bfloat16, **kw)
         throughput(st, "hf-static (CUDA graph)")
         named = [(n, p.detach().clone()) for n, p in st.model.named_parameters()]
@@ -138,10 +198,14 @@ def main() -> int:
         del st, named
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    except SkipHF:
+        pass
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         rows.append({"engine": "hf-static", "error": f"{type(exc).__name__}: {exc}"})
     try:
+        if a.skip_hf:
+            raise SkipHF
         hf = HFEngine(paths["model_dir"], dtype=torch.bfloat16, **kw)
         batch = prompts(64, a.prompt_len, a.vocab, 64)
         hf.generate(batch[:8], SamplingParams(n=1, temperature=1.0, max_new_tokens=4, seed=0))
@@ -149,6 +213,11 @@ def main() -> int:
         rows.append({"engine": "hf (dynamic cache, eager)", "batch": 64, "tokens_per_s": 64 * a.new_tokens / t,
                      "decode_ms_per_step": 1e3 * t / a.new_tokens})
         print(rows[-1], flush=True)
+        del hf
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    except SkipHF:
+        pass
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         rows.append({"engine": "hf", "error": f"{type(exc).__name__}: {exc}"})
@@ -190,6 +259,12 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             rows.append({"engine": "HF generate static+compile", "error": f"{type(exc).__name__}: {exc}"})
+    if a.vllm:
+        try:
+            res["vllm"] = vllm_rows(a, paths, params, rows, throughput)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"engine": "vllm", "error": f"{type(exc).__name__}: {exc}"})
     res["rows"] = rows
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,6 +278,8 @@ def main() -> int:
         else:
             print(f"| {r['engine']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['decode_ms_per_step']:.2f} |")
     print("fp32 greedy check:", res.get("fp32_greedy"), "| weight sync:", res.get("weight_sync"))
+    if "vllm" in res:
+        print("vllm:", res["vllm"])
     return 0
 
 

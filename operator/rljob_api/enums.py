@@ -64,7 +64,7 @@ class ImportanceLevel(StrEnum):
 class RolloutEngine(StrEnum):
     VLLM = "vllm"
     HF = "hf"
-    AUTO = "auto"  # vllm when importable on a GPU, else hf
+    AUTO = "auto"  # by measurement: see RolloutSpec.engine and rollout.base.resolve_engine_name
 
 
 class ResumeMode(StrEnum):

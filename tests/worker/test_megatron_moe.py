@@ -155,7 +155,7 @@ def test_qwen3_30b_a3b_example_is_accepted_by_the_startup_checks():
     model's shape: every check the actor makes before building passes (the build itself needs GPUs)."""
     import yaml
     from rljob_api.validation import parse_rljob
-    from rljob_worker.megatron.actor import _check_parallel
+    from rljob_worker.megatron.engine_config import check_parallel
     from transformers import Qwen3MoeConfig
 
     path = Path(__file__).parents[2] / "examples" / "qwen3-30b-a3b-moe.yaml"
@@ -181,7 +181,7 @@ def test_qwen3_30b_a3b_example_is_accepted_by_the_startup_checks():
     world = spec.nnodes * spec.gpus_per_node
     tp, ep, etp = m.tensor_model_parallel_size, m.expert_model_parallel_size, m.expert_tensor_parallel_size
     parallel = ParallelConfig(tp=tp, pp=1, ep=ep, etp=etp, sequence_parallel=m.sequence_parallel)
-    _check_parallel(parallel, on_gpu=True)  # (pp is the pipeline-parallel work's to accept)
+    check_parallel(parallel, on_gpu=True)  # (pp is the pipeline-parallel work's to accept)
     moe.check_expert_layout(world, tp, m.pipeline_model_parallel_size, m.context_parallel_size, ep, etp)
     moe.check_training_layout(hf, tp, m.sequence_parallel)
     mcfg = megatron_config_from_hf(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -64,11 +65,21 @@ class FakeRequestOutput:
         self.prompt_token_ids, self.outputs, self.finished = prompt_token_ids, outputs, True
 
 
+FAKE_VLLM_VERSION = "0.26.0"
+
+
 class FakeSamplingParams:
+    """Validates like vLLM 0.26's SamplingParams where the engine depends on it (vllm/sampling_params.py)."""
+
     def __init__(self, **kwargs):
         self.kwargs = kwargs
+        self.n, self.temperature, self.top_k = 1, 1.0, 0  # vLLM 0.26 defaults (top_k 0 = disabled)
         for k, v in kwargs.items():
             setattr(self, k, v)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.temperature < 1e-5 and self.n > 1:  # _SAMPLING_EPS; greedy
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
 
 class FakeModel:
@@ -131,7 +142,7 @@ class FakeLLM:
     def wake_up(self, tags=None):
         self.log.append(f"wake_up({','.join(tags) if tags else 'all'})")
 
-    def reset_prefix_cache(self, device=None):
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
         self.log.append("reset_prefix_cache")
 
     def apply_model(self, func):
@@ -142,7 +153,7 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
     module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # so importlib.util.find_spec sees it
-    module.LLM, module.SamplingParams = FakeLLM, FakeSamplingParams
+    module.LLM, module.SamplingParams, module.__version__ = FakeLLM, FakeSamplingParams, FAKE_VLLM_VERSION
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     FakeLLM.instances.clear()
@@ -194,6 +205,34 @@ def test_make_engine_builds_it_from_the_spec_settings(fake_vllm, model_dir):
     assert (kw["tensor_parallel_size"], kw["gpu_memory_utilization"], kw["dtype"]) == (4, 0.3, "float16")
 
 
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.mark.parametrize(("device", "kw", "want"), [
+    (CPU, {"num_params": 10**8}, EngineName.HF),  # no GPU: hf
+    (CUDA, {"num_params": 494_000_000}, EngineName.HF),  # 0.5B on one GPU: the static engine won (1.2x)
+    (CUDA, {"num_params": 1_000_000_000}, EngineName.HF),  # the threshold itself
+    (CUDA, {"num_params": 1_000_000_001}, EngineName.VLLM),  # larger: vLLM
+    (CUDA, {"num_params": None}, EngineName.VLLM),  # unknown size: vLLM
+    (CUDA, {"num_params": 10**8, "world_size": 2}, EngineName.VLLM),  # hf samples on rank 0 only
+    (CUDA, {"num_params": 10**8, "rollout_tp": 2}, EngineName.VLLM),  # hf has no rollout TP
+], ids=["cpu", "0.5b", "1b", "above-1b", "unknown", "two-ranks", "rollout-tp2"])
+def test_auto_picks_the_engine_the_measurements_favour(fake_vllm, device, kw, want):
+    from rljob_worker.rollout.factory import resolve_engine_name
+
+    assert resolve_engine_name(EngineName.AUTO, device, **kw) == want
+    for explicit in (EngineName.VLLM, EngineName.HF):  # an explicit choice is never second-guessed
+        assert resolve_engine_name(explicit, device, **kw) == explicit
+
+
+def test_auto_without_vllm_is_hf_even_where_vllm_would_win(monkeypatch):
+    from rljob_worker.rollout.factory import resolve_engine_name
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else object())
+    assert resolve_engine_name(EngineName.AUTO, CUDA, world_size=8, rollout_tp=2, num_params=None) == EngineName.HF
+
+
 def test_too_small_gpu_memory_utilization_names_the_setting(fake_vllm, model_dir):
     with pytest.raises(RuntimeError, match=r"spec\.rollout\.gpuMemoryUtilization=0\.05") as info:
         new_engine(model_dir, gpu_memory_utilization=0.05)
@@ -236,10 +275,70 @@ def test_generate_maps_outputs_grouped_by_prompt(fake_vllm, model_dir):
 
 def test_sampling_params_top_k_and_unseeded(fake_vllm, model_dir):
     engine = new_engine(model_dir)
-    engine.generate([[2]], SamplingParams(n=2, temperature=0.0, top_k=5, max_new_tokens=4))
+    engine.generate([[2]], SamplingParams(n=2, temperature=0.5, top_k=5, max_new_tokens=4))
     (sp,) = FakeLLM.instances[-1].generate_calls[-1][1]
     assert sp.kwargs["top_k"] == 5 and "seed" not in sp.kwargs and "stop_token_ids" not in sp.kwargs
-    assert sp.kwargs["temperature"] == 0.0
+    assert sp.kwargs["temperature"] == 0.5
+
+
+def test_the_fake_refuses_greedy_with_n_above_one_as_vllm_does(fake_vllm):
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling, got 2"):
+        fake_vllm.SamplingParams(n=2, temperature=0.0)
+    fake_vllm.SamplingParams(n=2, temperature=1e-5)  # at vLLM's epsilon it samples
+    fake_vllm.SamplingParams(n=1, temperature=0.0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-6])
+def test_greedy_with_n_above_one_decodes_once_and_repeats(fake_vllm, model_dir, temperature):
+    """vLLM 0.26 refuses greedy with n > 1: one n=1 request per prompt, its sample repeated n times."""
+    engine = new_engine(model_dir, eos_token_id=1)
+    prompts = [[2, 3], [4]]
+    out = engine.generate(prompts, SamplingParams(n=3, temperature=temperature, max_new_tokens=5, seed=7))
+    assert len(out.response_ids) == len(out.response_logprobs) == len(out.finished) == 6
+    for i, prompt in enumerate(prompts):
+        only = canned_sample(prompt, 0, 5)  # the single (greedy) sample of that prompt
+        for j in range(3):
+            assert out.response_ids[i * 3 + j] == only.token_ids and out.finished[i * 3 + j] is True
+            assert out.response_logprobs[i * 3 + j] == pytest.approx([-0.01 * (k + 1) for k in range(len(only.token_ids))])
+    assert out.response_ids[0] is not out.response_ids[1]  # copies, not one list aliased three times
+    sampling = FakeLLM.instances[-1].generate_calls[-1][1]
+    assert [sp.kwargs["n"] for sp in sampling] == [1, 1]
+    assert [sp.kwargs["seed"] for sp in sampling] == [7, 10]  # prompt i keeps seed + i * n: streams stay distinct
+    assert engine.calls[-1] == "generate(2 prompts x 3)"
+
+
+# ---------------------------------------------------------------------------------------------- version check
+@pytest.mark.parametrize("version", ["0.11.0", "0.25.1", "0.26.0rc1", "0.27.0", "1.0.0", "not-a-version"])
+def test_untested_vllm_versions_are_refused_by_name(fake_vllm, model_dir, monkeypatch, version):
+    monkeypatch.delenv("RLJOB_VLLM_ANY_VERSION", raising=False)
+    monkeypatch.setattr(fake_vllm, "__version__", version)
+    with pytest.raises(RuntimeError) as info:
+        new_engine(model_dir)
+    message = str(info.value)
+    assert f"installed vLLM is {version}" in message and ">= 0.26.0, < 0.27.0" in message
+    assert "pip install vllm==0.26.0" in message and "RLJOB_VLLM_ANY_VERSION=1" in message
+    assert FakeLLM.instances == []  # refused before vLLM allocates anything
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.3", "0.26.1.dev4+g1234"])
+def test_tested_vllm_versions_start(fake_vllm, model_dir, monkeypatch, version):
+    monkeypatch.setattr(fake_vllm, "__version__", version)
+    assert new_engine(model_dir).vllm_version == version
+
+
+def test_any_version_override_lets_an_untested_vllm_start(fake_vllm, model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(fake_vllm, "__version__", "0.27.1")
+    monkeypatch.setenv("RLJOB_VLLM_ANY_VERSION", "1")
+    with caplog.at_level("WARNING"):
+        new_engine(model_dir)
+    assert "vLLM 0.27.1 is outside the tested range" in caplog.text
+
+
+def test_shutdown_releases_the_llm(fake_vllm, model_dir):
+    engine = new_engine(model_dir)
+    engine.shutdown()
+    assert not hasattr(engine, "llm") and engine.calls[-1] == "shutdown"
+    engine.shutdown()  # twice is harmless
 
 
 def test_generate_with_no_prompts(fake_vllm, model_dir):
@@ -443,5 +542,10 @@ def test_real_vllm_engine_on_a_tiny_qwen2(tmp_path):
     assert engine.last_sync_stats.bytes > 0 and engine.last_sync_stats.gb_per_s > 0
 
     got, want = engine.generate(prompts, greedy), hf_second.generate(prompts, greedy)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vllm_helpers import release
+
+    release(engine)  # the next test's engine must not share vLLM's process-wide sleep allocator with this one
     same = sum(a[:4] == b[:4] for a, b in zip(got.response_ids, want.response_ids))
     assert same >= 8, (got.response_ids, want.response_ids)  # bf16 kernels differ; sharp weights keep argmax stable
+    assert all(got.response_ids[2 * i] == got.response_ids[2 * i + 1] for i in range(len(prompts)))  # greedy n=2

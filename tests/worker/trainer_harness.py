@@ -30,7 +30,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     from rljob_api.validation import parse_spec
-    from rljob_worker import trainer
+    from rljob_worker import run_loop, trainer
+    from rljob_worker.__main__ import run_job
 
     if args.sabotage == "flip-sign":
         real = trainer.algo.grpo_loss
@@ -50,10 +51,10 @@ def main() -> int:
         trainer.algo.compute_outcome_advantages = zeroed
 
     spec = parse_spec(json.loads(Path(args.spec).read_text()))
-    ctx = trainer.RunContext(job_name=args.name, namespace="test", workdir=Path(args.workdir),
-                             checkpoint_uri=args.checkpoint_uri or f"file://{args.workdir}/ckpt")
+    ctx = run_loop.RunContext(job_name=args.name, namespace="test", workdir=Path(args.workdir),
+                              checkpoint_uri=args.checkpoint_uri or f"file://{args.workdir}/ckpt")
     os.environ.setdefault("RLJOB_METRICS_PORT", "0")
-    return trainer.run(spec, ctx)
+    return run_job(spec, ctx)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,31 @@ import warnings
 from pathlib import Path
 
 
+def trainer_class(spec):
+    """The trainer for ``spec.algorithm.name``: SFT for ``sft``, PPO when ``spec.critic`` is set (advantage
+    estimator gae), GRPO for every other policy-gradient variant."""
+    if spec.algorithm.name == "sft":
+        from rljob_worker.sft_trainer import SFTTrainer
+
+        return SFTTrainer
+    if spec.critic is not None:  # PPO: algorithm.advantageEstimator gae with a value model
+        from rljob_worker.ppo_trainer import PPOTrainer
+
+        return PPOTrainer
+    from rljob_worker.trainer import GRPOTrainer
+
+    return GRPOTrainer
+
+
+def run_job(spec, ctx) -> int:
+    """Run the spec's trainer on the shared loop; returns the process exit code."""
+    from rljob_worker.run_loop import run
+
+    return run(trainer_class(spec)(spec, ctx))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rljob_worker", description="rljob GRPO worker (run under torchrun)")
+    parser = argparse.ArgumentParser(prog="rljob_worker", description="rljob worker (run under torchrun)")
     parser.add_argument("--spec", required=True, help="RLJob spec as JSON (the operator mounts it from a ConfigMap)")
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
@@ -41,12 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: invalid spec: {exc}", file=sys.stderr)  # one line: errors joined by '; '
         return 2
 
-    if spec.critic is not None:  # API and validation are ahead of the trainer here: refuse, do not half-run
-        print("rljob worker: spec.critic: PPO with a value model (advantageEstimator gae) is not implemented by this "
-              "worker version yet; use an outcome estimator (grpo, rloo, reinforce_plus_plus)", file=sys.stderr)
-        return 2
-
-    from rljob_worker.trainer import RunContext, run
+    from rljob_worker.run_loop import RunContext
 
     name = os.environ.get("RLJOB_NAME", "rljob")
     namespace = os.environ.get("RLJOB_NAMESPACE", "default")
@@ -60,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         show_progress_bar=os.environ.get("RLJOB_PROGRESS_BAR") == "1" and rank == "0",
     )
     try:
-        return run(spec, ctx)
+        return run_job(spec, ctx)
     except Exception as exc:  # start-up errors are configuration errors: one clear line, no traceback wall
         from rljob_worker.startup_errors import is_configuration_error
 

@@ -1,7 +1,7 @@
 """The SFT trainer: next batch -> masked next-token NLL -> actor update -> validation loss -> checkpoint.
 
 Launch: `algorithm.name: sft` in an RLJob (see examples/llama-sft-megatron.yaml); the operator builds
-the same PyTorchJob as for GRPO and `rljob_worker.trainer.run` hands the spec to `run` here, so
+the same PyTorchJob as for GRPO and `rljob_worker.__main__` picks this trainer by the algorithm, so
 `rljob run FILE` and `torchrun -m rljob_worker --spec spec.json` work unchanged.
 
 What it is, and where it departs from a textbook SFT loop:
@@ -16,33 +16,26 @@ What it is, and where it departs from a textbook SFT loop:
   actor an OptimConfig whose lr is that step's. The schedule spans the spec's planned steps
   (totalTrainingSteps, else totalEpochs x batches per epoch); `rljob run --steps N` only stops a run
   early, so a later run resumes onto the same schedule.
-- Checkpoints, resume, telemetry, status and the HF export are the GRPO trainer's (CheckpointIO,
-  TrainerTelemetry, StatusReporter); there is no rollout engine and no reference model.
+- Start-up, checkpoints, resume, telemetry, status and the HF export are the shared run loop's
+  (rljob_worker.run_loop); there is no rollout engine and no reference model.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
-import random
-import signal
 import time
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from rljob_api.enums import LRSchedule
-from rljob_api.models import RLJobSpec
 
 from rljob_worker.data import EpochSampler
-from rljob_worker.distributed import DistEnv, dist_env_from_environ, init_distributed
 from rljob_worker.flops import active_parameters
+from rljob_worker.run_loop import RunLoop
 from rljob_worker.sft_data import IGNORE_INDEX, collate, load_sft_datasets
-from rljob_worker.trainer import EXIT_PREEMPTED, Preempted, RunContext, StepResult, _torch_dtype
 
 log = logging.getLogger("rljob.sft")
 
@@ -80,28 +73,17 @@ def lr_at(step: int, planned_steps: int, peak: float, warmup_steps: int, schedul
 # --------------------------------------------------------------------------- the trainer
 
 
-class SFTTrainer:
-    def __init__(self, spec: RLJobSpec, ctx: RunContext, env: DistEnv | None = None):
-        self.spec, self.ctx = spec, ctx
-        self.env = env or dist_env_from_environ(os.environ)
-        self.history: list[StepResult] = []
-        self.step = 0
-        self.last_val_loss: float | None = None
-        self._stop_requested = False
-        self._status_reporter = None
+class SFTTrainer(RunLoop):
+    """SFT on the shared run loop (:mod:`rljob_worker.run_loop`): this class supplies the data, the
+    model, the step and the validation."""
+
+    progress_name = "sft"
+    last_val_loss: float | None = None
 
     # ------------------------------------------------------------------ set-up
-    def setup(self) -> None:
-        """Everything that can fail on bad input fails here, before any training."""
+    def build_data(self) -> None:
+        """Model folder, tokenizer, data: the usual mistakes fail here, before the model is built."""
         spec, env, t = self.spec, self.env, self.spec.training
-        init_distributed(env)
-        self.is_main = env.rank == 0
-        self.device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        random.seed(t.seed + env.rank)
-        np.random.seed(t.seed + env.rank)
-        torch.manual_seed(t.seed)
-        self.dtype = _torch_dtype(spec.model.dtype.value, self.device)
-
         # Configuration first: model folder, tokenizer, data.
         from transformers import AutoTokenizer
 
@@ -118,17 +100,10 @@ class SFTTrainer:
         self.sampler = EpochSampler(len(self.train_set), self.global_batch, t.seed, spec.data.shuffle)
         self.planned_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
         self.total_steps = self.ctx.max_steps or self.planned_steps  # where this run stops
-        if self.device.type == "cpu":
-            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
 
-            apply_cpu_patches()
-
-        from rljob_worker.checkpoint_io import CheckpointIO
-
-        self.checkpoints = CheckpointIO(spec, self.ctx, self.env)
-        self.checkpoints.check_access()
-
-        # The model: megatron-core actor (TP, distributed optimizer; vocab-parallel log-probs).
+    def build_model(self) -> None:
+        """The megatron-core actor (TP, distributed optimizer; vocab-parallel log-probs)."""
+        spec, t = self.spec, self.spec.training
         from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig, RecomputeConfig
 
         m = spec.megatron
@@ -143,72 +118,12 @@ class SFTTrainer:
         self.per_rank = self.global_batch // self.dp_size
         self.micro_batches = self.per_rank // t.micro_batch_size_per_gpu
         self._num_params = active_parameters(self.actor.hf_config)  # MoE: top-k experts only
-
-        self.telemetry = self._make_telemetry()
-        signal.signal(signal.SIGTERM, self._request_stop)
-        self._resume()
         if self.is_main:
             log.info("SFT: %d train / %s val sequences, global batch %d = %d DP x %d micro-batches x %d, %d planned steps",
                      len(self.train_set), len(self.val_set) if self.val_set else 0, self.global_batch, self.dp_size,
                      self.micro_batches, t.micro_batch_size_per_gpu, self.planned_steps)
 
-    def _make_telemetry(self):
-        from rljob_worker.telemetry import TrainerTelemetry
-
-        telemetry = TrainerTelemetry(job=self.ctx.job_name, namespace=self.ctx.namespace, rank=self.env.rank,
-                                     model=self.spec.model.path, algorithm=self.spec.algorithm.name.value,
-                                     nnodes=self.spec.nnodes, save_freq=self.spec.checkpoint.save_freq,
-                                     tensorboard_dir=self.spec.metrics.tensorboard_dir if self.is_main else None)
-        if self.spec.metrics.enabled and self.env.local_rank == 0:
-            port = int(os.environ.get("RLJOB_METRICS_PORT", self.spec.metrics.port))
-            self.metrics_port = telemetry.serve(port)
-        telemetry.set_total_steps(self.total_steps)
-        return telemetry
-
-    def _request_stop(self, signum, _frame) -> None:
-        log.warning("signal %d: finishing the current step, then saving a checkpoint", signum)
-        self._stop_requested = True
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> list[StepResult]:
-        spec, t = self.spec, self.spec.training
-        if self.step >= self.total_steps and self.is_main:
-            print(f"nothing to train: resumed at step {self.step} of {self.total_steps} from {self.checkpoints.uri}; "
-                  "delete that checkpoint folder (or `rljob run --fresh`) to train again", flush=True)
-        if t.val_before_train and self.val_set is not None and self.step == 0:
-            self._append_metrics_log({"val/loss": self.validate()})
-        while self.step < self.total_steps:
-            step_start = time.perf_counter()
-            self.step += 1
-            metrics = self.train_step()
-            metrics["timing/step_s"] = time.perf_counter() - step_start
-            self.history.append(StepResult(self.step, metrics))
-            self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
-            self.telemetry.record_gpu_memory()
-            self._poll_checkpoint()
-
-            last = self.step == self.total_steps
-            logged = dict(metrics)
-            if self.val_set is not None and t.test_freq > 0 and (self.step % t.test_freq == 0 or last):
-                logged["val/loss"] = self.validate()
-            self._append_metrics_log(logged)
-            self._report_progress(metrics)
-            stop = self._agree_to_stop()
-            due = last or (spec.checkpoint.save_freq > 0 and self.step % spec.checkpoint.save_freq == 0)
-            if due or (stop and spec.checkpoint.save_on_preemption):
-                with self.telemetry.stage("checkpoint"):
-                    self.checkpoints.save(self.step, self.actor, self.trainer_state(), metrics)
-                self._poll_checkpoint()
-            if stop:
-                self.checkpoints.wait()
-                raise Preempted(f"stopped by SIGTERM after step {self.step}")
-        self.checkpoints.wait()
-        self._poll_checkpoint()
-        self._publish_status(force=True)
-        if spec.checkpoint.export_hf:
-            self.checkpoints.export_hf(self.actor, self.tokenizer, self.model_dir)
-        return self.history
-
+    # ------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
         t = self.spec.training
         # 1. the global batch (indices into the train set, the same on every rank); this DP rank's share
@@ -250,6 +165,9 @@ class SFTTrainer:
         return lr
 
     # ------------------------------------------------------------------ validation
+    def validate_for_log(self) -> dict[str, float]:
+        return {"val/loss": self.validate()}
+
     def validate(self) -> float:
         """Token-mean NLL over every target token of the validation set (each DP rank takes every dp-th row)."""
         micro = self.spec.training.micro_batch_size_per_gpu
@@ -271,93 +189,32 @@ class SFTTrainer:
             log.info("validation at step %d: loss %.4f over %d target tokens", self.step, loss, int(totals[1]))
         return loss
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ the loop's hooks
     def trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "last_val_loss": self.last_val_loss,
-                "history": [{"step": r.step, "metrics": r.metrics} for r in self.history[-1000:]]}
+        return {**super().trainer_state(), "last_val_loss": self.last_val_loss}
 
-    def _resume(self) -> None:
-        state = self.checkpoints.resume(self.actor)
-        if state is None:
-            return
-        self.step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        super().load_trainer_state(state)
         self.last_val_loss = state.get("last_val_loss")
-        self.history = [StepResult(h["step"], h["metrics"]) for h in state.get("history", [])]
-        if self.is_main:
-            log.info("resumed from step %d (epoch %d, batch %d)", self.step, self.sampler.epoch, self.sampler.position)
 
-    def _poll_checkpoint(self) -> None:
-        """Rank 0: publish a checkpoint once its upload has committed (metrics, RLJob status)."""
-        if not self.is_main:
-            return
-        committed = self.checkpoints.poll()
-        if committed is not None:
-            self.telemetry.record_checkpoint(committed["step"], time.time())
-            self._publish_status(force=True)
-
-    # ------------------------------------------------------------------ helpers
-    def _agree_to_stop(self) -> bool:
-        """Every rank must stop at the same step: OR the SIGTERM flags over the world."""
-        flag = torch.tensor([1 if self._stop_requested else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = flag.to(self.device) if self.device.type == "cuda" else flag
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _report_progress(self, metrics: dict[str, float]) -> None:
-        if not self.is_main:
-            return
-        recent = self.history[-10:]
-        eta = sum(r.metrics.get("timing/step_s", 0.0) for r in recent) / len(recent) * (self.total_steps - self.step)
+    def progress_line(self, metrics: dict[str, float], eta_s: float) -> str:
         val = f" | val_loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""
-        print(f"step {self.step}/{self.total_steps} | loss {metrics['actor/loss']:.4f}{val} | "
-              f"grad_norm {metrics['actor/grad_norm']:.3f} | lr {metrics['actor/lr']:.2e} | "
-              f"{metrics['throughput/train_tokens_per_s']:.0f} tok/s | {metrics['timing/step_s']:.2f}s | "
-              f"ETA {eta:.0f}s", flush=True)
-        self._publish_status()
+        return (f"step {self.step}/{self.total_steps} | loss {metrics['actor/loss']:.4f}{val} | "
+                f"grad_norm {metrics['actor/grad_norm']:.3f} | lr {metrics['actor/lr']:.2e} | "
+                f"{metrics['throughput/train_tokens_per_s']:.0f} tok/s | {metrics['timing/step_s']:.2f}s | "
+                f"ETA {eta_s:.0f}s")
 
-    def _append_metrics_log(self, metrics: dict[str, float]) -> None:
-        """One JSON line per step in <workdir>/metrics.jsonl (rank 0); step 0 holds the first validation."""
-        if not self.is_main:
-            return
-        Path(self.ctx.workdir).mkdir(parents=True, exist_ok=True)
-        with open(Path(self.ctx.workdir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+    def progress_postfix(self, metrics: dict[str, float]) -> str:
+        return f"loss {metrics['actor/loss']:.4f}"
 
-    def _publish_status(self, force: bool = False) -> None:
-        """Progress for RLJob.status (step, total, checkpoint; the reward fields stay empty)."""
-        if not self.is_main:
-            return
-        if self._status_reporter is None:
-            from rljob_worker.status_report import StatusReporter
-
-            self._status_reporter = StatusReporter.from_environ(self.ctx.job_name, self.ctx.namespace)
-        self._status_reporter.report(step=self.step, total_steps=self.total_steps, reward_mean=None,
-                                     val_reward_mean=None, last_checkpoint=self.checkpoints.last_committed,
-                                     force=force)
+    def summary_line(self) -> str | None:
+        if not self.history:
+            return None
+        return (f"done: {self.step} steps, loss {self.history[0].metrics['actor/loss']:.4f} (first step) -> "
+                f"{self.history[-1].metrics['actor/loss']:.4f} (last step)"
+                + (f", val loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""))
 
 
 def _loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: dict[str, Any]):
     """The actor's loss hook: micro["labels"] (b, T) and the step's micro["normaliser"] (a float)."""
     return sft_loss(logprobs, micro["labels"], micro["normaliser"])
-
-
-def run(spec: RLJobSpec, ctx: RunContext) -> int:
-    """Entry from `rljob_worker.trainer.run` for algorithm sft: returns the process exit code."""
-    trainer = SFTTrainer(spec, ctx)
-    try:
-        trainer.setup()
-        trainer.fit()
-    except Preempted as exc:
-        log.warning("%s; checkpoint committed, exiting %d", exc, EXIT_PREEMPTED)
-        return EXIT_PREEMPTED
-    finally:
-        telemetry = getattr(trainer, "telemetry", None)
-        if telemetry is not None:
-            telemetry.close()
-    if trainer.is_main and trainer.history:
-        print(f"done: {trainer.step} steps, loss {trainer.history[0].metrics['actor/loss']:.4f} (first step) -> "
-              f"{trainer.history[-1].metrics['actor/loss']:.4f} (last step)"
-              + (f", val loss {trainer.last_val_loss:.4f}" if trainer.last_val_loss is not None else ""), flush=True)
-    return 0

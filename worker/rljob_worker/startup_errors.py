@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def is_configuration_error(exc: BaseException) -> bool:
     from rljob_worker.data import DataError
-    from rljob_worker.megatron.model_config import MegatronConfigError
+    from rljob_worker.megatron.errors import MegatronConfigError
     from rljob_worker.model_source import ModelSourceError
     from rljob_worker.rewards import RewardError
     from rljob_worker.storage import StorageError

@@ -22,14 +22,9 @@ How this departs from textbook GRPO (Shao et al. 2024):
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import random
-import signal
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,65 +32,31 @@ import torch
 import torch.distributed as dist
 from rljob_api.enums import KLPlacement
 from rljob_api.enums import RolloutEngine as RolloutEngineName
-from rljob_api.models import RLJobSpec
 
 from rljob_worker import algorithms as algo
 from rljob_worker.batching import pad_batch, scatter_response_values, slice_batch, split_batch, trim_padding
 from rljob_worker.data import EpochSampler, load_datasets
-from rljob_worker.distributed import DistEnv, broadcast_object, dist_env_from_environ, init_distributed
+from rljob_worker.distributed import broadcast_object
 from rljob_worker.flops import active_parameters
 from rljob_worker.rewards import resolve_reward, score_all
-from rljob_worker.rollout import RolloutOutput, SamplingParams, make_engine
-from rljob_worker.rollout.base import resolve_engine_name
+from rljob_worker.rollout import RolloutOutput, SamplingParams
+from rljob_worker.rollout.factory import make_engine, resolve_engine_name
 from rljob_worker.rollout.weight_sync import plan_rollout_layout
+from rljob_worker.run_loop import RunLoop
 
 log = logging.getLogger("rljob.trainer")
 
-EXIT_PREEMPTED = 143  # 128 + SIGTERM: "retryable" for PyTorchJob restartPolicy ExitCode
 
+class GRPOTrainer(RunLoop):
+    """GRPO on the shared run loop (:mod:`rljob_worker.run_loop`): this class supplies the data, the
+    models (actor, reference, rollout engine), the step and the validation."""
 
-@dataclass
-class RunContext:
-    """Where this run lives; the operator (or `rljob run`) decides, the spec does not."""
-
-    job_name: str = "rljob"
-    namespace: str = "default"
-    workdir: Path = field(default_factory=lambda: Path("/tmp/rljob"))
-    checkpoint_uri: str | None = None  # overrides spec.checkpoint.uri
-    max_steps: int | None = None  # overrides spec.training.totalTrainingSteps
-    show_progress_bar: bool = False
-
-
-@dataclass
-class StepResult:
-    step: int
-    metrics: dict[str, float]
-
-
-class Preempted(Exception):
-    pass
-
-
-class GRPOTrainer:
-    def __init__(self, spec: RLJobSpec, ctx: RunContext, env: DistEnv | None = None):
-        self.spec, self.ctx = spec, ctx
-        self.env = env or dist_env_from_environ(os.environ)
-        self.history: list[StepResult] = []
-        self.step = 0
-        self._stop_requested = False
-        self._status_reporter = None
+    progress_name = "grpo"
 
     # ------------------------------------------------------------------ set-up
-    def setup(self) -> None:
-        """Everything that can fail on bad input fails here, before any training."""
+    def build_data(self) -> None:
+        """Reward, model folder, tokenizer, data: the usual mistakes fail here, before any model is built."""
         spec, env = self.spec, self.env
-        init_distributed(env)
-        self.is_main = env.rank == 0
-        self.device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        self._seed_everything(spec.training.seed)
-        self.dtype = _torch_dtype(spec.model.dtype.value, self.device)
-
-        # Configuration first (cheap, and the usual mistakes): reward, model folder, tokenizer, data.
         self.reward_fn = resolve_reward(spec.reward.function)
         self.reward_pool = _reward_pool(spec.reward.num_workers) if self.is_main else None
         from rljob_worker.model_source import resolve_model_dir
@@ -113,19 +74,13 @@ class GRPOTrainer:
         self.eos_id = self.tokenizer.eos_token_id
         self.train_set, self.val_set = load_datasets(spec.data, self.tokenizer, spec.training.seed,
                                                      fetch=self._fetcher())
-        if self.device.type == "cpu":
-            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
-
-            apply_cpu_patches()
         self.prompts_per_step = spec.training.train_batch_size_per_node * spec.nnodes
         self.sampler = EpochSampler(len(self.train_set), self.prompts_per_step, spec.training.seed, spec.data.shuffle)
         self.total_steps = self._total_steps()
 
-        from rljob_worker.checkpoint_io import CheckpointIO
-
-        self.checkpoints = CheckpointIO(spec, self.ctx, self.env)
-        self.checkpoints.check_access()
-
+    def build_model(self) -> None:
+        """The actor, the reference model (klCoef > 0) and the rollout engine."""
+        spec = self.spec
         from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig, RecomputeConfig
 
         m, t = spec.megatron, spec.training
@@ -157,15 +112,16 @@ class GRPOTrainer:
         # every rank (its process groups span the torchrun world): each rollout-TP group is one
         # replica that samples a slice of the prompts, and the slices are gathered.
         r = spec.rollout
-        self.engine_name = resolve_engine_name(r.engine, self.device)
-        self.engine_is_vllm = self.engine_name == RolloutEngineName.VLLM
         world = dist.get_world_size() if dist.is_initialized() else 1
+        self.engine_name = resolve_engine_name(r.engine, self.device, world_size=world,
+                                               rollout_tp=r.tensor_model_parallel_size, num_params=self._num_params)
+        self.engine_is_vllm = self.engine_name == RolloutEngineName.VLLM
         self.engine_everywhere = self.engine_is_vllm and world > 1
         self.rollout_layout = (plan_rollout_layout(world, spec.gpus_per_node, m.tensor_model_parallel_size,
                                                    r.tensor_model_parallel_size) if self.engine_everywhere else None)
         self.engine = None
         if self.is_main or self.engine_everywhere:
-            self.engine = make_engine(r.engine, str(self.model_dir), dtype=self.dtype, device=self.device,
+            self.engine = make_engine(self.engine_name, str(self.model_dir), dtype=self.dtype, device=self.device,
                                       eos_token_id=self.eos_id, pad_token_id=self.pad_id,
                                       tensor_parallel_size=r.tensor_model_parallel_size,
                                       gpu_memory_utilization=r.gpu_memory_utilization,
@@ -173,10 +129,8 @@ class GRPOTrainer:
                                       enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
                                       seed=t.seed)
         if self.engine is not None and self.is_main:
-            log.info("rollout engine: %s on %s", type(self.engine).__name__, self.device)
-        self.telemetry = self._make_telemetry()
-        self._install_signal_handlers()
-        self._resume()
+            log.info("rollout engine: %s on %s (rollout.engine: %s)", type(self.engine).__name__, self.device,
+                     r.engine.value)
 
     def _fetcher(self):
         from rljob_worker.model_source import fetch_file
@@ -191,74 +145,7 @@ class GRPOTrainer:
             return t.total_training_steps
         return t.total_epochs * self.sampler.batches_per_epoch
 
-    def _make_telemetry(self):
-        from rljob_worker.telemetry import TrainerTelemetry
-
-        telemetry = TrainerTelemetry(job=self.ctx.job_name, namespace=self.ctx.namespace, rank=self.env.rank,
-                                     model=self.spec.model.path, algorithm=self.spec.algorithm.name.value,
-                                     nnodes=self.spec.nnodes, save_freq=self.spec.checkpoint.save_freq,
-                                     tensorboard_dir=self.spec.metrics.tensorboard_dir
-                                     if self.is_main else None)
-        if self.spec.metrics.enabled and self.env.local_rank == 0:
-            port = int(os.environ.get("RLJOB_METRICS_PORT", self.spec.metrics.port))
-            self.metrics_port = telemetry.serve(port)
-            log.info("metrics on :%d/metrics", self.metrics_port)
-        telemetry.set_total_steps(self.total_steps)
-        return telemetry
-
-    def _seed_everything(self, seed: int) -> None:
-        random.seed(seed + self.env.rank)
-        np.random.seed(seed + self.env.rank)
-        torch.manual_seed(seed)
-
-    def _install_signal_handlers(self) -> None:
-        def request_stop(signum, _frame):
-            log.warning("signal %d: finishing the current step, then saving a checkpoint", signum)
-            self._stop_requested = True
-
-        signal.signal(signal.SIGTERM, request_stop)
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> list[StepResult]:
-        spec = self.spec
-        if self.step >= self.total_steps and self.is_main:
-            print(f"nothing to train: resumed at step {self.step} of {self.total_steps} from {self.checkpoints.uri}; "
-                  "delete that checkpoint folder (or `rljob run --fresh`) to train again", flush=True)
-        if spec.training.val_before_train and self.val_set is not None and self.step == 0:
-            self.validate()
-        bar = self._progress_bar()
-        while self.step < self.total_steps:
-            step_start = time.perf_counter()
-            self.step += 1
-            metrics = self.train_step()
-            metrics["timing/step_s"] = time.perf_counter() - step_start
-            metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
-            self.history.append(StepResult(self.step, metrics))
-            self._append_metrics_log(metrics)
-            self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
-            self.telemetry.record_gpu_memory()
-            self._poll_checkpoint()
-            self._report_progress(metrics, bar)
-
-            last = self.step == self.total_steps
-            if self.val_set is not None and spec.training.test_freq > 0 and (self.step % spec.training.test_freq == 0 or last):
-                self.validate()
-            stop = self._agree_to_stop()
-            due = last or (spec.checkpoint.save_freq > 0 and self.step % spec.checkpoint.save_freq == 0)
-            if due or (stop and spec.checkpoint.save_on_preemption):
-                self.save_checkpoint(metrics)
-            if stop:
-                self.checkpoints.wait()
-                raise Preempted(f"stopped by SIGTERM after step {self.step}")
-        if bar is not None:
-            bar.close()
-        self.checkpoints.wait()
-        self._poll_checkpoint()
-        self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
-        if spec.checkpoint.export_hf:
-            self.checkpoints.export_hf(self.actor, self.tokenizer, self.model_dir)
-        return self.history
-
+    # ------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
         spec, a = self.spec, self.spec.algorithm
         metrics: dict[str, float] = {}
@@ -491,6 +378,10 @@ class GRPOTrainer:
         self.last_validation = result
         return result
 
+    def validate_for_log(self) -> dict[str, float]:
+        self.validate()  # recorded in telemetry and the RLJob status, not in the step's metrics line
+        return {}
+
     def _validate_main(self) -> dict[str, float]:
         spec, records = self.spec, self.val_set.records
         params = SamplingParams(n=spec.rollout.val_n, temperature=spec.rollout.val_temperature,
@@ -505,89 +396,38 @@ class GRPOTrainer:
                            extras, pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds)
         return {"val/reward_mean": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
 
-    # ------------------------------------------------------------------ checkpoints
-    def trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, "sampler": self.sampler.state_dict(),
-                "history": [{"step": r.step, "metrics": r.metrics} for r in self.history[-1000:]]}
+    # ------------------------------------------------------------------ the loop's hooks
+    def after_resume(self) -> None:
+        self._sync_weights()  # the rollout engine samples from the resumed policy
 
-    def save_checkpoint(self, metrics: dict[str, float]) -> None:
-        with self.telemetry.stage("checkpoint"):
-            self.checkpoints.save(self.step, self.actor, self.trainer_state(), metrics)
-        self._poll_checkpoint()
-
-    def _poll_checkpoint(self) -> None:
-        """Rank 0: publish a checkpoint once its upload has committed (metrics, RLJob status)."""
-        if not self.is_main:
-            return
-        committed = self.checkpoints.poll()
-        if committed is not None:
-            self.telemetry.record_checkpoint(committed["step"], time.time())
-            self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
-
-    def _resume(self) -> None:
-        state = self.checkpoints.resume(self.actor)
-        if state is None:
-            return
-        self.step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.history = [StepResult(h["step"], h["metrics"]) for h in state.get("history", [])]
-        self._sync_weights()
-        if self.is_main:
-            log.info("resumed from step %d (epoch %d, batch %d)", self.step, self.sampler.epoch, self.sampler.position)
-
-    # ------------------------------------------------------------------ helpers
-    def _agree_to_stop(self) -> bool:
-        """Every rank must stop at the same step: OR the SIGTERM flags over the world."""
-        flag = torch.tensor([1 if self._stop_requested else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            if self.device.type == "cuda":
-                flag = flag.to(self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _progress_bar(self):
-        if not (self.is_main and self.ctx.show_progress_bar):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.total_steps, initial=self.step, desc="grpo", unit="step", dynamic_ncols=True)
-
-    def _report_progress(self, metrics: dict[str, float], bar) -> None:
-        if not self.is_main:
-            return
-        elapsed = sum(r.metrics.get("timing/step_s", 0.0) for r in self.history[-10:]) / min(len(self.history), 10)
-        eta = elapsed * (self.total_steps - self.step)
-        line = (f"step {self.step}/{self.total_steps} | reward {metrics.get('reward/mean', float('nan')):.3f} | "
+    def progress_line(self, metrics: dict[str, float], eta_s: float) -> str:
+        return (f"step {self.step}/{self.total_steps} | reward {metrics.get('reward/mean', float('nan')):.3f} | "
                 f"resp_len {metrics.get('response_length/mean', 0):.1f} | kl {metrics.get('actor/kl', 0.0):.4f} | "
-                f"grad_norm {metrics.get('actor/grad_norm', 0.0):.3f} | {metrics['timing/step_s']:.2f}s | ETA {eta:.0f}s")
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(f"reward {metrics.get('reward/mean', 0):.3f}")
-            bar.write(line)
-        else:
-            print(line, flush=True)
-        self._publish_status(metrics)
+                f"grad_norm {metrics.get('actor/grad_norm', 0.0):.3f} | {metrics['timing/step_s']:.2f}s | "
+                f"ETA {eta_s:.0f}s")
 
-    def _append_metrics_log(self, metrics: dict[str, float]) -> None:
-        """One JSON line per step in <workdir>/metrics.jsonl (rank 0): the run's learning curve."""
-        if not self.is_main:
-            return
-        self.ctx.workdir.mkdir(parents=True, exist_ok=True)
-        with open(self.ctx.workdir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+    def progress_postfix(self, metrics: dict[str, float]) -> str:
+        return f"reward {metrics.get('reward/mean', 0):.3f}"
 
-    def _publish_status(self, metrics: dict[str, float], force: bool = False) -> None:
-        """Progress for RLJob.status (the operator folds it in); a no-op outside a cluster."""
-        if not self.is_main:
-            return
-        if self._status_reporter is None:
-            from rljob_worker.status_report import StatusReporter
+    def status_values(self, metrics: dict[str, float]) -> dict[str, float | None]:
+        return {"reward_mean": metrics.get("reward/mean"),
+                "val_reward_mean": (getattr(self, "last_validation", None) or {}).get("val/reward_mean")}
 
-            self._status_reporter = StatusReporter.from_environ(self.ctx.job_name, self.ctx.namespace)
-        self._status_reporter.report(
-            step=self.step, total_steps=self.total_steps, reward_mean=metrics.get("reward/mean"),
-            val_reward_mean=(getattr(self, "last_validation", None) or {}).get("val/reward_mean"),
-            last_checkpoint=self.checkpoints.last_committed, force=force)
+    def summary_line(self) -> str | None:
+        first = [r.metrics["reward/mean"] for r in self.history[:5]]
+        last = [r.metrics["reward/mean"] for r in self.history[-5:]]
+        if not (first and last):
+            return None
+        return f"done: {self.step} steps, reward {np.mean(first):.3f} (first 5) -> {np.mean(last):.3f} (last 5)"
+
+    def close(self) -> None:
+        pool = getattr(self, "reward_pool", None)
+        if pool is not None:
+            # A reward that hung past its timeout would keep the process alive: stop the workers.
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
 
 def _reward_pool(num_workers: int):
@@ -604,42 +444,3 @@ def _reward_pool(num_workers: int):
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for d in dicts for k in d}
     return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
-
-
-def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
-    if device.type == "cpu" and name != "float32":
-        log.warning("model.dtype %s on CPU: training in float32 instead (CPU half precision is slow and lossy)", name)
-        return torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
-
-def run(spec: RLJobSpec, ctx: RunContext) -> int:
-    """Entry used by `python -m rljob_worker`: returns the process exit code."""
-    if spec.algorithm.name == "sft":  # supervised fine-tuning: its own loop (rljob_worker.sft_trainer)
-        from rljob_worker.sft_trainer import run as run_sft
-
-        return run_sft(spec, ctx)
-    trainer = GRPOTrainer(spec, ctx)
-    try:
-        trainer.setup()
-        trainer.fit()
-    except Preempted as exc:
-        log.warning("%s; checkpoint committed, exiting %d", exc, EXIT_PREEMPTED)
-        return EXIT_PREEMPTED
-    finally:
-        pool = getattr(trainer, "reward_pool", None)
-        if pool is not None:
-            # A reward that hung past its timeout would keep the process alive: stop the workers.
-            for proc in list(getattr(pool, "_processes", {}).values()):
-                proc.kill()
-            pool.shutdown(wait=False, cancel_futures=True)
-        telemetry = getattr(trainer, "telemetry", None)
-        if telemetry is not None:
-            telemetry.close()
-    if trainer.is_main:
-        first = [r.metrics["reward/mean"] for r in trainer.history[:5]]
-        last = [r.metrics["reward/mean"] for r in trainer.history[-5:]]
-        if first and last:
-            print(f"done: {trainer.step} steps, reward {np.mean(first):.3f} (first 5) -> {np.mean(last):.3f} (last 5)",
-                  flush=True)
-    return 0

@@ -1,7 +1,12 @@
-"""The megatron-core policy model of the GRPO trainer.
+"""megatron-core models of the trainers: one engine, a head per model.
 
-- ``actor``: :class:`~rljob_worker.megatron.actor.MegatronActor` (log-probs, update, weight export,
-  distributed checkpoints; TP, DP, PP and VPP), ``ParallelConfig``, ``OptimConfig``.
+- ``engine``: :class:`~rljob_worker.megatron.engine.MegatronEngine` (build and HF load, micro-batches
+  through the pipeline schedules with a caller's head and loss; TP, DP, PP, VPP, CP, EP), with
+  ``engine_config`` (``ParallelConfig``, ``OptimConfig``, ``RecomputeConfig``, layout checks, process
+  groups), ``packing`` (padding-free micro-batches), ``optim_step`` (optimizer and its step, GPU and
+  CPU) and ``engine_state`` (offload, dist-checkpoints, RNG, HF export); ``errors``: ``MegatronConfigError``.
+- ``actor``: :class:`~rljob_worker.megatron.actor.MegatronActor`, the policy head on the engine
+  (log-probs, entropy, vocab padding; ``update``, ``compute_logprobs``).
 - ``model_config``: HF config -> megatron ``TransformerConfig`` + layer spec + ``GPTModel`` kwargs.
 - ``hf_weights``: HF safetensors <-> megatron weights, per TP rank and pipeline stage (mapping
   tables per architecture).

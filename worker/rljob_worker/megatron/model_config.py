@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .errors import MegatronConfigError
 from .moe import FROM_HF_FIELDS as _MOE_FROM_HF
 from .moe import MOE_MODEL_TYPES, check_moe_hf_config, is_moe, moe_block_spec, moe_transformer_kwargs
 
@@ -104,10 +105,6 @@ _NOT_OVERRIDABLE = {
     "bf16": "set spec.model.dtype",
     "fp16": "set spec.model.dtype",
 }
-
-
-class MegatronConfigError(ValueError):
-    """A recompute or ``overrideTransformerConfig`` setting megatron cannot use (names the spec key)."""
 
 
 def have_transformer_engine() -> bool:

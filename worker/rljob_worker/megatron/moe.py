@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import all_reduce_grads
+from .errors import MegatronConfigError
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 EXPERT_PREFIX = "mlp.experts."  # megatron names of expert parameters contain ".mlp.experts."
@@ -69,8 +70,6 @@ def moe_layer_pattern(hf_config) -> list[int]:
 
 def check_moe_hf_config(hf_config, tp: int = 1, ep: int = 1, etp: int | None = None) -> None:
     """``MegatronConfigError`` naming the spec field and the fix when the experts cannot be laid out."""
-    from .model_config import MegatronConfigError
-
     etp = tp if etp is None else etp
     n = int(getattr(hf_config, "num_experts", 0) or 0)
     if n <= 0 or not any(moe_layer_pattern(hf_config)):
@@ -108,8 +107,6 @@ def check_moe_hf_config(hf_config, tp: int = 1, ep: int = 1, etp: int | None = N
 def check_expert_layout(world: int, tp: int, pp: int, cp: int, ep: int, etp: int | None) -> None:
     """megatron carves expert groups out of the same ranks: ``etp * ep * pp`` must divide the world,
     and (megatron's own rule) ``ep * etp`` the ranks of one pipeline stage."""
-    from .model_config import MegatronConfigError
-
     etp = tp if etp is None else etp
     if etp < 1 or ep < 1:
         raise MegatronConfigError(
@@ -125,8 +122,6 @@ def check_expert_layout(world: int, tp: int, pp: int, cp: int, ep: int, etp: int
 
 def check_training_layout(hf_config, tp: int, sequence_parallel: bool) -> None:
     """megatron's MoELayer refuses to train under TP without sequence parallel; say so at start-up."""
-    from .model_config import MegatronConfigError
-
     if is_moe(hf_config) and tp > 1 and not sequence_parallel:
         raise MegatronConfigError(
             f"spec.megatron.sequenceParallel must be true to train a mixture-of-experts model with "

@@ -1,4 +1,8 @@
-"""The vLLM rollout engine, colocated in the training process ("hybrid" mode), written for vLLM 0.11.
+"""The vLLM rollout engine, colocated in the training process ("hybrid" mode), for vLLM 0.26.
+
+Tested with vLLM 0.26.0 (the release pinned in the ``gpu`` extra and the worker image; it pins torch
+2.11). `check_vllm_version` refuses any other minor release at start-up (``RLJOB_VLLM_ANY_VERSION=1``
+skips the check).
 
 Life cycle of one GRPO step on a GPU shared with the megatron actor::
 
@@ -27,7 +31,10 @@ How vLLM is driven (everything imported lazily: vLLM is optional and CUDA-only):
   group creation is collective), not global rank 0 alone.
 - Sampling: one request per prompt with ``SamplingParams.n`` (vLLM fans it out into n children
   seeded ``seed + j``); prompt i gets seed ``params.seed + i * n`` so no two samples of a batch
-  share a random stream. ``logprobs=0`` returns the sampled token's log-prob only, and
+  share a random stream. Greedy (temperature below vLLM's 1e-5) with n > 1, which vLLM 0.26
+  refuses ("n must be 1 when using greedy sampling"), is decoded once per prompt (n=1, same seed
+  ``params.seed + i * n``) and the result repeated n times: greedy samples of one prompt are
+  identical by definition, so the n-1 copies cost nothing. ``logprobs=0`` returns the sampled token's log-prob only, and
   ``logprobs_mode="processed_logprobs"`` makes it the log-prob under the temperature/top-k/top-p
   processed distribution that was actually sampled — what the `hf` engine returns.
 - Weight sync: `weight_sync.bucket_named_tensors` groups the stream; each bucket goes into the
@@ -69,6 +76,37 @@ _MEMORY_ERROR_MARKERS = (
 )
 
 AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights_only", "asleep"
+
+# vLLM releases this engine is tested with: [min, max). Only 0.26.x has run on a GPU (bench/NOTES.md).
+TESTED_VLLM = ("0.26.0", "0.27.0")
+ANY_VERSION_ENV = "RLJOB_VLLM_ANY_VERSION"
+# vLLM treats temperatures below this as greedy (vllm/sampling_params.py, _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def check_vllm_version(version: str, tested: tuple[str, str] = TESTED_VLLM) -> None:
+    """Refuse a vLLM outside the tested range [tested[0], tested[1]) with an error naming both.
+
+    The engine reaches into vLLM's Python API (LLM kwargs, sleep tags, apply_model, logprobs_mode),
+    which changes between minor releases; an untested one fails late and obscurely, or samples wrongly.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    low, high = tested
+    try:
+        ok = Version(low) <= Version(version) < Version(high)
+    except InvalidVersion:
+        ok = False
+    if ok:
+        return
+    if os.environ.get(ANY_VERSION_ENV, "0") == "1":
+        log.warning("vLLM %s is outside the tested range [%s, %s); %s=1 lets it run", version, low, high,
+                    ANY_VERSION_ENV)
+        return
+    raise RuntimeError(
+        f"spec.rollout.engine is vllm but the installed vLLM is {version}; rljob is tested with vLLM >= {low}, "
+        f"< {high} (pip install vllm=={low}, or the rljob worker image, which ships it). To try this version "
+        f"anyway set {ANY_VERSION_ENV}=1 in podTemplate env, or use rollout.engine: hf.")
 
 
 def _import_vllm():
@@ -166,6 +204,8 @@ class VLLMEngine:
             log.warning("VLLM_ENABLE_V1_MULTIPROCESSING overridden to 0: the colocated engine runs in-process")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm = _import_vllm()
+        self.vllm_version = str(getattr(vllm, "__version__", "unknown"))
+        check_vllm_version(self.vllm_version)
         self._vllm = vllm
         backend = distributed_executor_backend or _executor_backend(tensor_parallel_size)
         kwargs: dict[str, Any] = {
@@ -197,8 +237,29 @@ class VLLMEngine:
             raise
         self.startup_seconds = time.perf_counter() - start
         self._param_names = _model_param_names(self.llm) if check_complete_sync else None
-        log.info("vLLM engine up in %.1f s (tp=%d, gpu_memory_utilization=%.2f, backend=%s)", self.startup_seconds,
-                 tensor_parallel_size, gpu_memory_utilization, backend or "default")
+        log.info("vLLM %s engine up in %.1f s (tp=%d, gpu_memory_utilization=%.2f, backend=%s)", self.vllm_version,
+                 self.startup_seconds, tensor_parallel_size, gpu_memory_utilization, backend or "default")
+
+    def shutdown(self) -> None:
+        """Stop the engine and drop its memory (benchmarks and tests that start another engine in this process).
+
+        vLLM's sleep-mode allocator is process-wide: a second live engine would be slept and woken with the
+        first, so the first must be gone before the next starts. The torch.distributed world is left alone.
+        """
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del self.llm
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        self.state = ASLEEP
+        self.calls.append("shutdown")
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int | None = None) -> None:
@@ -294,8 +355,8 @@ class VLLMEngine:
         return out
 
     # ------------------------------------------------------------------ generation
-    def _sampling_params(self, params: SamplingParams, prompt_index: int):
-        kw: dict[str, Any] = {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
+    def _sampling_params(self, params: SamplingParams, prompt_index: int, n: int):
+        kw: dict[str, Any] = {"n": n, "temperature": params.temperature, "top_p": params.top_p,
                               "max_tokens": params.max_new_tokens, "logprobs": 0, "detokenize": False}
         if params.top_k > 0:  # vLLM's "disabled" value moved from -1 to 0 across releases: leave its default
             kw["top_k"] = params.top_k
@@ -314,15 +375,18 @@ class VLLMEngine:
         if not prompt_ids:
             return out
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
-        sampling = [self._sampling_params(params, i) for i in range(len(prompt_ids))]
+        # greedy: one decode per prompt, repeated n times (vLLM refuses greedy with n > 1)
+        repeat = params.n if params.temperature < GREEDY_TEMPERATURE else 1
+        per_request = params.n // repeat
+        sampling = [self._sampling_params(params, i, per_request) for i in range(len(prompt_ids))]
         results = self.llm.generate(prompts, sampling, use_tqdm=False)
         if len(results) != len(prompt_ids):
             raise RuntimeError(f"vLLM returned {len(results)} results for {len(prompt_ids)} prompts")
         for i, result in enumerate(results):
             samples = sorted(result.outputs, key=lambda o: o.index)
-            if len(samples) != params.n:
-                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected n={params.n}")
-            for sample in samples:
+            if len(samples) != per_request:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected n={per_request}")
+            for sample in samples * repeat:
                 ids = list(sample.token_ids)
                 out.response_ids.append(ids)
                 out.response_logprobs.append(_sampled_logprobs(ids, sample.logprobs))

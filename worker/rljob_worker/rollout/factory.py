@@ -1,0 +1,71 @@
+"""Build the configured rollout engine (its own module: the engines import :mod:`.base`, this imports
+the engines)."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+from rljob_api.enums import RolloutEngine as EngineName
+
+
+# `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Measured on
+# one H100 (bench/NOTES.md, 2026-11-26), Qwen2.5-0.5B shape, 32 prompts x 8, 128 + 256 tokens: whole GRPO step
+# static engine 3.18 s vs vLLM 0.26 3.90 s (same call); rollout alone 41.4k vs 29.2k tok/s (compiled static 75.2k).
+# 0.5B is the largest size measured with both engines; above 1B vLLM (paged KV cache, CUDA graphs per batch size,
+# rollout TP) is the default until a measurement says otherwise (bench/gpu_all.sh sections grpo15vllm, grpovllm).
+AUTO_STATIC_MAX_PARAMS = 1_000_000_000
+
+
+def resolve_engine_name(name: EngineName, device: torch.device, *, world_size: int = 1, rollout_tp: int = 1,
+                        num_params: int | None = None) -> EngineName:
+    """`auto` -> the engine the measurements favour; `vllm` / `hf` pass through.
+
+    hf when there is no GPU or vLLM is not importable. Otherwise vllm when the rollout is tensor-parallel or the
+    job has more than one process (the HF engines sample on global rank 0 for everyone; vLLM samples on every
+    rank), or the model has more than AUTO_STATIC_MAX_PARAMS active parameters (or an unknown count); else hf
+    (the static-cache CUDA-graph engine, faster than vLLM 0.26 at 0.5B).
+    """
+    if name != EngineName.AUTO:
+        return name
+    if device.type != "cuda" or importlib.util.find_spec("vllm") is None:
+        return EngineName.HF
+    if rollout_tp > 1 or world_size > 1 or num_params is None or num_params > AUTO_STATIC_MAX_PARAMS:
+        return EngineName.VLLM
+    return EngineName.HF
+
+
+def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
+                pad_token_id: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
+                max_model_len: int | None = None, enforce_eager: bool = False,
+                max_num_batched_tokens: int | None = None, seed: int = 0, world_size: int = 1,
+                num_params: int | None = None):
+    """Build the configured engine (see resolve_engine_name for `auto`)."""
+    vllm_available = importlib.util.find_spec("vllm") is not None
+    name = resolve_engine_name(name, device, world_size=world_size, rollout_tp=tensor_parallel_size,
+                               num_params=num_params)
+    if name == EngineName.VLLM:
+        if not vllm_available:
+            raise RuntimeError("spec.rollout.engine is vllm but vLLM is not installed in the worker image; "
+                               "use the rljob GPU worker image or set rollout.engine: hf")
+        from rljob_worker.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                          gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                          enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
+                          eos_token_id=eos_token_id, seed=seed)
+    from rljob_worker.rollout.hf_engine import HFEngine
+
+    if device.type == "cuda" and os.environ.get("RLJOB_HF_STATIC", "1") != "0":
+        # On a GPU the HF engine runs with a static KV cache and a CUDA-graphed decode step
+        # (3.3x the dynamic-cache engine per GRPO step on an H200, bench/NOTES.md); RLJOB_HF_STATIC=0
+        # falls back to the plain engine, as do models the static engine does not support.
+        from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+
+        try:
+            return HFStaticEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
+                                  pad_token_id=pad_token_id)
+        except ValueError as exc:
+            logging.getLogger(__name__).warning("static-cache engine unavailable (%s); using the HF engine", exc)
+    return HFEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -1,0 +1,319 @@
+"""The run loop every trainer shares: start-up, resume, the step loop with validation, checkpoint
+due-ness, SIGTERM / preemption, progress lines, telemetry, status, final export.
+
+A trainer (:class:`~rljob_worker.trainer.GRPOTrainer`, :class:`~rljob_worker.sft_trainer.SFTTrainer`)
+subclasses :class:`RunLoop` and supplies its data and model (:meth:`RunLoop.build_data`,
+:meth:`RunLoop.build_model`), its step (:meth:`RunLoop.train_step`), its validation
+(:meth:`RunLoop.validate_for_log`) and the words of its progress line. Which trainer runs is decided
+by ``algorithm.name`` in :mod:`rljob_worker.__main__`.
+
+One step of the loop, on every rank::
+
+    step += 1; metrics = train_step()            (+ timing/step_s, timing/<stage>_s)
+    telemetry, checkpoint poll
+    validation when due (testFreq, and after the last step)
+    metrics.jsonl line, progress line, RLJob status
+    all ranks agree whether SIGTERM arrived; save when due (saveFreq, last step) or on preemption
+    on SIGTERM: wait for the upload, raise Preempted (exit 143: PyTorchJob retries)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from rljob_api.models import RLJobSpec
+
+from rljob_worker.distributed import DistEnv, dist_env_from_environ, init_distributed
+
+log = logging.getLogger("rljob.run")
+
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: "retryable" for PyTorchJob restartPolicy ExitCode
+
+
+@dataclass
+class RunContext:
+    """Where this run lives; the operator (or `rljob run`) decides, the spec does not."""
+
+    job_name: str = "rljob"
+    namespace: str = "default"
+    workdir: Path = field(default_factory=lambda: Path("/tmp/rljob"))
+    checkpoint_uri: str | None = None  # overrides spec.checkpoint.uri
+    max_steps: int | None = None  # overrides spec.training.totalTrainingSteps
+    show_progress_bar: bool = False
+
+
+@dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, float]
+
+
+class Preempted(Exception):
+    pass
+
+
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``spec.model.dtype`` as a torch dtype; float32 on CPU whatever the spec says."""
+    if device.type == "cpu" and name != "float32":
+        log.warning("model.dtype %s on CPU: training in float32 instead (CPU half precision is slow and lossy)", name)
+        return torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+class RunLoop:
+    """The loop; subclasses supply the hooks below. After :meth:`setup` a trainer has ``actor``,
+    ``tokenizer``, ``model_dir``, ``sampler``, ``val_set`` (or None), ``total_steps``,
+    ``checkpoints`` and ``telemetry``."""
+
+    progress_name = "train"  # the progress bar's label
+
+    def __init__(self, spec: RLJobSpec, ctx: RunContext, env: DistEnv | None = None):
+        self.spec, self.ctx = spec, ctx
+        self.env = env or dist_env_from_environ(os.environ)
+        self.history: list[StepResult] = []
+        self.step = 0
+        self._stop_requested = False
+        self._status_reporter = None
+
+    # ------------------------------------------------------------------ what a trainer supplies
+    def build_data(self) -> None:
+        """Tokenizer, data sets, sampler, ``total_steps`` (and anything else checked before the
+        checkpoint store is): cheap, and where the usual configuration mistakes fail."""
+        raise NotImplementedError
+
+    def build_model(self) -> None:
+        """``self.actor`` (and whatever else the step needs: reference model, rollout engine)."""
+        raise NotImplementedError
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step (``self.step`` is already the new step's number); its metrics."""
+        raise NotImplementedError
+
+    def validate_for_log(self) -> dict[str, float]:
+        """Validate now; what goes into this step's metrics.jsonl line (may be empty)."""
+        raise NotImplementedError
+
+    def progress_line(self, metrics: dict[str, float], eta_s: float) -> str:
+        raise NotImplementedError
+
+    def progress_postfix(self, metrics: dict[str, float]) -> str:
+        return ""
+
+    def status_values(self, metrics: dict[str, float]) -> dict[str, float | None]:
+        """``reward_mean`` and ``val_reward_mean`` for RLJob.status."""
+        return {"reward_mean": None, "val_reward_mean": None}
+
+    def trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides the model (extend it, and :meth:`load_trainer_state`)."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(),
+                "history": [{"step": r.step, "metrics": r.metrics} for r in self.history[-1000:]]}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.history = [StepResult(h["step"], h["metrics"]) for h in state.get("history", [])]
+
+    def after_resume(self) -> None:
+        """After a checkpoint was loaded (e.g. hand the weights to a rollout engine)."""
+
+    def summary_line(self) -> str | None:
+        """Printed by rank 0 when the run ends."""
+        return None
+
+    def close(self) -> None:
+        """Release what the run holds (always called, also after a failure)."""
+        telemetry = getattr(self, "telemetry", None)
+        if telemetry is not None:
+            telemetry.close()
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        """Everything that can fail on bad input fails here, before any training."""
+        spec, env = self.spec, self.env
+        init_distributed(env)
+        self.is_main = env.rank == 0
+        self.device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        seed = spec.training.seed
+        random.seed(seed + env.rank)
+        np.random.seed(seed + env.rank)
+        torch.manual_seed(seed)
+        self.dtype = torch_dtype(spec.model.dtype.value, self.device)
+
+        self.build_data()  # configuration first (cheap, and the usual mistakes)
+        if self.device.type == "cpu":
+            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
+
+            apply_cpu_patches()
+        from rljob_worker.checkpoint_io import CheckpointIO
+
+        self.checkpoints = CheckpointIO(spec, self.ctx, self.env)
+        self.checkpoints.check_access()
+        self.build_model()
+        self.telemetry = self._make_telemetry()
+        signal.signal(signal.SIGTERM, self._request_stop)
+        self._resume()
+
+    def _make_telemetry(self):
+        from rljob_worker.telemetry import TrainerTelemetry
+
+        telemetry = TrainerTelemetry(job=self.ctx.job_name, namespace=self.ctx.namespace, rank=self.env.rank,
+                                     model=self.spec.model.path, algorithm=self.spec.algorithm.name.value,
+                                     nnodes=self.spec.nnodes, save_freq=self.spec.checkpoint.save_freq,
+                                     tensorboard_dir=self.spec.metrics.tensorboard_dir if self.is_main else None)
+        if self.spec.metrics.enabled and self.env.local_rank == 0:
+            port = int(os.environ.get("RLJOB_METRICS_PORT", self.spec.metrics.port))
+            self.metrics_port = telemetry.serve(port)
+            log.info("metrics on :%d/metrics", self.metrics_port)
+        telemetry.set_total_steps(self.total_steps)
+        return telemetry
+
+    def _request_stop(self, signum, _frame) -> None:
+        log.warning("signal %d: finishing the current step, then saving a checkpoint", signum)
+        self._stop_requested = True
+
+    def _resume(self) -> None:
+        state = self.checkpoints.resume(self.actor)
+        if state is None:
+            return
+        self.load_trainer_state(state)
+        self.after_resume()
+        if self.is_main:
+            log.info("resumed from step %d (epoch %d, batch %d)", self.step, self.sampler.epoch, self.sampler.position)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[StepResult]:
+        spec, t = self.spec, self.spec.training
+        if self.step >= self.total_steps and self.is_main:
+            print(f"nothing to train: resumed at step {self.step} of {self.total_steps} from {self.checkpoints.uri}; "
+                  "delete that checkpoint folder (or `rljob run --fresh`) to train again", flush=True)
+        if t.val_before_train and self.val_set is not None and self.step == 0:
+            logged = self.validate_for_log()
+            if logged:
+                self._append_metrics_log(logged)
+        bar = self._progress_bar()
+        while self.step < self.total_steps:
+            step_start = time.perf_counter()
+            self.step += 1
+            metrics = self.train_step()
+            metrics["timing/step_s"] = time.perf_counter() - step_start
+            metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
+            self.history.append(StepResult(self.step, metrics))
+            self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
+            self.telemetry.record_gpu_memory()
+            self._poll_checkpoint()
+
+            last = self.step == self.total_steps
+            logged = dict(metrics)
+            if self.val_set is not None and t.test_freq > 0 and (self.step % t.test_freq == 0 or last):
+                logged.update(self.validate_for_log())
+            self._append_metrics_log(logged)
+            self._report_progress(metrics, bar)
+            stop = self._agree_to_stop()
+            due = last or (spec.checkpoint.save_freq > 0 and self.step % spec.checkpoint.save_freq == 0)
+            if due or (stop and spec.checkpoint.save_on_preemption):
+                self.save_checkpoint(metrics)
+            if stop:
+                self.checkpoints.wait()
+                raise Preempted(f"stopped by SIGTERM after step {self.step}")
+        if bar is not None:
+            bar.close()
+        self.checkpoints.wait()
+        self._poll_checkpoint()
+        self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
+        if spec.checkpoint.export_hf:
+            self.checkpoints.export_hf(self.actor, self.tokenizer, self.model_dir)
+        return self.history
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, metrics: dict[str, float]) -> None:
+        with self.telemetry.stage("checkpoint"):
+            self.checkpoints.save(self.step, self.actor, self.trainer_state(), metrics)
+        self._poll_checkpoint()
+
+    def _poll_checkpoint(self) -> None:
+        """Rank 0: publish a checkpoint once its upload has committed (metrics, RLJob status)."""
+        if not self.is_main:
+            return
+        committed = self.checkpoints.poll()
+        if committed is not None:
+            self.telemetry.record_checkpoint(committed["step"], time.time())
+            self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _agree_to_stop(self) -> bool:
+        """Every rank must stop at the same step: OR the SIGTERM flags over the world."""
+        flag = torch.tensor([1 if self._stop_requested else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if self.device.type == "cuda":
+                flag = flag.to(self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _progress_bar(self):
+        if not (self.is_main and self.ctx.show_progress_bar):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc=self.progress_name, unit="step",
+                    dynamic_ncols=True)
+
+    def _report_progress(self, metrics: dict[str, float], bar) -> None:
+        if not self.is_main:
+            return
+        recent = self.history[-10:]
+        eta = sum(r.metrics.get("timing/step_s", 0.0) for r in recent) / len(recent) * (self.total_steps - self.step)
+        line = self.progress_line(metrics, eta)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(self.progress_postfix(metrics))
+            bar.write(line)
+        else:
+            print(line, flush=True)
+        self._publish_status(metrics)
+
+    def _append_metrics_log(self, metrics: dict[str, float]) -> None:
+        """One JSON line per step in <workdir>/metrics.jsonl (rank 0): the run's learning curve."""
+        if not self.is_main:
+            return
+        Path(self.ctx.workdir).mkdir(parents=True, exist_ok=True)
+        with open(Path(self.ctx.workdir) / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+
+    def _publish_status(self, metrics: dict[str, float], force: bool = False) -> None:
+        """Progress for RLJob.status (the operator folds it in); a no-op outside a cluster."""
+        if not self.is_main:
+            return
+        if self._status_reporter is None:
+            from rljob_worker.status_report import StatusReporter
+
+            self._status_reporter = StatusReporter.from_environ(self.ctx.job_name, self.ctx.namespace)
+        self._status_reporter.report(step=self.step, total_steps=self.total_steps,
+                                     last_checkpoint=self.checkpoints.last_committed, force=force,
+                                     **self.status_values(metrics))
+
+
+def run(trainer: RunLoop) -> int:
+    """Set up, train, and turn the outcome into the process exit code (0, or 143 when preempted)."""
+    try:
+        trainer.setup()
+        trainer.fit()
+    except Preempted as exc:
+        log.warning("%s; checkpoint committed, exiting %d", exc, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        line = trainer.summary_line()
+        if line:
+            print(line, flush=True)
+    return 0
