@@ -3,10 +3,11 @@ from __future__ import annotations
 
 
 def is_configuration_error(exc: BaseException) -> bool:
+    from rljob_worker.checkpoint_io import CheckpointContentError
     from rljob_worker.data import DataError
     from rljob_worker.megatron.errors import MegatronConfigError
     from rljob_worker.model_source import ModelSourceError
     from rljob_worker.rewards import RewardError
     from rljob_worker.storage import StorageError
 
-    return isinstance(exc, (DataError, ModelSourceError, RewardError, StorageError, MegatronConfigError))
+    return isinstance(exc, (CheckpointContentError, DataError, ModelSourceError, RewardError, StorageError, MegatronConfigError))

@@ -229,9 +229,9 @@ class GRPOTrainer(RunLoop):
         ob = spec.algorithm.overlong_buffer
         if ob.enable:
             shaped = shaped + algo.overlong_penalty(lengths, spec.data.max_response_length, ob.length, ob.penalty_factor)
-        advantages, adv_metrics = algo.compute_outcome_advantages(
-            shaped, n, spec.algorithm.advantage_estimator, norm_by_std=spec.algorithm.norm_adv_by_std)
+        advantages, adv_metrics = self._outcome_advantages(shaped, n)
         batch = pad_batch([r.prompt_ids for r in prompts], out.response_ids, self.pad_id)
+        batch["scores"] = shaped  # (N,) the shaped outcome reward of each response
         batch["advantages"] = algo.broadcast_to_tokens(advantages, batch["response_mask"])
         batch["rollout_logprobs"] = scatter_response_values(out.response_logprobs, batch["response_mask"])
         metrics.update({
@@ -243,6 +243,11 @@ class GRPOTrainer(RunLoop):
             **{f"advantage/{k}": v for k, v in adv_metrics.items()},
         })
         return {"batch": batch, "metrics": metrics}
+
+    def _outcome_advantages(self, scores: torch.Tensor, group_size: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """(N,) advantages from the (N,) shaped scores, and their metrics (GRPO / RLOO / REINFORCE++)."""
+        a = self.spec.algorithm
+        return algo.compute_outcome_advantages(scores, group_size, a.advantage_estimator, norm_by_std=a.norm_adv_by_std)
 
     def _sample_and_score(self, num_prompts: int):
         """Draw `num_prompts` prompts, sample n responses each and score them.

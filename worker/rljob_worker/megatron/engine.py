@@ -219,9 +219,17 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         trainable: bool = True,
         recompute: RecomputeConfig = DEFAULT_RECOMPUTE,
         transformer_overrides: Mapping[str, Any] | None = None,
+        hf_config_fn: Callable[[Any], Any] | None = None,
+        prepare_chunks: Callable[[list[torch.nn.Module], MegatronModelConfig], None] | None = None,
+        skip_hf_weights: Sequence[str] = (),
     ) -> dict[str, Any]:
         """The constructor arguments of an engine built from an HF checkpoint directory (config.json +
-        safetensors): ``cls(**build_from_hf(...))``; see :meth:`from_hf`."""
+        safetensors): ``cls(**build_from_hf(...))``; see :meth:`from_hf`.
+
+        For models that are not the checkpoint's LM (a critic): ``hf_config_fn`` changes the HF config
+        the model is built from (e.g. fewer layers); ``prepare_chunks(chunks, mcfg)`` changes the built
+        chunks before weights are loaded and the optimizer is made (e.g. a new output layer);
+        ``skip_hf_weights``: megatron parameter names not loaded from the checkpoint."""
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             apply_cpu_patches()
@@ -229,6 +237,8 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             parallel = replace(parallel, vpp=None)  # one chunk per stage: no interleaving
         check_parallel(parallel, on_gpu)
         hf_config = hf_weights.load_hf_config(hf_dir)
+        if hf_config_fn is not None:
+            hf_config = hf_config_fn(hf_config)
         check_layer_split(hf_config.num_hidden_layers, parallel)
         if not dist.is_initialized():
             init_distributed(dist_env_from_environ(os.environ))
@@ -265,10 +275,12 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             overrides=transformer_overrides,
         )
         chunks = build_model_chunks(mcfg)
+        if prepare_chunks is not None:
+            prepare_chunks(chunks, mcfg)
         if on_gpu:  # megatron builds linears on the GPU but torch norms on the CPU
             for chunk in chunks:
                 chunk.cuda(torch.cuda.current_device())
-        hf_weights.load_hf_weights(chunks, hf_dir, hf_config)
+        hf_weights.load_hf_weights(chunks, hf_dir, hf_config, skip=skip_hf_weights)
 
         if not trainable:
             for chunk in chunks:

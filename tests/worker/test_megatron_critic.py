@@ -1,0 +1,121 @@
+"""The PPO critic on the megatron engine, on CPU (gloo): the value head reads the right hidden state
+(HF's hidden_states[k] through the final norm), only k layers are built, it learns, its checkpoint
+round-trips, TP=2 equals TP=1, and an intermediate layer with pipeline stages is refused."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import megatron_helpers as H
+from rljob_worker.megatron.critic import MegatronCritic, ValueHead
+from rljob_worker.megatron.engine_config import OptimConfig, ParallelConfig
+from rljob_worker.megatron.errors import MegatronConfigError
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU (gloo) path; the GPU path runs in the GPU tests"
+)
+
+SCENARIOS = Path(__file__).with_name("critic_scenarios.py")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return H.make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("hf") / "qwen2", seed=3, num_hidden_layers=3)
+
+
+def expected_values(hf, head: ValueHead, ids, mask, k: int) -> torch.Tensor:
+    """The critic's convention from HF: head(norm(hidden_states[k])) at the previous real token."""
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = hf.model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True)
+        hidden = out.hidden_states[k]
+        if k < hf.config.num_hidden_layers:  # HF's last entry is already normed
+            hidden = hf.model.norm(hidden)
+        per_token = (hidden @ head.weight.detach().T)[..., 0]  # (B, T): value after each token
+    values = torch.zeros_like(per_token)
+    for b in range(ids.shape[0]):
+        real = mask[b].nonzero().flatten().tolist()
+        for prev, cur in zip(real, real[1:]):
+            values[b, cur] = per_token[b, prev]
+    return values, out.hidden_states[k]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, None])
+def test_value_head_reads_layer_k_through_the_final_norm(hf_dir, k):
+    critic = MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(), optim=OptimConfig(lr=1e-3), seed=1,
+                                    output_layer_index=k)
+    layers = 3 if k is None else k
+    assert len(critic.core.decoder.layers) == layers  # the layers above k are not built
+    head = critic.core.output_layer
+    assert isinstance(head, ValueHead) and tuple(head.weight.shape) == (1, 64)
+    assert not any(p.shape[0] == 128 for n, p in critic.core.named_parameters() if "output_layer" in n)
+    ids, mask = H.sample_batch()
+    seen = []
+    hook = critic.core.decoder.final_layernorm.register_forward_hook(lambda m, a, o: seen.append(a[0].detach()))
+    values = critic.compute_values({"input_ids": ids, "attention_mask": mask}, micro_batch_size=4)
+    hook.remove()
+    hf = H.load_hf_model(hf_dir)
+    want, hidden_k = expected_values(hf, head, ids, mask, layers)
+    torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)
+    if layers < 3:  # the final norm's input is HF's hidden_states[k] (packed: compare a row without padding)
+        full = (mask[3] == 1).all()
+        assert full
+        torch.testing.assert_close(seen[0].transpose(0, 1)[3], hidden_k[3], rtol=1e-5, atol=1e-5)
+
+
+def test_value_head_starts_small_and_the_same_for_every_layout(hf_dir):
+    a = ValueHead(64, seed=7)
+    b = ValueHead(64, seed=7)
+    assert torch.equal(a.weight, b.weight)
+    assert float(a.weight.abs().max()) < 0.1  # N(0, 1/(H+1)): values start near 0
+
+
+def test_critic_regression_learns_and_checkpoint_round_trips(hf_dir, tmp_path):
+    critic = MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(), optim=OptimConfig(lr=1e-2), seed=1,
+                                    output_layer_index=2)
+    ids, mask = H.sample_batch()
+    target = torch.where(mask.bool(), 2.0, 0.0)
+    batch = {"input_ids": ids, "attention_mask": mask, "target": target}
+
+    def loss_fn(values, mb):
+        real = mb["attention_mask"].bool()
+        err = torch.where(real, values - mb["target"], 0.0)
+        return err.square().sum() / real.sum(), {}
+
+    losses = [critic.update(batch, loss_fn, micro_batch_size=2)["loss"] for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    critic.save_checkpoint(tmp_path / "ckpt")
+    saved = critic.compute_values(batch, micro_batch_size=4)
+    critic.update(batch, loss_fn, micro_batch_size=2)
+    assert not torch.equal(critic.compute_values(batch, micro_batch_size=4), saved)
+    critic.load_checkpoint(tmp_path / "ckpt")
+    torch.testing.assert_close(critic.compute_values(batch, micro_batch_size=4), saved, rtol=0, atol=0)
+
+
+def test_intermediate_layer_with_pipeline_stages_is_refused_naming_the_field(hf_dir):
+    with pytest.raises(MegatronConfigError, match=r"spec\.critic\.outputLayerIndex.*pipelineModelParallelSize"):
+        MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(pp=2), output_layer_index=2)
+
+
+def test_output_layer_index_beyond_the_model_is_refused(hf_dir):
+    with pytest.raises(MegatronConfigError, match=r"spec\.critic\.outputLayerIndex=9 is outside the model's 3"):
+        MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(), output_layer_index=9)
+
+
+def test_critic_tp2_equals_tp1(hf_dir, tmp_path):
+    """Values before, two updates (losses), values after: TP=2 on two gloo processes against TP=1."""
+    import critic_scenarios
+
+    tp1 = critic_scenarios.critic_steps(hf_dir, ParallelConfig())
+    critic_scenarios.run_torchrun("tp2", hf_dir, tmp_path)
+    tp2 = torch.load(tmp_path / "tp2.pt")
+    torch.testing.assert_close(tp2["values"], tp1["values"], rtol=1e-5, atol=1e-5)
+    for a, b in zip(tp2["history"], tp1["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # Adam after two steps at lr 1e-2 amplifies fp32 summation-order differences of TP: 3e-5 seen
+    torch.testing.assert_close(tp2["values_after"], tp1["values_after"], rtol=1e-4, atol=1e-4)
