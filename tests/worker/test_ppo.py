@@ -123,3 +123,20 @@ def test_killed_ppo_run_resumes_with_identical_rewards_and_value_losses(tmp_path
     for step in range(1, 11):
         for key in ("reward/mean", "critic/value_loss", "critic/explained_variance"):
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-6), f"step {step} {key}"
+
+
+def test_a_step_saved_without_a_critic_is_never_loaded_by_ppo(tmp_path):
+    """A GRPO job's committed step has the actor and no critic: a PPO job pointed at it stops at start-up
+    with one line naming what is missing, and loads nothing."""
+    grpo = quickstart_spec()
+    grpo["training"].update(totalTrainingSteps=2, testFreq=-1, valBeforeTrain=False)
+    grpo["checkpoint"].update(saveFreq=2, exportHf=False)
+    uri = f"file://{tmp_path}/ckpt"
+    code, out = finish(start(grpo, tmp_path / "grpo", uri))
+    assert code == 0, out[-3000:]
+    spec = ppo_spec()
+    spec["training"]["totalTrainingSteps"] = 4
+    code, out = finish(start(spec, tmp_path / "ppo", uri))
+    assert code != 0
+    assert "has no critic" in out and "step_000002" in out
+    assert not (tmp_path / "ppo" / "metrics.jsonl").exists()
