@@ -101,6 +101,11 @@ def test_intermediate_layer_with_pipeline_stages_is_refused_naming_the_field(hf_
         MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(pp=2), output_layer_index=2)
 
 
+def test_critic_layout_errors_name_the_critic_block(hf_dir):
+    with pytest.raises(MegatronConfigError, match=r"spec\.critic\.megatron\.pipelineModelParallelSize=2 does not divide"):
+        MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(pp=2))  # 3 layers
+
+
 def test_output_layer_index_beyond_the_model_is_refused(hf_dir):
     with pytest.raises(MegatronConfigError, match=r"spec\.critic\.outputLayerIndex=9 is outside the model's 3"):
         MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(), output_layer_index=9)

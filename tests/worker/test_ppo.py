@@ -64,6 +64,27 @@ def test_critic_warmup_trains_only_the_critic_first(tmp_path):
     assert all("critic/value_loss" in r for r in records)
 
 
+def test_taking_turns_with_offload_trains_the_same_trajectory(tmp_path):
+    """Shared placement with every offload flag on both models (the storage really released and restored on
+    CPU too, RLJOB_OFFLOAD_ON_CPU=1): the same rewards and value losses as without offload."""
+    import os
+
+    spec = ppo_spec()
+    spec["training"]["totalTrainingSteps"] = 4
+    plain = run_trainer(spec, tmp_path / "plain")
+    flags = {"paramOffload": True, "gradOffload": True, "optimizerOffload": True}
+    spec["megatron"].update(flags)
+    spec["critic"]["megatron"] = dict(flags)
+    os.environ["RLJOB_OFFLOAD_ON_CPU"] = "1"
+    try:
+        offloaded = run_trainer(spec, tmp_path / "offloaded")
+    finally:
+        del os.environ["RLJOB_OFFLOAD_ON_CPU"]
+    for a, b in zip(plain, offloaded):
+        assert b["reward/mean"] == pytest.approx(a["reward/mean"], abs=1e-6)
+        assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], abs=1e-7)
+
+
 @pytest.mark.parametrize(("critic", "words"), [
     ({"placement": "split", "gpus": 1}, "spec.critic.placement: split"),
 ])

@@ -95,6 +95,10 @@ class PPOTrainer(GRPOTrainer):
     def checkpoint_models(self) -> dict[str, Any]:
         return {"critic": self.critic}
 
+    def save_checkpoint(self, metrics: dict[str, float]) -> None:
+        self._on_gpu(self.actor, self.ref, self.critic)  # a model's state is saved from where it trains
+        super().save_checkpoint(metrics)
+
     def _outcome_advantages(self, scores: torch.Tensor, group_size: int):
         """PPO's advantages come from the critic later in the step: none here (the scores travel)."""
         return torch.zeros_like(scores), {}

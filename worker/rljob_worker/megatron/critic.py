@@ -113,10 +113,13 @@ class MegatronCritic(MegatronEngine):
                     chunk.output_layer = ValueHead(mcfg.transformer_config.hidden_size, seed,
                                                    parallel.sequence_parallel)
 
-        built = cls.build_from_hf(hf_dir, parallel=parallel, optim=optim, dtype=dtype, seed=seed, trainable=True,
-                                  recompute=recompute, transformer_overrides=transformer_overrides,
-                                  hf_config_fn=lambda c: critic_hf_config(c, output_layer_index),
-                                  prepare_chunks=attach_heads, skip_hf_weights=(OUTPUT_LAYER,))
+        try:
+            built = cls.build_from_hf(hf_dir, parallel=parallel, optim=optim, dtype=dtype, seed=seed, trainable=True,
+                                      recompute=recompute, transformer_overrides=transformer_overrides,
+                                      hf_config_fn=lambda c: critic_hf_config(c, output_layer_index),
+                                      prepare_chunks=attach_heads, skip_hf_weights=(OUTPUT_LAYER,))
+        except MegatronConfigError as exc:  # the engine names the actor's block; these are the critic's sizes
+            raise MegatronConfigError(str(exc).replace("spec.megatron.", "spec.critic.megatron.")) from None
         return cls(**built)
 
     # ----------------------------------------------------------------------------------------------
