@@ -161,3 +161,16 @@ def test_a_step_saved_without_a_critic_is_never_loaded_by_ppo(tmp_path):
     assert code != 0
     assert "has no critic" in out and "step_000002" in out
     assert not (tmp_path / "ppo" / "metrics.jsonl").exists()
+
+
+def test_kl_in_the_reward_reaches_the_returns(tmp_path):
+    """klPlacement reward with gae: the reference model runs, and the per-token KL comes off the token
+    rewards: nothing at step 1 (the policy is the reference), something once the policy has moved."""
+    spec = ppo_spec()
+    spec["algorithm"].update(klCoef=0.5, klEstimator="k1", klPlacement="reward")
+    spec["training"]["totalTrainingSteps"] = 3
+    records = run_trainer(spec, tmp_path)
+    assert all("timing/ref_logprob_s" in r for r in records)
+    penalties = [r["reward/kl_penalty_mean"] for r in records]
+    assert penalties[0] == 0.0  # step 1: the policy is the reference
+    assert all(abs(p) > 1e-6 for p in penalties[1:])

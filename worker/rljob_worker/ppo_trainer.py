@@ -142,6 +142,10 @@ class PPOTrainer(GRPOTrainer):
         mask = local["response_mask"]
         kl = algo.kl_penalty(local["old_logprobs"], local["ref_logprobs"], a.kl_estimator) if kl_in_reward else None
         rewards = gae.token_level_rewards(local["scores"], mask, kl, a.kl_coef)
+        if kl is not None:  # what the KL took off each response's reward, mean over the batch
+            penalty = (a.kl_coef * algo.masked_zero(kl, mask)).sum(-1)  # (n,)
+            totals = self._dp_sum(torch.stack([penalty.sum().double(), torch.tensor(float(len(penalty)))]))
+            metrics["reward/kl_penalty_mean"] = float(totals[0] / totals[1].clamp(min=1))
         advantages, local["returns"] = gae.compute_gae(rewards, local["old_values"], mask, a.gamma, a.gae_lambda)
         minis = split_batch({**local, "advantages": advantages}, mini_batches_per_step)
         for mini in minis:  # whitened over the mini-batch's response tokens on all data-parallel ranks
