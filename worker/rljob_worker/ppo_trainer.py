@@ -165,6 +165,8 @@ class PPOTrainer(GRPOTrainer):
                               for _ in range(c.ppo_epochs) for mini in minis]
         for key, value in _mean_dicts(critic_metrics).items():
             metrics[key if key.startswith("critic/") else f"critic/{key}"] = value
+        # the engine's loss is the mini-batch's (whatever the micro-batches), not a micro-batch's share
+        metrics["critic/value_loss"] = metrics.pop("critic/loss")
         metrics["critic/update_s"] = time.perf_counter() - start
 
         # 6. actor update (after the critic's warm-up) and weight sync
