@@ -9,6 +9,9 @@
 #             grpovllm1 (digit-sum GRPO, engine: vllm, 1 GPU), grpovllmtp2 (same at rollout TP2, 2 GPUs),
 #             grpovllm (GRPO step: static engine vs vLLM [+ TRL: GRPOVLLM_VARIANTS]), rolloutvllm (rollout
 #             bench incl. vLLM rows and its sleep / wake / sync timings), grpo15vllm (the same at 1.5B)
+#             q7bprep, then q7bevery q7brank0 q7breport (4 GPUs, issue 23: Qwen2.5-7B-shape GRPO, TP2 x DP2, hf
+#             engine on every GPU vs on rank 0, same call; 16 prompts x 8 by default so both fit one call:
+#             Q7B_PROMPTS, Q7B_STEPS (3), Q7B_LIMIT) | q7bpp2 (TP2 x PP2, 32 prompts x 8)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Needs wheels (carry: [".whl/megatron_actor_gpu", ".whl/trl"]): megatron-core 0.16.1 cp312; trl 1.16, datasets,
 # dill, multiprocess, pydantic(+core, annotated-types, typing-inspection, typing-extensions). Keep the image's pyarrow.
@@ -65,14 +68,20 @@ for s in $SECTIONS; do
     grpocompiled) section grpocompiled 330 python3 bench/grpo_step.py --variants rljob-static:32,rljob-compiled:32 --timeout-each 160 --tag _compiled ;;
     grpotp2pp2) section grpotp2pp2 130 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_tp2pp2.yaml --workdir /tmp/tp2pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/tp2pp2/work/metrics.jsonl grpo-digit-sum-tp2pp2" ;;
     gpu4tests) section gpu4tests ${GPU4_LIMIT:-300} python3 -m pytest tests/worker/test_megatron_gpu.py -k "${GPU4_K:-four_gpu}" -v -p no:cacheprovider -rs ;;
-    vllmtests) section vllmtests ${VLLMTESTS_LIMIT:-240} bash -c "python3 -m pytest tests/worker/test_vllm_gpu.py -v -s -p no:cacheprovider -rs; python3 -m pytest tests/worker/test_vllm_engine.py -m vllm -v -p no:cacheprovider -rs" ;;
+    vllmtests) section vllmtests ${VLLMTESTS_LIMIT:-240} bash -c "for f in tests/worker/test_vllm_gpu_fp32.py tests/worker/test_vllm_gpu.py; do python3 -m pytest \$f -v -s -p no:cacheprovider -rs; done; python3 -m pytest tests/worker/test_vllm_engine.py -m vllm -v -p no:cacheprovider -rs" ;;
     grpovllm1) section grpovllm1 180 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm.yaml --workdir /tmp/vllm1 --fresh | grep -E 'step (1|100|300|500|700)/|rollout engine|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/vllm1/work/metrics.jsonl grpo-digit-sum-vllm" ;;
     grpovllmtp2) section grpovllmtp2 240 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm_tp2.yaml --workdir /tmp/vllmtp2 --fresh | grep -E 'step (1|100|300|500|700)/|rollout engine|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/vllmtp2/work/metrics.jsonl grpo-digit-sum-vllm-tp2" ;;
     grpovllm) section grpovllm ${GRPOVLLM_LIMIT:-240} python3 bench/grpo_step.py --variants ${GRPOVLLM_VARIANTS:-rljob-static:32,rljob-vllm:32} --timeout-each 150 --tag _vllm ;;
     grpo15vllm) section grpo15vllm 330 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16,rljob-vllm:16 --timeout-each 160 --tag _1.5b_vllm ;;
     rolloutvllm) section rolloutvllm ${ROLLOUTVLLM_LIMIT:-200} python3 bench/rollout.py --vllm ${ROLLOUT_ARGS:-} ;;
+    q7bprep) section q7bprep 300 python3 bench/gpu_7b_prepare.py ;;
+    q7bevery) section q7bevery ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 every-rank ;;
+    q7brank0) section q7brank0 ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 rank0 ;;
+    q7bpp2) section q7bpp2 ${Q7B_LIMIT:-420} bash bench/q7b_run.sh tp2pp2 every-rank ;;
+    q7breport) section q7breport 60 python3 bench/grpo_scale_report.py --gpus 4 \
+      tp2dp2-every-rank=/tmp/q7b-tp2dp2-every-rank/work/metrics.jsonl tp2dp2-rank0=/tmp/q7b-tp2dp2-rank0/work/metrics.jsonl ;;
     *) echo "unknown section $s" ;;
   esac
 done
 echo; echo "################ SUMMARY ($(nvidia-smi --query-gpu=name --format=csv,noheader))"
-grep -h -E "^(## |\| |card |fp32 greedy|vllm|RESULT|[0-9]+ (passed|failed)|.*(passed|failed).* in )" "$LOG"
+grep -h -E "^(## |\| |card |fp32 greedy|vllm|RESULT|RATIO|[0-9]+ (passed|failed)|.*(passed|failed).* in )" "$LOG"

@@ -240,6 +240,8 @@ PRINTER_COLUMNS = [
     {"name": "Reward", "type": "number", "jsonPath": ".status.trainer.rewardMean"},
     {"name": "Running", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Running")].status'},
     {"name": "Succeeded", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Succeeded")].status'},
+    # Kueue's admission (Queued / Admitted / Suspended); empty for a job in no queue.
+    {"name": "Queue", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Admitted")].reason'},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.trainer.lastCheckpoint.step", "priority": 1},
     {"name": "Progress", "type": "string", "jsonPath": ".status.trainer.progressPercentage", "priority": 1},

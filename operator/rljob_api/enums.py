@@ -67,6 +67,14 @@ class RolloutEngine(StrEnum):
     AUTO = "auto"  # by measurement: see RolloutSpec.engine and rollout.base.resolve_engine_name
 
 
+class RolloutRanks(StrEnum):
+    """Which ranks sample with the hf engines (vLLM always samples on every rollout-TP group)."""
+
+    AUTO = "auto"  # every-rank on GPUs, rank0 on CPU
+    RANK0 = "rank0"  # global rank 0 samples the whole batch and broadcasts it
+    EVERY_RANK = "every-rank"  # each rank holds the whole model and samples its share of the prompt groups
+
+
 class ResumeMode(StrEnum):
     AUTO = "auto"
     DISABLE = "disable"

@@ -30,6 +30,7 @@ from rljob_api.enums import (
     RecomputeMethod,
     ResumeMode,
     RolloutEngine,
+    RolloutRanks,
     SFTDataFormat,
 )
 
@@ -272,6 +273,13 @@ class RolloutSpec(ApiModel):
         "else hf (at 0.5B the static hf engine is 1.2x vLLM per GRPO step, bench/NOTES.md)."
     )
     # Not `n`: YAML 1.1 parsers (kubectl's among them) read a bare `n` key as the boolean false.
+    ranks: RolloutRanks = _f(
+        RolloutRanks.AUTO,
+        "Which ranks sample with the hf engines: every-rank (each GPU holds the whole model and samples its "
+        "share of whole prompt groups; the pieces are gathered in prompt order), rank0 (global rank 0 samples the "
+        "whole batch and broadcasts it; the samples then do not depend on the parallel layout), or auto "
+        "(every-rank on GPUs, rank0 on CPU). The vllm engine always samples on every rollout tensor-parallel group.",
+    )
     samples_per_prompt: int = _f(
         8, "Samples per prompt, i.e. the GRPO group size. (verl: actor_rollout_ref.rollout.n)", ge=2, le=1024)
     temperature: float = _f(1.0, "Sampling temperature. (verl: rollout.temperature)", ge=0, le=10)
@@ -437,7 +445,8 @@ class CheckpointSpec(ApiModel):
         pattern=STORAGE_URI_PATTERN,
         max_length=1024,
     )
-    save_freq: int = _f(30, "Save every this many steps (and at the end); -1 saves only at the end. (verl: trainer.save_freq)", ge=-1)
+    save_freq: int = _f(30, "Save every this many steps (and at the end); -1 saves only at the end; 0 never saves (benchmarks: "
+        "nothing to resume from). (verl: trainer.save_freq)", ge=-1)
     max_to_keep: int = _f(5, "Committed checkpoints kept; older ones are deleted after a newer one commits; 0 keeps all. (verl: trainer.max_actor_ckpt_to_keep)", ge=0)
     resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom). (verl: trainer.resume_mode)")
     resume_from: str | None = _f(
@@ -589,6 +598,9 @@ class ObjectMeta(BaseModel):
     namespace: str = Field("default", description="Namespace.")
     generation: int | None = Field(None, description="Spec generation.")
     uid: str | None = Field(None, description="Object uid.")
+    labels: dict[str, str] = Field(default_factory=dict, description=(
+        "Object labels. kueue.x-k8s.io/queue-name and kueue.x-k8s.io/priority-class are copied to the PyTorchJob "
+        "when it is created (the job then waits for Kueue's admission)."))
 
 
 class RLJob(ApiModel):

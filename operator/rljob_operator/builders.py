@@ -29,6 +29,11 @@ LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_JOB = "rljob.dev/job-name"
 MANAGER = "rljob-operator"
 ANNOTATION_SPEC_HASH = "rljob.dev/spec-hash"
+# Kueue (https://kueue.sigs.k8s.io): a job with a queue-name label is created suspended and Kueue
+# un-suspends it on admission (and suspends it again to preempt it).
+LABEL_KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+LABEL_KUEUE_PRIORITY = "kueue.x-k8s.io/priority-class"
+KUEUE_LABELS = (LABEL_KUEUE_QUEUE, LABEL_KUEUE_PRIORITY)
 
 PYTORCHJOB_API_VERSION = "kubeflow.org/v1"
 PYTORCHJOB_KIND = "PyTorchJob"
@@ -80,6 +85,16 @@ def labels(job: RLJob, component: str) -> dict[str, str]:
         LABEL_MANAGED_BY: MANAGER,
         LABEL_JOB: name,
     }
+
+
+def queue_labels(job: RLJob) -> dict[str, str]:
+    """The RLJob's Kueue labels, which its PyTorchJob carries (Kueue reads them from the job it manages)."""
+    return {k: v for k in KUEUE_LABELS if (v := job.metadata.labels.get(k))}
+
+
+def queue_name(obj: dict[str, Any] | Any) -> str | None:
+    """The Kueue LocalQueue of a stored object (None when Kueue does not manage it)."""
+    return ((obj or {}).get("metadata", {}).get("labels") or {}).get(LABEL_KUEUE_QUEUE) or None
 
 
 def owner_reference(job: RLJob) -> dict[str, Any] | None:
@@ -237,16 +252,20 @@ def build_pytorchjob(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
     if spec.nnodes > 1:
         replicas["Worker"] = {"replicas": spec.nnodes - 1, "restartPolicy": "OnFailure",
                               "template": copy.deepcopy(template)}
-    run_policy: dict[str, Any] = {"backoffLimit": spec.run_policy.backoff_limit, "suspend": spec.suspend}
+    queued = queue_labels(job)
+    # A queue-managed job starts suspended: Kueue un-suspends it when the queue admits it.
+    run_policy: dict[str, Any] = {"backoffLimit": spec.run_policy.backoff_limit,
+                                  "suspend": spec.suspend or LABEL_KUEUE_QUEUE in queued}
     if spec.run_policy.active_deadline_seconds is not None:
         run_policy["activeDeadlineSeconds"] = spec.run_policy.active_deadline_seconds
     if spec.run_policy.ttl_seconds_after_finished is not None:
         run_policy["ttlSecondsAfterFinished"] = spec.run_policy.ttl_seconds_after_finished
+    meta = _metadata(job, pytorchjob_name(job.metadata.name), COMPONENT_TRAINER, {ANNOTATION_SPEC_HASH: spec_hash(job)})
+    meta["labels"].update(queued)
     return {
         "apiVersion": PYTORCHJOB_API_VERSION,
         "kind": PYTORCHJOB_KIND,
-        "metadata": _metadata(job, pytorchjob_name(job.metadata.name), COMPONENT_TRAINER,
-                              {ANNOTATION_SPEC_HASH: spec_hash(job)}),
+        "metadata": meta,
         "spec": {
             "nprocPerNode": str(spec.gpus_per_node),
             "runPolicy": run_policy,

@@ -12,6 +12,9 @@ Types
     Succeeded  training finished successfully (terminal).
     Failed     training failed (terminal; reason and message come from the PyTorchJob).
     Suspended  spec.suspend is true and the pods are gone.
+    Admitted   only for a job in a Kueue queue (label kueue.x-k8s.io/queue-name): True once Kueue
+               admitted (un-suspended) its PyTorchJob; False with reason Queued while it waits for
+               admission or after Kueue preempted it.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ RUNNING = "Running"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
-CONDITION_TYPES = (ACCEPTED, RUNNING, SUCCEEDED, FAILED, SUSPENDED)
+ADMITTED = "Admitted"
+CONDITION_TYPES = (ACCEPTED, RUNNING, SUCCEEDED, FAILED, SUSPENDED)  # always written; ADMITTED only with a queue
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 
@@ -56,6 +60,10 @@ REASON_SUSPENDING = "Suspending"  # False: spec.suspend is true; waiting for the
 REASON_NOT_SUSPENDED = "NotSuspended"  # False
 REASON_RESUMED = "Resumed"  # False: was suspended, resumed
 
+# Admitted (and Running False while queued)
+REASON_QUEUED = "Queued"  # False: the PyTorchJob waits for Kueue's admission (or was preempted by Kueue)
+REASON_ADMITTED = "Admitted"  # True: Kueue admitted (un-suspended) the PyTorchJob
+
 # ---------------------------------------------------------------------------- event reasons
 # Events reuse condition reasons where one fits; these are the extra ones.
 EVENT_CREATED = "Created"  # a child object was created
@@ -65,6 +73,7 @@ EVENT_RUNNING = "Running"
 EVENT_SUCCEEDED = "Succeeded"
 EVENT_FAILED = "Failed"
 EVENT_API_ERROR = "ApiError"
+EVENT_PREEMPTED = "Preempted"  # Kueue suspended an admitted PyTorchJob
 
 _CAMEL_WORD = re.compile(r"^[A-Z][A-Za-z0-9]{0,63}$")
 

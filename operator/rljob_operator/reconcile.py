@@ -19,7 +19,16 @@ Immutability policy (README text)
       training resumes from the last committed checkpoint (`checkpoint.resumeMode: auto`).
     - After the job finished (Succeeded or Failed), spec edits have no effect (SpecChangeRejected);
       create a new RLJob to train again.
-    `suspend` itself may change at any time: it is mirrored to the PyTorchJob's `runPolicy.suspend`.
+    `suspend` itself may change at any time: it is mirrored to the PyTorchJob's `runPolicy.suspend`,
+    except for a Kueue-managed PyTorchJob (see below).
+
+Kueue
+    An RLJob labelled `kueue.x-k8s.io/queue-name` (and optionally `kueue.x-k8s.io/priority-class`)
+    gets a PyTorchJob with the same labels, created suspended. Kueue un-suspends it on admission and
+    suspends it again to preempt it; the operator never un-suspends it (spec.suspend stays the user's
+    intent: `true` suspends the PyTorchJob, `false` leaves the decision to Kueue). The `Admitted`
+    condition (and `Running=False, reason Queued`) shows the queue's state; a preempted job's pods
+    stop exactly as on a user suspend (SIGTERM, checkpoint) and resume from it on re-admission.
 
 Other rules
     - Invalid spec: `Accepted=False, reason InvalidSpec`, the message lists every field with the
@@ -189,7 +198,7 @@ def parse_body(body: Mapping[str, Any]) -> tuple[RLJob | None, list[str]]:
     doc = {k: v for k, v in body.items() if k != "status"}
     meta = doc.get("metadata") or {}
     # Only the metadata the models read; the server's bookkeeping (managedFields, ...) passes through.
-    doc["metadata"] = {k: meta[k] for k in ("name", "namespace", "generation", "uid") if k in meta}
+    doc["metadata"] = {k: meta[k] for k in ("name", "namespace", "generation", "uid", "labels") if k in meta}
     try:
         job = parse_rljob(doc)
     except RLJobValidationError as exc:
@@ -235,6 +244,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     accepted: tuple[str, str, str]
     suspend_requested = bool((body.get("spec") or {}).get("suspend")) if job is None else job.spec.suspend
     will_create_ptj = False
+    replacing = False  # deleting the PyTorchJob on purpose (a spec edit while suspended)
 
     if job is None:
         accepted = (c.FALSE, c.REASON_INVALID_SPEC,
@@ -257,10 +267,12 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
                 will_create_ptj = True
         elif _hash_of(ptj) == desired_hash:
             if not finished:
-                run_policy = (ptj.get("spec") or {}).get("runPolicy") or {}
-                if bool(run_policy.get("suspend")) != job.spec.suspend:
-                    patches.append(Patch(ChildRef.of(ptj),
-                                         {"spec": {"runPolicy": {"suspend": job.spec.suspend}}}))
+                live_suspend = _child_suspended(ptj)
+                # Kueue owns un-suspending a queue-managed PyTorchJob (admission), and suspends it to
+                # preempt it: the operator only ever suspends it, for the user's spec.suspend.
+                wanted = job.spec.suspend or (live_suspend and builders.queue_name(ptj) is not None)
+                if live_suspend != wanted:
+                    patches.append(Patch(ChildRef.of(ptj), {"spec": {"runPolicy": {"suspend": wanted}}}))
             creates.extend(_aux_and_configmap(job, settings, cm, ensure_aux, desired_hash))
             patches.extend(_configmap_patch(job, settings, cm, desired_hash))
         else:
@@ -279,6 +291,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
                 patches.extend(_configmap_patch(job, settings, cm, desired_hash))
                 requeue = REQUEUE_WAITING
                 phase = PHASE_DELETING
+                replacing = True
             else:
                 accepted = (c.FALSE, c.REASON_SPEC_CHANGE_REJECTED,
                             (f"{what} changed while the job runs; these fields are fixed at launch. Revert "
@@ -314,19 +327,30 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
         failed_cond = (c.TRUE, reason, msg)
     else:
         failed_cond = (c.FALSE, c.REASON_NOT_FAILED, "The job has not failed.")
+    queue = builders.queue_name(ptj) if ptj is not None else (
+        builders.queue_labels(job).get(builders.LABEL_KUEUE_QUEUE) if job is not None and will_create_ptj else None)
+    queued = queue is not None and not suspend_requested and (will_create_ptj or _child_suspended(ptj))
     running_cond = _running_condition(phase, ptj_name, child_msg, succeeded, failed, job is None,
-                                      will_create_ptj, suspend_requested, requeue is not None and bool(foreign))
+                                      will_create_ptj, suspend_requested, requeue is not None and bool(foreign),
+                                      queue if queued else None)
     suspended_cond = _suspended_condition(phase, ptj, suspend_requested, succeeded or failed, old_conds, ptj_name,
                                           job is None)
     for type_, (status_, reason_, message_) in zip(
             c.CONDITION_TYPES, (accepted, running_cond, succeeded_cond, failed_cond, suspended_cond)):
         put(type_, status_, reason_, message_)
+    admitted_cond = _admitted_condition(queue, queued, suspend_requested, succeeded or failed, ptj_name)
+    if admitted_cond is not None:
+        put(c.ADMITTED, *admitted_cond)
 
     # ------------------------------------------------------------------ status fields
     status = copy.deepcopy(old_status)
     status["observedGeneration"] = generation
     status["conditions"] = conds
-    if ptj is not None or will_create_ptj:
+    # pytorchJobName names the PyTorchJob this RLJob runs; its absence while none exists tells the
+    # next create that a missing PyTorchJob was removed on purpose (a replacement), not lost.
+    if replacing:
+        status.pop("pytorchJobName", None)
+    elif (ptj is not None and phase != PHASE_DELETING) or will_create_ptj:
         status["pytorchJobName"] = ptj_name
     ptj_status = (ptj or {}).get("status") or {}
     if phase in (PHASE_RUNNING, PHASE_RESTARTING, PHASE_SUCCEEDED, PHASE_FAILED) and not status.get("startTime"):
@@ -351,7 +375,7 @@ def _creates(job: RLJob, settings: OperatorSettings, cm: Mapping[str, Any] | Non
              old_status: Mapping[str, Any], desired_hash: str) -> list[Create]:
     out = _aux_and_configmap(job, settings, cm, ensure_aux, desired_hash)
     ptj_name = builders.pytorchjob_name(job.metadata.name)
-    if old_status.get("pytorchJobName"):
+    if old_status.get("pytorchJobName"):  # removed by the replacement of a spec edit: not "missing"
         event = Event("Normal", c.EVENT_RECREATED,
                       f"PyTorchJob {ptj_name} was missing before the job finished; created it again "
                       "(training resumes from the last committed checkpoint).")
@@ -385,8 +409,28 @@ def _configmap_patch(job: RLJob, settings: OperatorSettings, cm: Mapping[str, An
     return [Patch(ChildRef.of(want), body)]
 
 
+def _child_suspended(ptj: Mapping[str, Any] | None) -> bool:
+    return bool((((ptj or {}).get("spec") or {}).get("runPolicy") or {}).get("suspend"))
+
+
+def _admitted_condition(queue: str | None, queued: bool, suspend: bool, finished: bool,
+                        ptj_name: str) -> tuple[str, str, str] | None:
+    """Kueue's admission of a queue-managed job; None (condition left as it is) otherwise or once finished."""
+    if queue is None or finished:
+        return None
+    if suspend:
+        return (c.FALSE, c.REASON_SUSPENDED,
+                f"spec.suspend is true; Kueue (LocalQueue {queue}) admits PyTorchJob {ptj_name} after a resume.")
+    if queued:
+        return (c.FALSE, c.REASON_QUEUED,
+                f"PyTorchJob {ptj_name} waits in Kueue LocalQueue {queue} for admission; it stays suspended "
+                "until Kueue admits it.")
+    return c.TRUE, c.REASON_ADMITTED, f"Kueue admitted PyTorchJob {ptj_name} from LocalQueue {queue}."
+
+
 def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: bool, failed: bool, invalid: bool,
-                       will_create: bool, suspend: bool, waiting_foreign: bool) -> tuple[str, str, str]:
+                       will_create: bool, suspend: bool, waiting_foreign: bool,
+                       queue: str | None = None) -> tuple[str, str, str]:
     if succeeded:
         return c.FALSE, c.REASON_COMPLETED, "The job succeeded."
     if failed:
@@ -397,6 +441,10 @@ def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: boo
         return c.FALSE, c.REASON_RESTARTING, child_msg or f"PyTorchJob {ptj_name} is restarting failed pods."
     if suspend and phase in (PHASE_SUSPENDED, PHASE_PENDING, PHASE_ABSENT, PHASE_DELETING):
         return c.FALSE, c.REASON_JOB_SUSPENDED, "The job is suspended (spec.suspend is true)."
+    if queue is not None and phase in (PHASE_SUSPENDED, PHASE_PENDING, PHASE_ABSENT):
+        return (c.FALSE, c.REASON_QUEUED,
+                f"PyTorchJob {ptj_name} waits for Kueue to admit it from LocalQueue {queue} (after a preemption, "
+                "training resumes from the last committed checkpoint).")
     if waiting_foreign:
         return (c.FALSE, c.REASON_CREATING,
                 f"Waiting for an object named after this RLJob ({ptj_name}) that it does not own to be deleted.")
@@ -451,6 +499,14 @@ def _transition_events(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]
                 out.append(Event("Normal", c.REASON_SUSPENDED, message))
             elif status == c.FALSE and b_status == c.TRUE:
                 out.append(Event("Normal", c.REASON_RESUMED, message))
+        elif t == c.ADMITTED:
+            if status == c.TRUE and b_status != c.TRUE:
+                out.append(Event("Normal", c.REASON_ADMITTED, message))
+            elif reason == c.REASON_QUEUED and b_status == c.TRUE:
+                out.append(Event("Warning", c.EVENT_PREEMPTED, (
+                    "Kueue suspended the admitted PyTorchJob (preemption or eviction): its pods get SIGTERM and "
+                    "save a checkpoint, as on spec.suspend; training resumes from it when Kueue admits the job "
+                    "again.")))
         elif t == c.SUCCEEDED and status == c.TRUE and b_status != c.TRUE:
             out.append(Event("Normal", c.EVENT_SUCCEEDED, message))
         elif t == c.FAILED and status == c.TRUE and b_status != c.TRUE:

@@ -11,7 +11,7 @@
 | RLJOB_API_TIMEOUT_SECONDS       | 30                           | timeout of one Kubernetes API request made by the operator |
 | RLJOB_API_CONCURRENCY           | 16                           | parallel Kubernetes API requests (threads and pooled connections) |
 | RLJOB_OPERATOR_METRICS_PORT     | 8080                         | port of the operator's own /metrics; 0 disables it |
-| RLJOB_WATCH_SERVER_TIMEOUT      | 300                          | seconds one watch request asks the API server to keep the stream |
+| RLJOB_WATCH_SERVER_TIMEOUT      | 300                          | whole seconds one watch request asks the API server to keep the stream |
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ class OperatorSettings:
     api_timeout_seconds: float = 30.0
     api_concurrency: int = 16
     operator_metrics_port: int = 8080
-    watch_server_timeout: float = 300.0
+    # An integer: the API server parses the watch's timeoutSeconds with ParseInt ("300.0" is a 400).
+    watch_server_timeout: int = 300
 
     @property
     def spec_path(self) -> str:
@@ -57,7 +58,8 @@ class OperatorSettings:
             api_concurrency=_int(env, "RLJOB_API_CONCURRENCY", defaults.api_concurrency, lo=1, hi=256),
             operator_metrics_port=_int(env, "RLJOB_OPERATOR_METRICS_PORT", defaults.operator_metrics_port,
                                        lo=0, hi=65535),
-            watch_server_timeout=_float(env, "RLJOB_WATCH_SERVER_TIMEOUT", defaults.watch_server_timeout, lo=1.0),
+            watch_server_timeout=_int(env, "RLJOB_WATCH_SERVER_TIMEOUT", defaults.watch_server_timeout,
+                                       lo=1, hi=86400),
         )
 
 
@@ -83,7 +85,7 @@ def _int(env: Mapping[str, str], name: str, default: int, *, lo: int, hi: int) -
     try:
         value = int(env[name])
     except ValueError:
-        raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+        raise ValueError(f"{name}={env[name]!r} is not an integer (a whole number, e.g. 300)") from None
     if not lo <= value <= hi:
         raise ValueError(f"{name}={value} is outside [{lo}, {hi}]")
     return value

@@ -98,7 +98,8 @@ def test_printer_columns():
     [version] = crd_doc()["spec"]["versions"]
     cols = {c["name"].upper(): c for c in version["additionalPrinterColumns"]}
     default_cols = [c["name"].upper() for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert default_cols[:5] == ["STEP", "REWARD", "RUNNING", "SUCCEEDED", "AGE"]
+    assert default_cols[:6] == ["STEP", "REWARD", "RUNNING", "SUCCEEDED", "QUEUE", "AGE"]
+    assert cols["QUEUE"]["jsonPath"] == '.status.conditions[?(@.type=="Admitted")].reason' 
     assert cols["CHECKPOINT"]["priority"] == 1
     assert cols["AGE"]["jsonPath"] == ".metadata.creationTimestamp" and cols["AGE"]["type"] == "date"
     assert cols["RUNNING"]["jsonPath"] == '.status.conditions[?(@.type=="Running")].status'

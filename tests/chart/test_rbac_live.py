@@ -58,16 +58,29 @@ def live_requests(chart_docs: list[dict[str, Any]], tmp_path_factory: pytest.Tem
     from opschema import pytorchjob_crd
     from rljob_operator.progress import ANNOTATION, encode_progress
 
+    from kube_rbac import User
+
     tmp = tmp_path_factory.mktemp("rbac-live")
-    server = ApiServerThread(bookmark_interval=5.0).start()
+    account = one(chart_docs, "ServiceAccount")["metadata"]
+    # The server enforces RBAC: the operator's token is the chart's ServiceAccount, bound to nothing
+    # but the chart's ClusterRole and Roles (the test itself acts as a cluster admin).
+    server = ApiServerThread(bookmark_interval=5.0, tokens={
+        "test-token": User.service_account(account["namespace"], account["name"]),
+        "admin-token": User("admin", ("system:masters",))}).start()
     operator = None
     try:
-        kube = KubeClient(server.url)
+        kube = KubeClient(server.url, token="admin-token")
         kube.apply_crd(one(chart_docs, "CustomResourceDefinition"))
         kube.apply_crd(pytorchjob_crd())
         kube.apply_crd(_podmonitor_crd())
-        for ns in ("team-a", "team-b", "elsewhere"):
+        for ns in ("team-a", "team-b", "elsewhere", account["namespace"]):
             kube.create_namespace(ns)
+        rbac = "rbac.authorization.k8s.io"
+        for doc in chart_docs:
+            if doc["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"):
+                group, plural = ("", "serviceaccounts") if doc["kind"] == "ServiceAccount" else (
+                    rbac, doc["kind"].lower() + "s")
+                kube.create((group, "v1", plural), doc["metadata"].get("namespace"), doc)
 
         container = one(chart_docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
         args = [a for a in container["args"] if not a.startswith("--liveness")]
@@ -113,6 +126,8 @@ def live_requests(chart_docs: list[dict[str, Any]], tmp_path_factory: pytest.Tem
         # The operator authenticates with the kubeconfig's token; the test's own client sends none.
         yield server.call(lambda: [(r.method.value, r.url.path_qs) for r in server.server._requests
                                    if r.headers.get("Authorization") == "Bearer test-token"])
+        forbidden = [line for line in operator.logs().splitlines() if " 403" in line or "Forbidden" in line]
+        assert not forbidden, "the enforcing server refused the operator:\n" + "\n".join(forbidden[:20])
     finally:
         if operator is not None:
             operator.stop()

@@ -370,3 +370,5 @@ def test_notes_tell_what_to_apply_next(helm_bin: str) -> None:
     assert "kubectl get rlj -n team-a" in notes
     assert "team-a, team-b" in notes
     assert "rollout status deployment/rljob-rljob-operator" in notes
+    # The operator sets no finalizer on RLJobs (test_operator_e2e checks the stored object).
+    assert "puts no finalizer on RLJobs" in notes and "kopf puts a finalizer" not in notes

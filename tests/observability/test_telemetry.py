@@ -306,3 +306,49 @@ def test_module_is_the_only_prometheus_client_importer():
     offenders = [p.relative_to(worker).as_posix() for p in worker.rglob("*.py")
                  if p.name != "telemetry.py" and "prometheus_client" in p.read_text()]
     assert offenders == []
+
+
+class _Allocator:
+    """torch.cuda's peak semantics: the peak follows allocations; a reset sets it to what is allocated now."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n):
+        self.allocated -= n
+
+    def reset(self):
+        self.peak = self.allocated
+
+
+def test_stage_peak_memory_by_hand_with_nested_stages():
+    from rljob_worker.telemetry import StagePeakMemory
+
+    mem = _Allocator()
+    peaks = StagePeakMemory(lambda: mem.peak, mem.reset)
+    mem.alloc(100)  # before any stage: counts only towards since_start
+    mem.free(60)
+    peaks.enter()  # rollout: 40 held
+    mem.alloc(50)  # 90
+    mem.free(50)
+    peaks.enter()  # reward, nested: 40 held
+    mem.alloc(20)  # 60
+    mem.free(20)
+    peaks.exit("reward")
+    mem.alloc(10)  # 50
+    peaks.exit("rollout")  # its peak (90) survives the reset the nested stage made
+    mem.free(10)
+    peaks.enter()
+    mem.alloc(200)  # 240
+    mem.free(200)
+    peaks.exit("actor_update")
+    assert peaks.pending == {"reward": 60, "rollout": 90, "actor_update": 240}
+    assert peaks.since_start == 240
+    peaks.enter()  # a stage seen twice in a step keeps its larger peak
+    mem.alloc(5)
+    peaks.exit("reward")
+    assert peaks.pending["reward"] == 60

@@ -9,26 +9,47 @@ lacks (each item is tested in test_apiserver.py):
 - metadata the server owns: uid, resourceVersion (one global counter), creationTimestamp,
   generation (bumped on spec changes of custom resources), generateName;
 - lists with `kind`, `apiVersion` and `metadata.resourceVersion`; label and field selectors;
-- CRDs: creating one registers its resource for discovery and serving; deleting one removes it;
-- admission-style validation of creates and patches: the CRD's openAPIV3Schema (strict: unknown
-  fields are rejected), its CEL `x-kubernetes-validations` (cel-python; transition rules on
-  updates; unchanged values are not re-checked, as with validation ratcheting), and strict
-  kubernetes-validate schemas for the built-in kinds we create;
+- CRDs: a created CRD is served (registered for discovery, Established) a moment later, as on a
+  real server (its create response has `status.conditions: null`); deleting one removes it;
+- decoding as the real server does: unknown fields are PRUNED (CRDs by their structural schema,
+  built-ins by the Kubernetes OpenAPI types, ObjectMeta by its fields) and answered 200/201 with a
+  `Warning: 299 - "unknown field \"spec.x\""` header (recorded: `unknown_field_warnings()`), or
+  refused with `fieldValidation=Strict` (kubectl's default; 400 `strict decoding error`); a wrong
+  JSON type in a built-in kind is 400;
+- admission-style validation of creates and patches (422): the CRD's openAPIV3Schema, its CEL
+  `x-kubernetes-validations` (cel-python; transition rules on updates; unchanged values are not
+  re-checked, as with validation ratcheting; after a schema error the rules are skipped with the
+  cause `some validation rules were not checked ...`), kubernetes-validate schemas for the built-in
+  kinds we create, label values, annotations over 256 KiB (kubectl's client-side apply of a large
+  object);
 - a real `/status` subresource: patches of the main resource ignore `.status`, patches of
   `/status` ignore everything else;
-- merge patch (RFC 7386) and JSON patch (RFC 6902, `test` failing -> 422); a `metadata.
-  resourceVersion` in a merge patch is a precondition (409 Conflict), as on a real server;
-  no-op patches do not bump the resourceVersion;
-- deletion with finalizers (deletionTimestamp first), ownerReference garbage collection
-  (background and orphan propagation, several owners, dangling owners), asynchronously;
-- watches that honour `resourceVersion` (replay from an event log, `410 Expired` once compacted),
-  `timeoutSeconds`, `allowWatchBookmarks` (periodic BOOKMARKs), selectors;
+- merge patch (RFC 7386), JSON patch (RFC 6902, `test` failing -> 422), strategic merge patch for
+  built-in kinds only (415 on custom resources; treated as a merge patch), server-side apply
+  (`application/apply-patch+yaml`, 422 without `fieldManager`; creates an absent object, then
+  merges like a merge patch: no managedFields, conflicts or removal of fields a manager dropped);
+  a `metadata.resourceVersion` in a merge patch is a precondition (409 Conflict); changing
+  `metadata.name` is 400, `metadata.uid` 422; no-op patches do not bump the resourceVersion;
+  a create carrying `metadata.resourceVersion` is 500, as on a real server;
+- deletion with finalizers (deletionTimestamp first); garbage collection and namespace deletion
+  are NOT done by the server but by a background controller, like kube-controller-manager
+  (`controllers=False`: a server without it): ownerReference cascades, orphan (`orphan`
+  finalizer; the dependents' `ownerReferences` key is removed) and foreground
+  (`foregroundDeletion`) propagation, dangling owners; a deleted namespace is `Terminating`
+  (creates in it are 403) until its contents are gone;
+- watches and lists that honour `resourceVersion` (replay from an event log, `410 Expired` once
+  compacted), `timeoutSeconds` (an integer: `300.0` is 400 as on a real server),
+  `allowWatchBookmarks` (periodic BOOKMARKs), selectors;
+
+- with `tokens={TOKEN: kube_rbac.User(...)}`: bearer-token authentication (401), RBAC from the stored
+  Roles, ClusterRoles and bindings (403; system:masters may do anything), and RBAC's escalation
+  prevention on writes of Roles and bindings (kube_rbac.py);
 - fault injection: HTTP errors, delays before handling, delayed responses, dropped watches.
 
-Gaps, on purpose: no authn/authz (RBAC objects are stored, not enforced), no strategic merge
-(treated as a merge patch), no PUT/replace, no server-side apply, no foreground deletion (treated
-as background), no defaulting or pruning, watches with label selectors do not synthesize
-ADDED/DELETED when an object's labels move it in or out of the selection.
+Gaps, on purpose: authorization is off unless `tokens` is given, no PUT/replace, no
+defaulting, watches with label selectors do not synthesize ADDED/DELETED when an object's labels
+move it in or out of the selection. The operator suite also runs against a real kube-apiserver
+(RLJOB_TEST_KUBECONFIG; see README, Development).
 
 Use `ApiServerThread` from tests (a server on its own event loop in a thread; talk to it over
 HTTP with `cluster.KubeClient`), or run it alone: `python tests/operator/apiserver.py --port 8001`.
@@ -38,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextvars
 import copy
 import dataclasses
 import datetime
@@ -55,7 +77,9 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
+import kube_rbac
 import opschema
+import yaml
 from kmock._internal import rendering  # the Request/Response types kmock hands to handlers
 
 Key = tuple[str, str, str]  # (group, version, plural)
@@ -72,11 +96,20 @@ BUILTINS: dict[Key, tuple[str, bool]] = {
     ("events.k8s.io", "v1", "events"): ("Event", True),
     ("rbac.authorization.k8s.io", "v1", "roles"): ("Role", True),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", True),
+    ("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", False),
+    ("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", False),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): ("CustomResourceDefinition", False),
 }
-STRICT_BUILTINS = {"ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding", "Event"}
+STRICT_BUILTINS = {"ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding", "ClusterRole",
+                   "ClusterRoleBinding", "Event"}
+RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+_USER: contextvars.ContextVar[kube_rbac.User | None] = contextvars.ContextVar("user", default=None)
 NAMESPACES: Key = ("", "v1", "namespaces")
 CRDS: Key = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+MAX_ANNOTATIONS_BYTES = 256 * 1024
+CEL_NOT_CHECKED = ("some validation rules were not checked because the object was invalid; correct the existing "
+                   "errors to complete validation")
+APPLY_PATCH = "application/apply-patch+yaml"
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _NS_PATH = re.compile(r"^/api/v1/namespaces(?:/([^/]+))?/?$")
 
@@ -287,6 +320,10 @@ class Kind:
     categories: tuple[str, ...] = ()
     printer_columns: tuple[dict[str, Any], ...] = ()  # a CRD version's additionalPrinterColumns
 
+    @functools.cached_property
+    def has_cel(self) -> bool:
+        return "x-kubernetes-validations" in json.dumps(self.schema or {})
+
 
 @dataclasses.dataclass
 class Watcher:
@@ -325,8 +362,14 @@ _DROP = object()  # a sentinel that ends a watch stream
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesScaffold):
     bookmark_interval: float = 10.0
-    gc_delay: float = 0.05
+    gc_delay: float = 0.05  # how long the stand-in kube-controller-manager waits before a sweep
+    controllers: bool = True  # run the garbage collector and namespace controller (kube-controller-manager)
+    crd_establish_delay: float = 0.05  # a new CRD's resource is served (and Established) this much later
     log_size: int = 20000
+    # Bearer token -> user. None: no authentication or authorization (every request is allowed).
+    # With tokens: unknown tokens are 401, requests are authorized by the stored RBAC objects
+    # (403), and writes of Roles and bindings pass RBAC's escalation prevention.
+    tokens: dict[str, kube_rbac.User] | None = None
     validate_builtins: bool = True
     max_requests_kept: int = 20000
 
@@ -342,6 +385,9 @@ class ApiServer(kmock.KubernetesScaffold):
     _watcher_objs: dict[int, Watcher] = attrs.field(factory=dict, init=False)
     _faults: list[Fault] = attrs.field(factory=list, init=False)
     _served: int = attrs.field(default=0, init=False)
+    _warnings: list[tuple[str, str, str, str]] = attrs.field(factory=list, init=False)
+    _dirty: asyncio.Event | None = attrs.field(default=None, init=False)
+    _controller_task: asyncio.Task | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -402,6 +448,7 @@ class ApiServer(kmock.KubernetesScaffold):
             if kind.status_subresource:
                 obj.pop("status", None)  # the status of a new object comes from the status subresource only
         if key == NAMESPACES:
+            obj["spec"] = {"finalizers": ["kubernetes"]}  # the namespace controller's: contents go first
             obj["status"] = {"phase": "Active"}
         return obj
 
@@ -424,11 +471,7 @@ class ApiServer(kmock.KubernetesScaffold):
             spec = obj["spec"]
             for version in spec["versions"]:
                 self._unregister((spec["group"], version["name"], spec["names"]["plural"]))
-        if key == NAMESPACES:
-            for other, objs in list(self._store.items()):
-                for (ons, oname) in [k for k in objs if k[0] == name]:
-                    self._remove(other, ons, oname)
-        self._schedule_gc(obj["metadata"]["uid"], orphan=propagation == "Orphan")
+        self._mark_dirty()  # the garbage collector looks for dependents
         return obj
 
     def _emit(self, key: Key, ns: str | None, event: dict[str, Any]) -> None:
@@ -442,48 +485,112 @@ class ApiServer(kmock.KubernetesScaffold):
             if w.key == key and w.matches(ns, event["object"]):
                 w.queue.put_nowait((self._rv, event))
 
-    # ------------------------------------------------------------------ garbage collection
+    # ------------------------------------------------------------------ kube-controller-manager stand-in
+    # Like a real cluster, the API server itself only stores: garbage collection (ownerReferences,
+    # orphan and foreground finalizers) and namespace deletion are done later by a controller, here a
+    # background task woken by deletions (`controllers=False`: a server without kube-controller-manager).
 
-    def _schedule_gc(self, uid: str, *, orphan: bool) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        loop.call_later(self.gc_delay, self._collect, uid, orphan)
+    def _mark_dirty(self) -> None:
+        if self._dirty is not None:
+            self._dirty.set()
 
-    def _collect(self, owner_uid: str, orphan: bool) -> None:
-        """Dependents of a gone owner: drop the reference (orphan, or other live owners) or delete them."""
-        if owner_uid in self._uids:
-            return  # the owner is back (same uid cannot come back, but be safe)
+    def _start_controllers(self) -> None:
+        if self._controller_task is None and self.controllers:
+            self._dirty = asyncio.Event()
+            self._controller_task = asyncio.get_running_loop().create_task(self._controller_loop())
+
+    async def _controller_loop(self) -> None:
+        assert self._dirty is not None
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            await asyncio.sleep(self.gc_delay)
+            self._sweep()
+
+    def _sweep(self) -> None:
+        for (_, ns_name), ns_obj in list(self._store[NAMESPACES].items()):
+            if ns_obj["metadata"].get("deletionTimestamp"):
+                contents = [(key, ons, oname) for key, objs in self._store.items() if key != NAMESPACES
+                            for (ons, oname) in objs if ons == ns_name]
+                for key, ons, oname in contents:
+                    self._delete(key, ons, oname, propagation="Background")
+                if not contents:
+                    self._remove(NAMESPACES, None, ns_name)
+        for key, objs in list(self._store.items()):
+            for (ns, name), obj in list(objs.items()):
+                meta = obj["metadata"]
+                finalizers = meta.get("finalizers") or []
+                if not meta.get("deletionTimestamp"):
+                    continue
+                dependents = self._dependents(meta["uid"])
+                if "orphan" in finalizers:
+                    for dep in dependents:
+                        self._drop_owner_refs(*dep, {meta["uid"]})
+                    self._remove_finalizer(key, ns, name, "orphan")
+                elif "foregroundDeletion" in finalizers:
+                    for dkey, dns, dname in dependents:
+                        self._delete(dkey, dns, dname, propagation="Foreground")
+                    if not dependents:
+                        self._remove_finalizer(key, ns, name, "foregroundDeletion")
         for key, objs in list(self._store.items()):
             for (ns, name), obj in list(objs.items()):
                 refs = obj["metadata"].get("ownerReferences") or []
-                if not any(r.get("uid") == owner_uid for r in refs):
+                dead = {r.get("uid") for r in refs if r.get("uid") not in self._uids}
+                if not dead:
                     continue
-                alive = [r for r in refs if r.get("uid") != owner_uid and r.get("uid") in self._uids]
-                if orphan or alive:
-                    new = copy.deepcopy(obj)
-                    new["metadata"]["ownerReferences"] = [r for r in refs if r.get("uid") != owner_uid]
-                    self._put(key, ns, new, "MODIFIED")
+                if len(dead) < len({r.get("uid") for r in refs}):
+                    self._drop_owner_refs(key, ns, name, dead)  # other owners live: only the dangling refs go
                 else:
                     self._delete(key, ns, name, propagation="Background")
 
-    def _check_dangling(self, key: Key, ns: str | None, name: str) -> None:
-        obj = self._store.get(key, {}).get((ns, name))
-        if obj is None:
-            return
-        refs = obj["metadata"].get("ownerReferences") or []
-        if refs and not any(r.get("uid") in self._uids for r in refs):
-            self._delete(key, ns, name, propagation="Background")
+    def _dependents(self, owner_uid: str) -> list[tuple[Key, str | None, str]]:
+        return [(key, ns, name) for key, objs in self._store.items() for (ns, name), obj in objs.items()
+                if any(r.get("uid") == owner_uid for r in obj["metadata"].get("ownerReferences") or [])]
+
+    def _drop_owner_refs(self, key: Key, ns: str | None, name: str, uids: set[str]) -> None:
+        new = copy.deepcopy(self._store[key][(ns, name)])
+        refs = [r for r in new["metadata"].get("ownerReferences") or [] if r.get("uid") not in uids]
+        if refs:
+            new["metadata"]["ownerReferences"] = refs
+        else:
+            new["metadata"].pop("ownerReferences", None)  # as on a real server: the key goes, not `[]`
+        self._put(key, ns, new, "MODIFIED")
+
+    def _remove_finalizer(self, key: Key, ns: str | None, name: str, finalizer: str) -> None:
+        new = copy.deepcopy(self._store[key][(ns, name)])
+        rest = [f for f in new["metadata"].get("finalizers") or [] if f != finalizer]
+        if rest:
+            new["metadata"]["finalizers"] = rest
+            self._put(key, ns, new, "MODIFIED")
+        else:
+            new["metadata"].pop("finalizers", None)
+            self._store[key][(ns, name)] = new
+            self._remove(key, ns, name)
 
     def _delete(self, key: Key, ns: str | None, name: str, *, propagation: str) -> dict[str, Any]:
+        """What a DELETE does on the server: mark (finalizers, namespaces) or remove; the rest is the controllers'."""
         obj = self._store[key][(ns, name)]
-        if obj["metadata"].get("finalizers"):
-            if obj["metadata"].get("deletionTimestamp"):
+        meta = obj["metadata"]
+        if key == NAMESPACES:
+            if meta.get("deletionTimestamp"):
                 return obj
             new = copy.deepcopy(obj)
             new["metadata"]["deletionTimestamp"] = now_rfc3339()
-            new["metadata"]["deletionGracePeriodSeconds"] = 0
+            new["status"] = {"phase": "Terminating"}
+            self._mark_dirty()
+            return self._put(key, ns, new, "MODIFIED")
+        finalizers = list(meta.get("finalizers") or [])
+        gc_finalizer = {"Orphan": "orphan", "Foreground": "foregroundDeletion"}.get(propagation)
+        if gc_finalizer and gc_finalizer not in finalizers and not meta.get("deletionTimestamp"):
+            finalizers.append(gc_finalizer)
+        if finalizers:
+            if meta.get("deletionTimestamp") and finalizers == meta.get("finalizers"):
+                return obj
+            new = copy.deepcopy(obj)
+            new["metadata"]["finalizers"] = finalizers
+            new["metadata"].setdefault("deletionTimestamp", now_rfc3339())
+            new["metadata"].setdefault("deletionGracePeriodSeconds", 0)
+            self._mark_dirty()
             return self._put(key, ns, new, "MODIFIED")
         return self._remove(key, ns, name, propagation)
 
@@ -499,14 +606,70 @@ class ApiServer(kmock.KubernetesScaffold):
         for k, v in (meta.get("labels") or {}).items():
             if not isinstance(v, str) or len(v) > 63:
                 causes.append((f"metadata.labels.{k}", "label values must be strings of at most 63 characters"))
+        annotations = meta.get("annotations") or {}
+        if sum(len(k) + len(str(v)) for k, v in annotations.items()) > MAX_ANNOTATIONS_BYTES:
+            # e.g. kubectl's client-side last-applied-configuration of a large object (use --server-side)
+            causes.append(("metadata.annotations", f"Too long: must have at most {MAX_ANNOTATIONS_BYTES} bytes"))
         if kind.validator is not None:
             for err in kind.validator.iter_errors(obj):
                 causes.append(("." .join(str(p) for p in err.absolute_path) or "(root)", err.message))
             if not causes:
                 causes.extend(cel_errors(kind.schema or {}, obj, old, ""))
+            elif kind.has_cel:
+                causes.append(("<nil>", CEL_NOT_CHECKED))
         elif self.validate_builtins and kind.kind in STRICT_BUILTINS:
             causes.extend((e.split(":", 1)[0], e.split(":", 1)[-1].strip()) for e in opschema.builtin_errors(obj))
         return causes
+
+    # ------------------------------------------------------------------ authentication and RBAC
+
+    def _rbac_lookup(self, kind: str, ns: str | None, name: str) -> dict[str, Any] | None:
+        key = ("rbac.authorization.k8s.io", "v1", kind.lower() + "s")
+        return self._store.get(key, {}).get((ns, name))
+
+    def _rbac_listing(self, kind: str) -> list[dict[str, Any]]:
+        return list(self._store.get(("rbac.authorization.k8s.io", "v1", kind.lower() + "s"), {}).values())
+
+    def _authenticate_and_authorize(self, request: rendering.Request) -> aiohttp.web.Response | None:
+        assert self.tokens is not None
+        header = request.headers.get("Authorization", "")
+        user = self.tokens.get(header[7:]) if header.startswith("Bearer ") else None
+        if user is None:
+            return error(401, "Unauthorized", "Unauthorized")
+        _USER.set(user)
+        res = request.resource
+        if res is None or res.plural is None:
+            return None  # discovery and /version: every authenticated user (system:discovery)
+        key = (res.group, res.version, res.plural)
+        kind = self._kinds.get(key)
+        action = request.action
+        verb = ("watch" if action == kmock.action.WATCH else "list" if action == kmock.action.LIST else
+                "get" if action == kmock.action.FETCH else "create" if action == kmock.action.CREATE else
+                "patch" if action == kmock.action.UPDATE else
+                ("delete" if request.name else "deletecollection") if action == kmock.action.DELETE else "get")
+        if verb == "patch" and (request.headers.get("Content-Type") or "").startswith(APPLY_PATCH) and \
+                (None if kind is None else self._store[key].get(
+                    (request.namespace if kind.namespaced else None, request.name))) is None:
+            verb = "create"  # server-side apply of an absent object creates it (needs both verbs)
+        attrs = kube_rbac.Attributes(verb, res.group, res.plural + (f"/{request.subresource}" if request.subresource
+                                                                     else ""),
+                                     request.namespace if kind is None or kind.namespaced else None, request.name)
+        if kube_rbac.authorize(user, attrs, self._rbac_lookup, self._rbac_listing):
+            return None
+        return error(403, "Forbidden", kube_rbac.forbidden_message(user, attrs),
+                     {"name": request.name, "group": res.group, "kind": res.plural})
+
+    def _escalation(self, kind: Kind, obj: dict[str, Any]) -> aiohttp.web.Response | None:
+        user = _USER.get()
+        if self.tokens is None or user is None or kind.kind not in RBAC_KINDS:
+            return None
+        missing = kube_rbac.escalation(user, obj, self._rbac_lookup, self._rbac_listing)
+        if not missing:
+            return None
+        name = obj["metadata"]["name"]
+        return error(403, "Forbidden", f'{kind.kind.lower()}s.rbac.authorization.k8s.io "{name}" is forbidden: user '
+                     f'"{user.name}" (groups={list(user.groups)}) is attempting to grant RBAC permissions not '
+                     f"currently held:\n" + "\n".join(missing))
 
     # ------------------------------------------------------------------ HTTP entry points
 
@@ -542,6 +705,11 @@ class ApiServer(kmock.KubernetesScaffold):
             return aiohttp.web.json_response({"requests": self._served, "watches": len(self._watchers),
                                               "objects": sum(len(v) for v in self._store.values())})
         self._served += 1
+        self._start_controllers()
+        if self.tokens is not None:
+            denied = self._authenticate_and_authorize(request)
+            if denied is not None:
+                return denied
         if res is None or res.plural is None:
             return await super()._handle(request)  # discovery and non-Kubernetes paths: kmock's scaffold
         if len(self._requests) > self.max_requests_kept:
@@ -569,6 +737,9 @@ class ApiServer(kmock.KubernetesScaffold):
         if kind.namespaced and request.name is not None and ns is None:
             return error(404, "NotFound", "a namespaced object needs a namespace in the URL")
         action = request.action
+        bad_param = _integer_param_error(request.params) if request.method.value == "GET" else None
+        if bad_param is not None:
+            return error(400, "BadRequest", bad_param)
         if action == kmock.action.WATCH:
             stream = self._watch(request, key, kind, ns)
             return await rendering.Response(payload=stream)(request)
@@ -601,8 +772,36 @@ class ApiServer(kmock.KubernetesScaffold):
             "metadata": {"resourceVersion": str(self._rv), "continue": ""}, "items": items,
         })
 
-    def _create(self, request: rendering.Request, key: Key, kind: Kind, ns: str | None) -> aiohttp.web.Response:
-        body = request.data
+    def _decode(self, request: rendering.Request, kind: Kind, obj: dict[str, Any]) -> aiohttp.web.Response | list[str]:
+        """Decode `obj` as the API server does, in place: unknown fields are dropped (CRDs: structural
+        pruning; built-ins: the Go types) and reported as warnings, or refused with `fieldValidation=Strict`
+        (kubectl's default); a wrong JSON type in a built-in fails decoding (400). Returns the warnings."""
+        if kind.custom:
+            dropped = opschema.prune_custom(obj, kind.schema) if kind.schema else []
+            type_errors: list[str] = []
+        elif self.validate_builtins and kind.kind in STRICT_BUILTINS:
+            dropped, type_errors, _ = opschema.check_builtin(obj)
+        else:
+            dropped, type_errors = [], []
+        if type_errors:
+            version = obj.get("apiVersion", "")
+            return error(400, "BadRequest", f'{kind.kind} in version "{version.split("/")[-1]}" cannot be handled as '
+                         f'a {kind.kind}: {"; ".join(type_errors)}')
+        mode = request.params.get("fieldValidation", "Warn")
+        if mode not in ("Strict", "Warn", "Ignore"):
+            return error(400, "BadRequest", f"fieldValidation must be Strict, Warn or Ignore, got {mode!r}")
+        warnings = [f'unknown field "{path}"' for path in dropped]
+        if warnings and mode == "Strict":
+            return error(400, "BadRequest", "strict decoding error: " + ", ".join(warnings))
+        if mode == "Ignore":
+            return []
+        agent = request.headers.get("User-Agent", "")
+        self._warnings.extend((agent, request.method.value, request.url.path, w) for w in warnings)
+        return warnings
+
+    def _create(self, request: rendering.Request, key: Key, kind: Kind, ns: str | None,
+                body: Any = None) -> aiohttp.web.Response:
+        body = request.data if body is None else body
         if not isinstance(body, dict):
             return error(400, "BadRequest", "the request body must be a JSON object")
         if request.subresource:
@@ -610,11 +809,21 @@ class ApiServer(kmock.KubernetesScaffold):
         body_ns = (body.get("metadata") or {}).get("namespace")
         if kind.namespaced and body_ns and body_ns != ns:
             return error(400, "BadRequest", f"the namespace of the object ({body_ns}) does not match the URL ({ns})")
-        if kind.namespaced and (None, ns) not in self._store[NAMESPACES]:
-            return error(404, "NotFound", f'namespaces "{ns}" not found')
+        if kind.namespaced:
+            namespace = self._store[NAMESPACES].get((None, ns))
+            if namespace is None:
+                return error(404, "NotFound", f'namespaces "{ns}" not found')
+            if namespace["metadata"].get("deletionTimestamp"):
+                return error(403, "Forbidden", f"{kind.kind.lower()}s is forbidden: unable to create new content in "
+                             f"namespace {ns} because it is being terminated")
+        if (body.get("metadata") or {}).get("resourceVersion"):
+            return error(500, "InternalError", "resourceVersion should not be set on objects to be created")
         if not (body.get("metadata") or {}).get("name") and not (body.get("metadata") or {}).get("generateName"):
             return error(422, "Invalid", "metadata.name or metadata.generateName is required")
         obj = self._stamp(key, body, ns)
+        warnings = self._decode(request, kind, obj)
+        if isinstance(warnings, aiohttp.web.Response):
+            return warnings
         name = obj["metadata"]["name"]
         if (ns, name) in self._store[key]:
             return error(409, "AlreadyExists", f'{kind.kind.lower()}s "{name}" already exists',
@@ -622,31 +831,61 @@ class ApiServer(kmock.KubernetesScaffold):
         causes = self._invalid(key, obj, None)
         if causes:
             return invalid(kind, name, causes)
-        self._put(key, ns, obj, "ADDED")
+        escalating = self._escalation(kind, obj)
+        if escalating is not None:
+            return escalating
         if key == CRDS:
-            self._register_crd(obj)
-            established = copy.deepcopy(obj)
-            established["status"] = {"acceptedNames": obj["spec"]["names"], "storedVersions": [
-                v["name"] for v in obj["spec"]["versions"] if v.get("storage")], "conditions": [
-                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
-                 "lastTransitionTime": now_rfc3339()}]}
-            obj = self._put(key, ns, established, "MODIFIED")
+            # Served (and Established) a moment later, as on a real server: wait for the condition.
+            obj["status"] = {"acceptedNames": {"kind": "", "plural": ""}, "conditions": None, "storedVersions": []}
+            asyncio.get_running_loop().call_later(self.crd_establish_delay, self._establish, obj["metadata"]["uid"])
+        self._put(key, ns, obj, "ADDED")
         refs = obj["metadata"].get("ownerReferences") or []
-        if refs and not any(r.get("uid") in self._uids for r in refs):  # owners gone (or never existed)
-            asyncio.get_running_loop().call_later(self.gc_delay, self._check_dangling, key, ns, name)
-        return aiohttp.web.json_response(obj, status=201)
+        if refs and not all(r.get("uid") in self._uids for r in refs):  # owners gone (or never existed)
+            self._mark_dirty()
+        return with_warnings(aiohttp.web.json_response(obj, status=201), warnings)
+
+    def _establish(self, uid: str) -> None:
+        where = self._uids.get(uid)
+        if where is None:
+            return  # deleted meanwhile
+        key, ns, name = where
+        crd = copy.deepcopy(self._store[key][(ns, name)])
+        self._register_crd(crd)
+        now = now_rfc3339()
+        crd["status"] = {"acceptedNames": crd["spec"]["names"], "storedVersions": [
+            v["name"] for v in crd["spec"]["versions"] if v.get("storage")], "conditions": [
+            {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts", "lastTransitionTime": now},
+            {"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "lastTransitionTime": now}]}
+        self._put(key, ns, crd, "MODIFIED")
 
     def _patch(self, request: rendering.Request, key: Key, kind: Kind, ns: str | None) -> aiohttp.web.Response:
         old = self._store[key].get((ns, request.name))
+        content_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        body = request.data
+        if content_type == APPLY_PATCH:  # server-side apply (simplified: see the module docstring)
+            if not request.params.get("fieldManager"):
+                return error(422, "Invalid", 'PatchOptions.meta.k8s.io "" is invalid: fieldManager: Required value: '
+                             "is required for apply patch")
+            try:
+                body = yaml.safe_load(request.text)
+            except yaml.YAMLError as exc:
+                return error(400, "BadRequest", f"error decoding YAML: {exc}")
+            if not isinstance(body, dict) or body.get("kind") != kind.kind or \
+                    body.get("apiVersion") != api_version(key):
+                return error(400, "BadRequest", f"an apply patch must be a {api_version(key)} {kind.kind} object")
+            if (body.get("metadata") or {}).get("name") not in (None, request.name):
+                return error(400, "BadRequest", "the name of the object does not match the name on the URL")
+            if old is None and request.subresource is None:
+                return self._create(request, key, kind, ns, body={**body, "metadata": {
+                    **(body.get("metadata") or {}), "name": request.name}})
         if old is None:
             return not_found(kind, request.name)
         if request.subresource not in (None, "status") or (request.subresource == "status"
                                                             and not kind.status_subresource):
             return error(404, "NotFound", f"no {request.subresource} subresource")
-        content_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-        body = request.data
         try:
-            if content_type in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+            if content_type == "application/merge-patch+json" or (
+                    content_type == "application/strategic-merge-patch+json" and not kind.custom):
                 if not isinstance(body, dict):
                     raise PatchError(400, "a merge patch must be a JSON object")
                 wanted_rv = (body.get("metadata") or {}).get("resourceVersion")
@@ -656,8 +895,12 @@ class ApiServer(kmock.KubernetesScaffold):
                 new = merge_patch(old, body)
             elif content_type == "application/json-patch+json":
                 new = json_patch(old, body)
+            elif content_type == APPLY_PATCH:
+                new = merge_patch(old, body)
             else:
-                return error(415, "UnsupportedMediaType", f"unsupported patch content type {content_type!r}")
+                return error(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted "
+                             "media types include: application/json-patch+json, application/merge-patch+json, "
+                             f"application/apply-patch+yaml{'' if kind.custom else ', application/strategic-merge-patch+json'}")
         except PatchError as exc:
             return error(exc.status, "Invalid" if exc.status == 422 else "BadRequest", str(exc))
         if not isinstance(new, dict):
@@ -675,6 +918,14 @@ class ApiServer(kmock.KubernetesScaffold):
             else:
                 new.pop("status", None)
         meta, old_meta = new.setdefault("metadata", {}), old["metadata"]
+        if meta.get("name", old_meta["name"]) != old_meta["name"]:
+            return error(400, "BadRequest", f"the name of the object ({meta['name']}) does not match the name on "
+                         f"the URL ({old_meta['name']})")
+        if meta.get("namespace", old_meta.get("namespace")) != old_meta.get("namespace"):
+            return error(400, "BadRequest", "the namespace of the provided object does not match the namespace sent "
+                         "on the request")
+        if meta.get("uid", old_meta["uid"]) != old_meta["uid"]:
+            return invalid(kind, request.name, [("metadata.uid", f'Invalid value: "{meta["uid"]}": field is immutable')])
         for owned in ("name", "namespace", "uid", "creationTimestamp", "resourceVersion", "generation",
                       "deletionTimestamp", "deletionGracePeriodSeconds"):
             if owned in old_meta:
@@ -682,16 +933,24 @@ class ApiServer(kmock.KubernetesScaffold):
             else:
                 meta.pop(owned, None)
         new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+        warnings = self._decode(request, kind, new)
+        if isinstance(warnings, aiohttp.web.Response):
+            return warnings
         if kind.custom and "generation" in old_meta and _spec_part(new) != _spec_part(old):
             meta["generation"] = old_meta["generation"] + 1
         if new == old:
-            return aiohttp.web.json_response(old)  # a no-op: no new resourceVersion, no event
+            return with_warnings(aiohttp.web.json_response(old), warnings)  # a no-op: no new resourceVersion, no event
         causes = self._invalid(key, new, old)
         if causes:
             return invalid(kind, request.name, causes)
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
-            return aiohttp.web.json_response(self._remove(key, ns, request.name))
-        return aiohttp.web.json_response(self._put(key, ns, new, "MODIFIED"))
+        escalating = self._escalation(kind, new)
+        if escalating is not None:
+            return escalating
+        if meta.get("deletionTimestamp") and not meta.get("finalizers") and key != NAMESPACES:
+            return with_warnings(aiohttp.web.json_response(self._remove(key, ns, request.name)), warnings)
+        if meta.get("ownerReferences") != old_meta.get("ownerReferences"):
+            self._mark_dirty()
+        return with_warnings(aiohttp.web.json_response(self._put(key, ns, new, "MODIFIED")), warnings)
 
     def _delete_request(self, request: rendering.Request, key: Key, kind: Kind,
                         ns: str | None) -> aiohttp.web.Response:
@@ -716,7 +975,7 @@ class ApiServer(kmock.KubernetesScaffold):
                           parse_field_selector(params.get("fieldSelector")), asyncio.Queue())
         since = params.get("resourceVersion")
         bookmarks = params.get("allowWatchBookmarks") in ("true", "1")
-        timeout = float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+        timeout = int(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
         if since in (None, "", "0"):
             initial = [{"type": "ADDED", "object": obj} for (ons, _), obj in self._store[key].items()
                        if watcher.matches(ons, obj)]
@@ -786,6 +1045,10 @@ class ApiServer(kmock.KubernetesScaffold):
             self._floor[key] = self._rv
         return self._rv
 
+    def unknown_field_warnings(self) -> list[tuple[str, str, str, str]]:
+        """(User-Agent, method, path, warning) of every request whose unknown fields were pruned."""
+        return list(self._warnings)
+
     def watch_count(self) -> int:
         return len(self._watchers)
 
@@ -845,8 +1108,25 @@ def as_table(kind: Kind, objects: list[dict[str, Any]]) -> dict[str, Any]:
             "rows": rows}
 
 
+def _integer_param_error(params: dict[str, str]) -> str | None:
+    """A list/watch parameter the API server decodes with strconv.ParseInt (`timeoutSeconds=300.0` is a 400)."""
+    for name in ("timeoutSeconds", "limit"):
+        value = params.get(name)
+        if value is not None and not re.fullmatch(r"[+-]?\d+", value):
+            return f'strconv.ParseInt: parsing "{value}": invalid syntax'
+    return None
+
+
 def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("metadata", "status", "apiVersion", "kind")}
+
+
+def with_warnings(response: aiohttp.web.Response, warnings: list[str]) -> aiohttp.web.Response:
+    """`Warning: 299 - "..."` headers, as the API server adds them (kubectl prints them; clients may ignore them)."""
+    for text in warnings:
+        escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+        response.headers.add("Warning", f'299 - "{escaped}"')
+    return response
 
 
 def error(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> aiohttp.web.Response:

@@ -61,16 +61,17 @@ def path_of(resource: tuple[str, str, str], namespace: str | None = None, name: 
 
 
 class KubeClient:
-    def __init__(self, base_url: str, timeout: float = 10.0):
+    def __init__(self, base_url: str, timeout: float = 10.0, token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
 
     def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-                params: dict[str, str] | None = None) -> Any:
+                params: dict[str, str] | None = None, headers: dict[str, str] | None = None) -> Any:
         url = self.base_url + path + ("?" + urllib.parse.urlencode(params) if params else "")
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url, data=data, method=method, headers={
-            "Content-Type": content_type, "Accept": "application/json"})
+            "Content-Type": content_type, "Accept": "application/json", **self.auth, **(headers or {})})
         try:
             with _OPENER.open(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read() or b"null")
@@ -100,12 +101,13 @@ class KubeClient:
     def items(self, resource, namespace=None, **params: str) -> list[dict[str, Any]]:
         return self.list(resource, namespace, **params)["items"]
 
-    def create(self, resource, namespace, body) -> dict[str, Any]:
-        return self.request("POST", path_of(resource, namespace), body)
+    def create(self, resource, namespace, body, **params: str) -> dict[str, Any]:
+        return self.request("POST", path_of(resource, namespace), body, params=params or None)
 
     def patch(self, resource, namespace, name, body, *, subresource=None,
-              content_type="application/merge-patch+json") -> dict[str, Any]:
-        return self.request("PATCH", path_of(resource, namespace, name, subresource), body, content_type=content_type)
+              content_type="application/merge-patch+json", **params: str) -> dict[str, Any]:
+        return self.request("PATCH", path_of(resource, namespace, name, subresource), body, content_type=content_type,
+                            params=params or None)
 
     def delete(self, resource, namespace, name, body=None) -> dict[str, Any]:
         return self.request("DELETE", path_of(resource, namespace, name), body)
@@ -117,18 +119,27 @@ class KubeClient:
             if exc.status != 409:
                 raise
 
-    def apply_crd(self, crd: dict[str, Any]) -> None:
+    def apply_crd(self, crd: dict[str, Any], timeout: float = 30.0) -> None:
+        """Create a CRD (409: already there) and wait until it is Established: a real API server serves a new
+        CRD's resource only a moment after answering the create (`kubectl wait --for condition=established`)."""
         try:
             self.create(CRDS, None, crd)
         except ApiError as exc:
             if exc.status != 409:
                 raise
+        name = crd["metadata"]["name"]
+
+        def established() -> bool:
+            conds = (self.get(CRDS, None, name).get("status") or {}).get("conditions") or []
+            return any(c.get("type") == "Established" and c.get("status") == "True" for c in conds)
+
+        wait_until(established, timeout=timeout, interval=0.05, what=f"CRD {name} Established")
 
     def watch(self, resource, namespace=None, *, timeout: float = 5.0, **params: str) -> Iterable[dict[str, Any]]:
         """Yield watch events until the server ends the stream or `timeout` passes without data."""
         params = {"watch": "true", **params}
         url = self.base_url + path_of(resource, namespace) + "?" + urllib.parse.urlencode(params)
-        with _OPENER.open(urllib.request.Request(url), timeout=timeout) as resp:
+        with _OPENER.open(urllib.request.Request(url, headers=self.auth), timeout=timeout) as resp:
             try:
                 for line in resp:
                     if line.strip():

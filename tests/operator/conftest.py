@@ -20,12 +20,13 @@ import pytest
 
 @pytest.fixture(scope="module")
 def api_server() -> Iterator:
-    """The test API server (kmock + harness) with the RLJob and PyTorchJob CRDs applied."""
+    """The test API server (kmock + harness), or the real one of RLJOB_TEST_KUBECONFIG (realserver.py),
+    with the RLJob and PyTorchJob CRDs applied."""
     import opschema
-    from apiserver import ApiServerThread
     from cluster import KubeClient
+    from realserver import make_server
 
-    server = ApiServerThread(bookmark_interval=5.0).start()
+    server = make_server(bookmark_interval=5.0)
     kube = KubeClient(server.url)
     kube.apply_crd(opschema.rljob_crd())
     kube.apply_crd(opschema.pytorchjob_crd())
@@ -58,7 +59,8 @@ class OperatorHandle:
         self.proc.wait_ready()
         # /metrics answers before kopf has opened its watches; an RLJob applied in a namespace made
         # in that gap was once never handled (a module's first test, 1 of 4 full CI runs). Wait for
-        # the operator's first watch (its namespace watch: the module's server has no other client).
+        # the operator's first watch (its namespace watch: the module's server has no other client;
+        # on a real server, watches opened since the test connected).
         server = self.api_server
         wait_until(lambda: server.call(server.server.watch_count) >= 1, timeout=30, interval=0.1,
                    what="the operator's first watch", on_timeout=lambda: self.logs()[-4000:])

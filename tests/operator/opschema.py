@@ -15,6 +15,7 @@ import functools
 import hashlib
 import re
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import jsonschema
@@ -197,3 +198,125 @@ def builtin_errors(obj: dict[str, Any]) -> list[str]:
         return []
     return sorted(f"{'.'.join(str(p) for p in err.absolute_path) or '(root)'}: {err.message}"
                   for err in validator.iter_errors(obj))
+
+
+# ---------------------------------------------------------------------------- pruning (unknown fields)
+# A real API server does not reject unknown fields unless asked (`fieldValidation=Strict`, kubectl's
+# default): it drops them and answers 200/201 with a `Warning: 299` header. A misspelt field in an
+# object the operator builds would vanish on a cluster, so every object it sends must survive this.
+
+OBJECT_META_FIELDS = frozenset({
+    "name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation", "creationTimestamp",
+    "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations", "ownerReferences", "finalizers",
+    "managedFields"})
+
+
+def _prune_structural(value: Any, schema: dict[str, Any], path: str, dropped: list[str]) -> None:
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        keep_unknown = bool(schema.get("x-kubernetes-preserve-unknown-fields"))
+        for key in list(value):
+            where = f"{path}.{key}" if path else key
+            if props is not None and key in props:
+                _prune_structural(value[key], props[key], where, dropped)
+            elif isinstance(extra, dict):
+                _prune_structural(value[key], extra, where, dropped)
+            elif not keep_unknown and extra is not True:
+                del value[key]
+                dropped.append(where)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            _prune_structural(item, schema["items"], f"{path}[{i}]", dropped)
+
+
+def _prune_metadata(obj: dict[str, Any], dropped: list[str]) -> None:
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        for key in [k for k in meta if k not in OBJECT_META_FIELDS]:
+            del meta[key]
+            dropped.append(f"metadata.{key}")
+
+
+def prune_custom(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """Drop, in place, what a CRD's structural schema does not declare (as the API server's pruning
+    does); return the dropped paths, e.g. `spec.template.spec.containers[0].bogus`."""
+    dropped: list[str] = []
+    _prune_metadata(obj, dropped)
+    for key in list(obj):
+        if key in ("apiVersion", "kind", "metadata"):
+            continue
+        props = schema.get("properties") or {}
+        if key in props:
+            _prune_structural(obj[key], props[key], key, dropped)
+        elif not schema.get("x-kubernetes-preserve-unknown-fields"):
+            del obj[key]
+            dropped.append(key)
+    return dropped
+
+
+def _delete_at(obj: Any, path: list[Any], key: str) -> None:
+    node = obj
+    for p in path:
+        node = node[p]
+    node.pop(key, None)
+
+
+def _path_text(path: Iterable[Any]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def check_builtin(obj: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    """A built-in object as the API server decodes it: (unknown fields, dropped in place; type errors,
+    which the server's JSON decoder answers with 400; other schema errors, its validation's 422)."""
+    import kubernetes_validate
+
+    try:
+        validator = _builtin_validator(obj.get("kind", ""), obj.get("apiVersion", ""))
+    except kubernetes_validate.SchemaNotFoundError:
+        return [], [], []
+    dropped: list[str] = []
+    type_errors: list[str] = []
+    other: list[str] = []
+    removals: list[tuple[list[Any], str]] = []
+    for err in validator.iter_errors(obj):
+        where = _path_text(err.absolute_path)
+        if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            known = err.schema.get("properties") or {}
+            for key in err.instance:
+                if key not in known:
+                    removals.append((list(err.absolute_path), key))
+                    dropped.append(f"{where}.{key}" if where else key)
+        elif err.validator == "type":
+            type_errors.append(f"{where or '(root)'}: {err.message}")
+        else:
+            other.append(f"{where or '(root)'}: {err.message}")
+    for path, key in removals:
+        _delete_at(obj, path, key)
+    return sorted(dropped), type_errors, other
+
+
+@functools.cache
+def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    for crd in (pytorchjob_crd(), rljob_crd()):
+        for version in crd["spec"]["versions"]:
+            out[(f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])] = \
+                version["schema"]["openAPIV3Schema"]
+    return out
+
+
+def dropped_fields(obj: dict[str, Any]) -> list[str]:
+    """What a real API server would silently drop from `obj` (PyTorchJob and RLJob by their vendored /
+    generated CRDs, built-in kinds by the Kubernetes OpenAPI schemas); [] when it round-trips whole."""
+    import copy
+
+    obj = copy.deepcopy(obj)
+    schema = _crd_schemas().get((obj.get("apiVersion", ""), obj.get("kind", "")))
+    if schema is not None:
+        return sorted(prune_custom(obj, schema))
+    dropped, _, _ = check_builtin(obj)
+    return dropped

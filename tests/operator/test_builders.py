@@ -315,3 +315,35 @@ def test_vendored_crd_is_the_shared_one() -> None:
     assert opschema.file_sha256(opschema.VENDORED_PYTORCHJOB_CRD) == opschema.PYTORCHJOB_CRD_SHA256
     if opschema.SHARED_PYTORCHJOB_CRD.exists():
         assert opschema.file_sha256(opschema.SHARED_PYTORCHJOB_CRD) == opschema.PYTORCHJOB_CRD_SHA256
+
+
+# ---------------------------------------------------------------------------- nothing the server would drop
+
+ROUND_TRIP_SETTINGS = [OperatorSettings(), OperatorSettings(progress_rbac=False, metrics_service=True),
+                       OperatorSettings(metrics_service=True)]
+
+
+@pytest.mark.parametrize("settings", ROUND_TRIP_SETTINGS, ids=["default", "no-rbac+service", "rbac+service"])
+@pytest.mark.parametrize("doc", [*sorted(p.name for p in EXAMPLES.glob("*.yaml")), "multinode"])
+def test_every_child_round_trips_through_the_server_schemas(doc: str, settings: OperatorSettings) -> None:
+    """A real API server prunes unknown fields silently (201 plus a Warning header): a misspelt field in a
+    child would vanish on a cluster. Every child must survive the vendored PyTorchJob CRD and the
+    Kubernetes OpenAPI schemas (ConfigMap, Service, ServiceAccount, Role, RoleBinding) whole."""
+    body = multinode_doc() if doc == "multinode" else load_example(doc)
+    body["metadata"]["labels"] = {builders.LABEL_KUEUE_QUEUE: "team-a", builders.LABEL_KUEUE_PRIORITY: "high"}
+    children = builders.build_children(job_from(body), settings)
+    checked = [c for c in children if c["kind"] != "PodMonitor"]  # the Prometheus Operator's CRD is not vendored
+    assert {c["kind"] for c in checked} >= {"ConfigMap", "PyTorchJob"}
+    for child in checked:
+        assert opschema.dropped_fields(child) == [], f"{child['kind']} would lose fields on a real server"
+
+
+def test_the_round_trip_check_finds_a_misspelt_field() -> None:
+    ptj = builders.build_pytorchjob(job_from(load_example("quickstart.yaml")), OperatorSettings())
+    ptj["spec"]["runPolicy"]["suspended"] = True
+    ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["imagePullpolicy"] = "Always"
+    role = builders.build_progress_role(job_from(load_example("quickstart.yaml")), OperatorSettings())
+    role["rules"][0]["resourceName"] = ["x"]
+    assert opschema.dropped_fields(ptj) == [
+        "spec.pytorchReplicaSpecs.Master.template.spec.containers[0].imagePullpolicy", "spec.runPolicy.suspended"]
+    assert opschema.dropped_fields(role) == ["rules[0].resourceName"]

@@ -19,7 +19,9 @@ from rljob_operator.settings import OperatorSettings
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ApiServerThread]:
-    thread = ApiServerThread().start()
+    from realserver import make_server
+
+    thread = make_server()
     KubeClient(thread.url).apply_crd(opschema.rljob_crd())
     yield thread
     thread.stop()

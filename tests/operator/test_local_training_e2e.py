@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster import PYTORCHJOBS, RLJOBS, SECRETS, wait_until
+from cluster import PYTORCHJOBS, RLJOBS, SECRETS, KubeClient, wait_until
 from training_operator import TrainingOperatorStandIn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,6 +150,45 @@ def test_suspend_checkpoints_and_resume_continues(cluster, kube, s3_server, s3_b
     assert f"resumed from step {stopped_at}" in standin.pod_logs("sus")
     assert wait_until(lambda: trainer_status(kube, ns, "sus").get("step") == stopped_at + 3, timeout=30,
                       what="final step in status")
+
+
+def test_kueue_preemption_checkpoints_and_readmission_resumes(cluster, kube, s3_server, s3_bucket):
+    """A second client plays Kueue: admission un-suspends the PyTorchJob, preemption suspends it. The
+    preempted pods stop as on a user suspend (SIGTERM -> committed checkpoint), and re-admission
+    resumes from that checkpoint; the operator never un-suspends the job itself."""
+    ns, standin, kubectl = cluster
+    doc = quickstart("queued", s3_bucket, s3_server.endpoint_url, steps=400, save_freq=1000)
+    doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    apply(kubectl, doc)
+    pj = wait_until(lambda: kube.maybe_get(PYTORCHJOBS, ns, "queued"), timeout=30, what="the PyTorchJob")
+    assert pj["spec"]["runPolicy"]["suspend"] is True
+    time.sleep(3)
+    assert not standin.metrics_ports("queued"), "no pods before Kueue admits the job"
+    kueue = KubeClient(kube.base_url)
+    kueue.patch(PYTORCHJOBS, ns, "queued", {"spec": {"runPolicy": {"suspend": False}}})
+    wait_until(lambda: standin.metrics_ports("queued"), timeout=60, what="pods after admission")
+    wait_until(lambda: trainer_status(kube, ns, "queued").get("step", 0) >= 3, timeout=600, what="training progress",
+               on_timeout=lambda: standin.pod_logs("queued")[-4000:])
+
+    kueue.patch(PYTORCHJOBS, ns, "queued", {"spec": {"runPolicy": {"suspend": True}}})  # preemption
+    wait_until(lambda: standin.jobs["queued"].pods == [], timeout=300, what="the preempted pods gone",
+               on_timeout=lambda: standin.pod_logs("queued")[-4000:])
+    saved = committed_steps(s3_server, s3_bucket, f"ckpt/{ns}/queued/")
+    assert saved, "no checkpoint committed on preemption:\n" + standin.pod_logs("queued")[-3000:]
+    stopped_at = saved[-1]
+    wait_until(lambda: (kube.condition(ns, "queued", "Admitted") or {}).get("reason") == "Queued", timeout=30,
+               what="Admitted=False Queued")
+    time.sleep(3)
+    assert kube.get(PYTORCHJOBS, ns, "queued")["spec"]["runPolicy"]["suspend"] is True, "left to Kueue"
+
+    kueue.patch(PYTORCHJOBS, ns, "queued", {"spec": {"runPolicy": {"suspend": False}}})  # re-admission
+    wait_until(lambda: f"resumed from step {stopped_at}" in standin.pod_logs("queued"), timeout=600,
+               what="the resume from the preemption checkpoint", on_timeout=lambda: standin.pod_logs("queued")[-4000:])
+    wait_until(lambda: trainer_status(kube, ns, "queued").get("step", 0) > stopped_at, timeout=600,
+               what="training past the checkpoint")
+    kube.delete(RLJOBS, ns, "queued")
+    wait_until(lambda: not standin.jobs.get("queued") or standin.jobs["queued"].pods == [], timeout=120,
+               what="the pods gone with the RLJob")
 
 
 def test_invalid_rljob_is_rejected_and_creates_nothing(cluster, kube, s3_server, s3_bucket):

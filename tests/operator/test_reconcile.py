@@ -41,7 +41,8 @@ def stored(generation: int = 1, status: dict | None = None, annotations: dict | 
 
 def children_of(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
     job = parse_rljob({k: v for k, v in body.items() if k != "status"} | {
-        "metadata": {k: body["metadata"][k] for k in ("name", "namespace", "uid", "generation")}})
+        "metadata": {k: body["metadata"][k] for k in ("name", "namespace", "uid", "generation", "labels")
+                     if k in body["metadata"]}})
     return {child["kind"]: child for child in builders.build_children(job, SETTINGS)}
 
 
@@ -83,6 +84,7 @@ def assert_valid_status(status: dict[str, Any]) -> None:
     RLJobStatus.model_validate(status)  # the status always fits the CRD's status schema
     body = stored(status=status)
     assert opschema.rljob_schema_errors(body) == []
+    assert opschema.dropped_fields(body) == [], "a real API server would prune these status fields silently"
 
 
 # ---------------------------------------------------------------------------- creation
@@ -285,6 +287,92 @@ def test_created_suspended_counts_as_suspended() -> None:
     assert plan.status is None  # never started, still suspended: nothing to write
 
 
+# ---------------------------------------------------------------------------- Kueue
+
+QUEUE = {builders.LABEL_KUEUE_QUEUE: "team-a", builders.LABEL_KUEUE_PRIORITY: "low"}
+
+
+def queued_job(**kwargs: Any) -> dict[str, Any]:
+    body = stored(**kwargs)
+    body["metadata"]["labels"] = {**QUEUE, "team": "rl"}
+    return body
+
+
+def test_queue_labels_reach_the_pytorchjob_which_starts_suspended() -> None:
+    plan = reconcile(queued_job(), Observed(now=T0), SETTINGS)
+    ptj = next(cr.body for cr in plan.create if cr.body["kind"] == "PyTorchJob")
+    assert QUEUE.items() <= ptj["metadata"]["labels"].items() and "team" not in ptj["metadata"]["labels"]
+    assert ptj["spec"]["runPolicy"]["suspend"] is True, "Kueue admits a job by un-suspending it"
+    assert all(builders.LABEL_KUEUE_QUEUE not in cr.body["metadata"]["labels"] for cr in plan.create[:-1])
+    assert summary(plan)[c.RUNNING] == ("False", c.REASON_QUEUED)
+    assert summary(plan)[c.SUSPENDED] == ("False", c.REASON_NOT_SUSPENDED), "spec.suspend stays the user's intent"
+    assert (cond(plan, c.ADMITTED)["status"], cond(plan, c.ADMITTED)["reason"]) == ("False", c.REASON_QUEUED)
+    assert "team-a" in cond(plan, c.ADMITTED)["message"]
+    assert_valid_status(plan.status)
+    # Without the label: no Admitted condition, a running PyTorchJob.
+    plain = reconcile(stored(), Observed(now=T0), SETTINGS)
+    assert c.get_condition(plain.status["conditions"], c.ADMITTED) is None
+    assert plain.create[-1].body["spec"]["runPolicy"]["suspend"] is False
+
+
+def test_kueue_admits_preempts_and_readmits_without_the_operator_fighting_it() -> None:
+    body = queued_job()
+    body = step(body, reconcile(body, Observed(now=T0), SETTINGS))
+    cm = cm_of(body)
+    waiting = ptj_of(body, ("Created", "PyTorchJobCreated"), suspend=True)
+    plan = reconcile(body, Observed(now=T0, pytorchjob=waiting, configmap=cm), SETTINGS)
+    assert plan.patch == (), "a queued PyTorchJob is never un-suspended by the operator"
+    body = step(body, plan)
+
+    # Kueue admits: it un-suspends the PyTorchJob; the training-operator runs it.
+    admitted = ptj_of(body, ("Running", "PyTorchJobRunning"), suspend=False)
+    plan = reconcile(body, Observed(now=T1, pytorchjob=admitted, configmap=cm), SETTINGS)
+    assert plan.patch == ()
+    assert summary(plan)[c.RUNNING] == ("True", c.REASON_PYTORCHJOB_RUNNING)
+    assert (cond(plan, c.ADMITTED)["status"], cond(plan, c.ADMITTED)["reason"]) == ("True", c.REASON_ADMITTED)
+    assert [e.reason for e in plan.events] == [c.EVENT_RUNNING, c.REASON_ADMITTED]
+    body = step(body, plan)
+
+    # Kueue preempts: it suspends the PyTorchJob again. The operator leaves it suspended.
+    preempted = ptj_of(body, ("Running", "PyTorchJobRunning"), suspend=True)
+    plan = reconcile(body, Observed(now=T1, pytorchjob=preempted, configmap=cm), SETTINGS)
+    assert plan.patch == ()
+    assert (cond(plan, c.ADMITTED)["status"], cond(plan, c.ADMITTED)["reason"]) == ("False", c.REASON_QUEUED)
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", c.EVENT_PREEMPTED)]
+    body = step(body, plan)
+    stopped = ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True)
+    plan = reconcile(body, Observed(now=T2, pytorchjob=stopped, configmap=cm), SETTINGS)
+    assert plan.patch == () and summary(plan)[c.RUNNING] == ("False", c.REASON_QUEUED)
+    assert summary(plan)[c.SUSPENDED] == ("False", c.REASON_NOT_SUSPENDED)
+    body = step(body, plan)
+
+    # Re-admitted: Admitted again, no patch.
+    plan = reconcile(body, Observed(now=T2, pytorchjob=admitted, configmap=cm), SETTINGS)
+    assert plan.patch == () and cond(plan, c.ADMITTED)["reason"] == c.REASON_ADMITTED
+
+
+def test_user_suspend_of_a_queued_job_suspends_and_resume_leaves_it_to_kueue() -> None:
+    body = queued_job()
+    body = step(body, reconcile(body, Observed(now=T0), SETTINGS))
+    cm = cm_of(body)
+    admitted = ptj_of(body, ("Running", "PyTorchJobRunning"), suspend=False)
+    body = step(body, reconcile(body, Observed(now=T0, pytorchjob=admitted, configmap=cm), SETTINGS))
+    suspending = queued_job(generation=2, status=body["status"], suspend=True)
+    plan = reconcile(suspending, Observed(now=T1, pytorchjob=admitted, configmap=cm), SETTINGS)
+    assert [p.body for p in plan.patch] == [{"spec": {"runPolicy": {"suspend": True}}}]
+    assert cond(plan, c.ADMITTED)["reason"] == c.REASON_SUSPENDED
+    body = step(suspending, plan)
+    stopped = ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True)
+    body = step(body, reconcile(body, Observed(now=T1, pytorchjob=stopped, configmap=cm), SETTINGS))
+    assert summary({"conditions": body["status"]["conditions"]} | {})[c.SUSPENDED] == ("True", c.REASON_SUSPENDED)
+    resuming = queued_job(generation=3, status=body["status"], suspend=False)
+    plan = reconcile(resuming, Observed(now=T2, pytorchjob=stopped, configmap=cm), SETTINGS)
+    assert plan.patch == (), "Kueue, not the operator, un-suspends a queue-managed PyTorchJob"
+    assert summary(plan)[c.SUSPENDED] == ("False", c.REASON_RESUMED)
+    assert summary(plan)[c.RUNNING] == ("False", c.REASON_QUEUED)
+    assert cond(plan, c.ADMITTED)["reason"] == c.REASON_QUEUED
+
+
 # ---------------------------------------------------------------------------- spec changes
 
 
@@ -330,6 +418,26 @@ def test_spec_change_while_suspended_recreates_the_pytorchjob() -> None:
     assert ptj["spec"]["runPolicy"]["suspend"] is True
     assert ptj["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] == new_cm["metadata"]["annotations"][
         builders.ANNOTATION_SPEC_HASH]
+    # It was replaced on purpose: no "was missing before the job finished" event.
+    assert plan.create[-1].event.reason == c.EVENT_CREATED and "missing" not in plan.create[-1].event.message
+    assert plan.status["pytorchJobName"] == "quickstart"
+
+
+def test_replacement_still_deleting_then_hand_deletion_is_reported_as_missing() -> None:
+    body = step(stored(suspend=True), reconcile(stored(suspend=True), Observed(now=T0), SETTINGS))
+    old_ptj = ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True)
+    edited = stored(generation=2, status=body["status"], suspend=True, training__lr=0.25)
+    body = step(edited, reconcile(edited, Observed(now=T1, pytorchjob=old_ptj, configmap=cm_of(body)), SETTINGS))
+    assert "pytorchJobName" not in body["status"]
+    going = copy.deepcopy(old_ptj)
+    going["metadata"]["deletionTimestamp"] = T1  # e.g. a finalizer holds it a while
+    plan = reconcile(body, Observed(now=T1, pytorchjob=going, configmap=cm_of(body)), SETTINGS)
+    assert plan.create == () and "pytorchJobName" not in (plan.status or body["status"])
+    body = step(body, plan)
+    body = step(body, reconcile(body, Observed(now=T2, configmap=cm_of(body)), SETTINGS))
+    # Later, a hand deletion of the replacement IS a missing PyTorchJob.
+    plan = reconcile(body, Observed(now=T2, configmap=cm_of(body)), SETTINGS)
+    assert plan.create[-1].event.reason == c.EVENT_RECREATED
 
 
 def test_spec_change_after_finishing_has_no_effect() -> None:

@@ -89,6 +89,16 @@ def test_settings_from_env() -> None:
     assert s.spec_path == "/etc/rljob/spec.json"
 
 
+def test_watch_server_timeout_is_a_whole_number() -> None:
+    """kopf sends it as the watch's `timeoutSeconds`, which the API server parses with ParseInt:
+    `300.0` is answered 400 and the operator never starts."""
+    for env in ({}, {"RLJOB_WATCH_SERVER_TIMEOUT": "120"}):
+        value = OperatorSettings.from_env(env).watch_server_timeout
+        assert type(value) is int and str(value).isdigit()
+    with pytest.raises(ValueError, match="RLJOB_WATCH_SERVER_TIMEOUT='300.5' is not an integer"):
+        OperatorSettings.from_env({"RLJOB_WATCH_SERVER_TIMEOUT": "300.5"})
+
+
 @pytest.mark.parametrize(("env", "needle"), [
     ({"RLJOB_PROGRESS_RBAC": "maybe"}, "RLJOB_PROGRESS_RBAC"),
     ({"RLJOB_MASTER_PORT": "70000"}, "RLJOB_MASTER_PORT"),

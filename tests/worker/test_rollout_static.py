@@ -163,3 +163,31 @@ def test_compile_is_opt_in_on_cuda_only(sharp_model_dir, monkeypatch):
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     monkeypatch.setenv("RLJOB_HF_STATIC_COMPILE", "1")
     assert not HFStaticEngine(str(sharp_model_dir), **kw).compile_decode  # the env acts on CUDA only
+
+
+def test_prefill_in_row_chunks_changes_nothing(sharp_model_dir, pair):
+    """Long prompts prefill a few rows at a time (bounded scores memory): one row per chunk gives the
+    same greedy continuations and log-probs as the whole batch at once, and the decode that follows
+    reads the cache the chunks wrote."""
+    ref, whole = pair
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    chunked = HFStaticEngine(str(sharp_model_dir), prefill_bytes=1, **kw)
+    assert chunked.prefill_rows(16) == 1 and whole.prefill_rows(16) >= len(PROMPTS) * 2
+    # 7B shape (28 heads, intermediate 18944, bf16) at 1024-token prompts: ~0.5 GiB a row -> 8 rows in 4 GiB
+    per_row = 3.5 * 28 * 1024 * 1024 * 4 + 3 * 1024 * 18944 * 2
+    assert int(4 * 2**30 // per_row) == 8
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=12)
+    want, got = ref.generate(PROMPTS, params), chunked.generate(PROMPTS, params)
+    assert got.response_ids == want.response_ids
+    for a, b in zip(got.response_logprobs, want.response_logprobs):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_release_cache_frees_the_session_and_the_next_rollout_rebuilds_it(pair):
+    _, static = pair
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=6)
+    first = static.generate(PROMPTS, params)
+    assert static._session is not None
+    static.release_cache()
+    assert static._session is None
+    assert static.generate(PROMPTS, params).response_ids == first.response_ids

@@ -69,8 +69,16 @@ def build_cases(tmp: Path) -> dict[str, Case]:
     bad_reward["reward"]["function"] = "no_such_reward_module:score"
     bad_tp = quickstart_spec()
     bad_tp["megatron"]["tensorModelParallelSize"] = 3
+    hf_rollout_tp = quickstart_spec()  # the hf engines hold the whole model: they cannot be sharded
+    hf_rollout_tp["gpusPerNode"] = 2
+    hf_rollout_tp["rollout"].update(engine="hf", tensorModelParallelSize=2)
+    vllm_rank0 = quickstart_spec()
+    vllm_rank0["rollout"].update(engine="vllm", ranks="rank0")
     (tmp / "garbage.json").write_text("{not json")
     return {
+        "hf engine with rollout TP 2": Case(hf_rollout_tp, "spec.rollout.tensorModelParallelSize=2",
+                                            also="needs spec.rollout.engine: vllm"),
+        "vllm engine on rank 0 only": Case(vllm_rank0, "spec.rollout.ranks: rank0", also="is for the hf engines"),
         "model path does not exist": Case(bad_model, "spec.model.path", also="no-such-model"),
         "parquet does not exist": Case(missing, "spec.data.trainFiles[0]", also="missing.parquet"),
         "parquet is not parquet": Case(parquet_spec(not_parquet), "spec.data.trainFiles[0]", also="not readable parquet"),
@@ -127,6 +135,8 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
 
 
 CASE_NAMES = [
+    "hf engine with rollout TP 2",
+    "vllm engine on rank 0 only",
     "model path does not exist",
     "parquet does not exist",
     "parquet is not parquet",

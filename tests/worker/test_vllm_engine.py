@@ -115,6 +115,7 @@ def canned_sample(prompt, j, max_tokens):
 
 class FakeLLM:
     instances: ClassVar[list[FakeLLM]] = []
+    sleep_mode_engines_in_process: ClassVar[int] = 0  # each test plays a fresh process
 
     def __init__(self, **kwargs):
         self.kwargs, self.log, self.generate_calls = kwargs, [], []
@@ -122,6 +123,10 @@ class FakeLLM:
             raise ValueError(KV_ERROR)
         if kwargs["model"] == "/broken":
             raise OSError("config.json not found")
+        if kwargs.get("enable_sleep_mode") and FakeLLM.sleep_mode_engines_in_process:
+            # vLLM 0.26 on an H100: the sleep-mode allocator serves one engine per process, even after shutdown
+            raise AssertionError("CuMem allocator can only be used for one instance per process.")
+        FakeLLM.sleep_mode_engines_in_process += bool(kwargs.get("enable_sleep_mode"))
         self.model = FakeModel(self.log)
         FakeLLM.instances.append(self)
 
@@ -157,6 +162,10 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     FakeLLM.instances.clear()
+    FakeLLM.sleep_mode_engines_in_process = 0
+    from rljob_worker.rollout import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "_engines_started_in_process", 0)
     return module
 
 
@@ -243,6 +252,22 @@ def test_too_small_gpu_memory_utilization_names_the_setting(fake_vllm, model_dir
 def test_other_start_up_errors_pass_through(fake_vllm):
     with pytest.raises(OSError, match="config.json not found"):
         new_engine("/broken")
+
+
+def test_a_second_engine_in_one_process_is_refused_with_a_clear_message(fake_vllm, model_dir):
+    """Real vLLM 0.26 fails the second sleep-mode engine of a process deep in load_model (an AssertionError about
+    the CuMem allocator), even after the first was shut down; the engine says so before vLLM is asked."""
+    first = new_engine(model_dir)
+    first.shutdown()
+    with pytest.raises(RuntimeError, match="one engine per process"):
+        new_engine(model_dir)
+    assert len(FakeLLM.instances) == 1
+
+
+def test_the_fake_refuses_a_second_sleep_mode_engine_as_vllm_does(fake_vllm, model_dir):
+    FakeLLM(model=model_dir, gpu_memory_utilization=0.5, enable_sleep_mode=True)
+    with pytest.raises(AssertionError, match="one instance per process"):
+        FakeLLM(model=model_dir, gpu_memory_utilization=0.5, enable_sleep_mode=True)
 
 
 def test_vllm_not_importable_names_the_engine_setting(monkeypatch, model_dir):

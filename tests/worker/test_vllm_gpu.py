@@ -3,8 +3,10 @@
     python -m pytest tests/worker/test_vllm_gpu.py -v -s -p no:cacheprovider   # on the device, vLLM 0.26 installed
 
 A tiny Qwen2 (2 layers, head_dim 64, the built-in 16-symbol vocabulary): vLLM against the HF engine and a full
-forward pass holding the same weights. Two engines in order (vLLM's sleep allocator is process-wide, so only one
-lives at a time): float32 for the greedy comparison, then one bf16 engine shared by the sleep / sync tests.
+forward pass holding the same weights. vLLM 0.26's sleep-mode allocator serves one engine per process
+(a second one fails even after the first was shut down), so this file holds the tests that share one bf16
+engine and the float32 greedy comparison lives in test_vllm_gpu_fp32.py: run each file in its own pytest
+process (bench/gpu_all.sh section vllmtests does).
 """
 from __future__ import annotations
 
@@ -17,57 +19,18 @@ import torch
 from rljob_worker.rollout import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_helpers import char_prompts, release, save_tiny_qwen2
+from vllm_helpers import (
+    GREEDY,
+    TEXTS,
+    char_prompts,
+    free_gib,
+    hf_engine,
+    release,
+    save_tiny_qwen2,
+    vllm_engine,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
-
-TEXTS = ["12+3=", "9=", "4444 8=", "0", "77+1=2 #", "5+5=", "31=", "8 8 8=", "2+", "999="]
-GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
-
-
-def _ids():
-    from rljob_worker.builtin_models import EOS, PAD, VOCAB
-
-    return VOCAB.index(EOS), VOCAB.index(PAD)
-
-
-def _hf(model_dir, dtype):
-    from rljob_worker.rollout.hf_engine import HFEngine
-
-    eos, pad = _ids()
-    return HFEngine(str(model_dir), dtype=dtype, device=torch.device("cuda"), eos_token_id=eos, pad_token_id=pad)
-
-
-def _vllm(model_dir, dtype, gpu_memory_utilization):
-    from rljob_worker.rollout.vllm_engine import VLLMEngine
-
-    eos, _ = _ids()
-    return VLLMEngine(str(model_dir), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=64,
-                      eos_token_id=eos, enforce_eager=True, seed=0)
-
-
-def _free_gib() -> float:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0] / 2**30
-
-
-# ------------------------------------------------------------------------------------------------ float32, greedy
-def test_greedy_tokens_and_logprobs_equal_the_hf_engine_in_float32(tmp_path):
-    """fp32 on both sides (vLLM keeps fp32 matmuls at 'highest' precision; fp32 attention is a Triton kernel):
-    the same greedy tokens in every row, log-probs equal to fp32 noise. n=2 also covers greedy n > 1."""
-    model_dir = save_tiny_qwen2(tmp_path / "m", seed=0)
-    prompts = char_prompts(TEXTS)
-    want = _hf(model_dir, torch.float32).generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=12))
-    engine = _vllm(model_dir, torch.float32, 0.2)
-    try:
-        got = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=12))
-    finally:
-        release(engine)
-    assert got.response_ids == want.response_ids
-    assert got.finished == want.finished
-    diffs = [abs(a - b) for ra, rb in zip(got.response_logprobs, want.response_logprobs) for a, b in zip(ra, rb)]
-    print(f"fp32 greedy: {len(diffs)} tokens identical, max |log-prob diff| {max(diffs):.2e}")
-    assert max(diffs) < 1e-2  # fp32 matmuls; Triton's fp32 attention may run its dots in TF32 (bf16 would be ~5e-2)
 
 
 # ------------------------------------------------------------------------------------------------ bf16, one engine
@@ -80,21 +43,21 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    eng = _vllm(models["a"], torch.bfloat16, 0.3)
+    eng = vllm_engine(models["a"], torch.bfloat16, 0.3)
     yield eng
     release(eng)
 
 
 def _named_params(model_dir):
-    hf = _hf(model_dir, torch.bfloat16)
+    hf = hf_engine(model_dir, torch.bfloat16)
     return [(n, p.detach().clone()) for n, p in hf.model.named_parameters()]
 
 
 def _sync(engine, named, level: int) -> float:
     """The trainer's cycle: sleep, wake the weights, stream new weights, wake the KV cache; GiB freed by the sleep."""
-    before = _free_gib()
+    before = free_gib()
     engine.sleep(level=level)
-    freed = _free_gib() - before
+    freed = free_gib() - before
     engine.wake_up(tags=["weights"])
     engine.update_weights(iter(named))
     engine.wake_up(tags=["kv_cache"])
@@ -142,9 +105,9 @@ def test_level_1_sleep_gives_memory_back_and_wakes_with_the_same_weights(engine,
     _sync(engine, _named_params(models["a"]), level=1)
     prompts = char_prompts(TEXTS)
     before = engine.generate(prompts, GREEDY)
-    free_awake = _free_gib()
+    free_awake = free_gib()
     engine.sleep(level=1)
-    freed = _free_gib() - free_awake
+    freed = free_gib() - free_awake
     total = torch.cuda.mem_get_info()[1] / 2**30
     print(f"sleep level 1 freed {freed:.1f} GiB (engine budget {0.3 * total:.1f} GiB)")
     assert freed > 0.5 * 0.3 * total  # the KV cache (most of the budget) is unmapped
@@ -159,7 +122,7 @@ def test_a_weight_sync_after_sleep_changes_what_greedy_generates(engine, models,
     prompts = char_prompts(TEXTS)
     _sync(engine, _named_params(models["a"]), level=1)
     a_out = engine.generate(prompts, GREEDY).response_ids
-    b_want = _hf(models["b"], torch.bfloat16).generate(prompts, GREEDY).response_ids
+    b_want = hf_engine(models["b"], torch.bfloat16).generate(prompts, GREEDY).response_ids
     total = torch.cuda.mem_get_info()[1] / 2**30
     freed = _sync(engine, _named_params(models["b"]), level=level)
     print(f"sleep level {level} freed {freed:.1f} GiB")

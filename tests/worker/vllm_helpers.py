@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from rljob_worker.rollout import SamplingParams
 
 
 def tiny_qwen2_config():
@@ -49,3 +50,34 @@ def release(engine) -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+
+
+# ---------------------------------------------------------------- shared by the real-vLLM GPU test files
+TEXTS = ["12+3=", "9=", "4444 8=", "0", "77+1=2 #", "5+5=", "31=", "8 8 8=", "2+", "999="]
+GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+
+
+def _ids():
+    from rljob_worker.builtin_models import EOS, PAD, VOCAB
+
+    return VOCAB.index(EOS), VOCAB.index(PAD)
+
+
+def hf_engine(model_dir, dtype):
+    from rljob_worker.rollout.hf_engine import HFEngine
+
+    eos, pad = _ids()
+    return HFEngine(str(model_dir), dtype=dtype, device=torch.device("cuda"), eos_token_id=eos, pad_token_id=pad)
+
+
+def vllm_engine(model_dir, dtype, gpu_memory_utilization):
+    from rljob_worker.rollout.vllm_engine import VLLMEngine
+
+    eos, _ = _ids()
+    return VLLMEngine(str(model_dir), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=64,
+                      eos_token_id=eos, enforce_eager=True, seed=0)
+
+
+def free_gib() -> float:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0] / 2**30

@@ -115,6 +115,7 @@ class PPOTrainer(GRPOTrainer):
         payload = broadcast_object(payload)
         batch = payload["batch"]
         metrics.update(payload["metrics"])
+        metrics["batch/tokens"] = float(batch["attention_mask"].sum())  # prompt + response tokens of the step
 
         # 2. this data-parallel rank's rows (the critic shares the actor's layout): (n, T)
         per_rank = batch["input_ids"].shape[0] // self.dp_size
@@ -198,12 +199,16 @@ class PPOTrainer(GRPOTrainer):
     def _on_gpu(self, *wanted) -> None:
         """Shared placement taking turns: the models of ``wanted`` onloaded, every other model with
         offload flags offloaded (nothing happens for models without flags)."""
-        for model, flags in self._offload_plan:
-            if model not in wanted and not model.is_offloaded:
-                model.offload(**flags)
-        for model, _ in self._offload_plan:
-            if model in wanted and model.is_offloaded:
-                model.onload()
+        moves = [(m, f) for m, f in self._offload_plan if (m in wanted) == m.is_offloaded]
+        if not moves:
+            return
+        with self.telemetry.stage("actor_offload"):
+            for model, flags in moves:  # offload first: the memory it frees is what the onload takes
+                if not model.is_offloaded:
+                    model.offload(**flags)
+            for model, _ in moves:
+                if model.is_offloaded and model in wanted:
+                    model.onload()
 
     def _sync_weights(self) -> None:
         self._on_gpu(self.actor)

@@ -9,11 +9,11 @@ by ``algorithm.name`` in :mod:`rljob_worker.__main__`.
 
 One step of the loop, on every rank::
 
-    step += 1; metrics = train_step()            (+ timing/step_s, timing/<stage>_s)
+    step += 1; metrics = train_step()            (+ timing/step_s, timing/<stage>_s, memory/<stage>_peak_gib)
     telemetry, checkpoint poll
     validation when due (testFreq, and after the last step)
     metrics.jsonl line, progress line, RLJob status
-    all ranks agree whether SIGTERM arrived; save when due (saveFreq, last step) or on preemption
+    all ranks agree whether SIGTERM arrived; save when due (saveFreq, last step; never with saveFreq 0) or on preemption
     on SIGTERM: wait for the upload, raise Preempted (exit 143: PyTorchJob retries)
 """
 from __future__ import annotations
@@ -68,6 +68,19 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
         log.warning("model.dtype %s on CPU: training in float32 instead (CPU half precision is slow and lossy)", name)
         return torch.float32
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def stage_peaks_over_ranks(peaks: dict[str, int], device: torch.device) -> dict[str, float]:
+    """{memory/<stage>_peak_gib: the largest peak of any rank} for the standard stages (collective on a GPU;
+    {} on CPU, where telemetry measures no peaks)."""
+    if device.type != "cuda":
+        return {}
+    from rljob_worker.telemetry import STAGES
+
+    values = torch.tensor([float(peaks.get(s, 0)) for s in STAGES], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {f"memory/{s}_peak_gib": v / 2**30 for s, v in zip(STAGES, values.tolist()) if v > 0}
 
 
 class RunLoop:
@@ -211,6 +224,7 @@ class RunLoop:
             metrics = self.train_step()
             metrics["timing/step_s"] = time.perf_counter() - step_start
             metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
+            metrics.update(stage_peaks_over_ranks(self.telemetry.pending_stage_peak_bytes(), self.device))
             self.history.append(StepResult(self.step, metrics))
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
             self.telemetry.record_gpu_memory()
@@ -223,7 +237,8 @@ class RunLoop:
             self._append_metrics_log(logged)
             self._report_progress(metrics, bar)
             stop = self._agree_to_stop()
-            due = last or (spec.checkpoint.save_freq > 0 and self.step % spec.checkpoint.save_freq == 0)
+            freq = spec.checkpoint.save_freq  # 0: never (benchmarks)
+            due = (last and freq != 0) or (freq > 0 and self.step % freq == 0)
             if due or (stop and spec.checkpoint.save_on_preemption):
                 self.save_checkpoint(metrics)
             if stop:

@@ -8,6 +8,8 @@ def is_configuration_error(exc: BaseException) -> bool:
     from rljob_worker.megatron.errors import MegatronConfigError
     from rljob_worker.model_source import ModelSourceError
     from rljob_worker.rewards import RewardError
+    from rljob_worker.rollout.every_rank import RolloutLayoutError
     from rljob_worker.storage import StorageError
 
-    return isinstance(exc, (CheckpointContentError, DataError, ModelSourceError, RewardError, StorageError, MegatronConfigError))
+    return isinstance(exc, (CheckpointContentError, DataError, ModelSourceError, RewardError, StorageError,
+                            MegatronConfigError, RolloutLayoutError))

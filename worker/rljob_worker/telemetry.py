@@ -40,7 +40,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Self
 
@@ -72,6 +72,7 @@ STAGES: tuple[str, ...] = (
     "critic_update",
     "actor_update",
     "weight_sync",
+    "actor_offload",
     "checkpoint",
     "validation",
 )
@@ -202,6 +203,7 @@ class TrainerTelemetry:
         self._step_durations: collections.deque[float] = collections.deque(maxlen=_STEP_WINDOW)
         self._checkpoint_times: collections.deque[float] = collections.deque(maxlen=_STEP_WINDOW)
         self._pending_stage_seconds: dict[str, float] = collections.defaultdict(float)
+        self._stage_peaks = _cuda_stage_peaks()  # None without CUDA
         self._save_freq = int(save_freq) if save_freq is not None and int(save_freq) > 0 else None
 
         reg, lab = self.registry, list(LABELS)
@@ -332,17 +334,28 @@ class TrainerTelemetry:
         active = self._stage_active.labels(**labels)
         self.heartbeat()
         active.inc()
+        if self._stage_peaks is not None:
+            self._stage_peaks.enter()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - t0
+            if self._stage_peaks is not None:
+                self._stage_peaks.exit(name)
             active.dec()
             self._stage_hist.labels(**labels).observe(seconds)
             self._stage_last.labels(**labels).set(seconds)
             with self._lock:
                 self._pending_stage_seconds[name] += seconds
             self.heartbeat()
+
+    def pending_stage_peak_bytes(self) -> dict[str, int]:
+        """Peak GPU memory allocated (bytes) per stage since the last :meth:`record_step`; {} without CUDA."""
+        if self._stage_peaks is None:
+            return {}
+        with self._lock:
+            return dict(self._stage_peaks.pending)
 
     def pending_stage_seconds(self) -> dict[str, float]:
         """Seconds per stage since the last :meth:`record_step` (the current step's breakdown)."""
@@ -361,6 +374,8 @@ class TrainerTelemetry:
             if math.isfinite(step_seconds) and step_seconds >= 0:
                 self._step_durations.append(step_seconds)
             stage_seconds, self._pending_stage_seconds = self._pending_stage_seconds, collections.defaultdict(float)
+            if self._stage_peaks is not None:
+                self._stage_peaks.pending = {}
         self._update_checkpoint_estimate()
         self.heartbeat()
         if self._tb is not None:
@@ -400,7 +415,8 @@ class TrainerTelemetry:
         self.set_gpu_memory(
             allocated_bytes=torch.cuda.memory_allocated(device),
             reserved_bytes=torch.cuda.memory_reserved(device),
-            max_allocated_bytes=torch.cuda.max_memory_allocated(device),
+            max_allocated_bytes=max(torch.cuda.max_memory_allocated(device),
+                                    self._stage_peaks.since_start if self._stage_peaks is not None else 0),
             total_bytes=total,
         )
 
@@ -490,3 +506,44 @@ class TrainerTelemetry:
                 tb.add_scalar(key, value, global_step=step)
         except Exception as e:  # noqa: BLE001  (a full disk must not stop training)
             log.warning("writing TensorBoard scalars failed: %s", e)
+
+
+class StagePeakMemory:
+    """Peak device memory per stage from one process-wide peak counter (torch's ``max_memory_allocated``).
+
+    Stages nest (reward inside rollout, rollout inside validation) but the counter is one: entering a
+    stage folds the counter into the enclosing stage's running peak before resetting it, and leaving
+    folds the stage's peak back into the enclosing one, so every stage reports the peak over its whole
+    body, nested stages included. ``since_start`` keeps the process-wide peak the resets would lose.
+    """
+
+    def __init__(self, read_peak: Callable[[], int], reset_peak: Callable[[], None]):
+        self._read, self._reset = read_peak, reset_peak
+        self._open: list[int] = []  # running peak of each open stage, outermost first
+        self.pending: dict[str, int] = {}  # stage -> peak bytes since the last step was recorded
+        self.since_start = 0
+
+    def enter(self) -> None:
+        peak = int(self._read())
+        if self._open:
+            self._open[-1] = max(self._open[-1], peak)
+        self.since_start = max(self.since_start, peak)
+        self._reset()
+        self._open.append(0)
+
+    def exit(self, name: str) -> None:
+        peak = max(self._open.pop(), int(self._read()))
+        if self._open:
+            self._open[-1] = max(self._open[-1], peak)
+        self.since_start = max(self.since_start, peak)
+        self.pending[name] = max(self.pending.get(name, 0), peak)
+
+
+def _cuda_stage_peaks() -> StagePeakMemory | None:
+    try:
+        import torch  # lazily: the metrics module must not need torch to load
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return StagePeakMemory(torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats)

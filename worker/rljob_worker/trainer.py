@@ -15,9 +15,13 @@ How this departs from textbook GRPO (Shao et al. 2024):
   pass. Otherwise they are recomputed by the megatron actor with the trainer's numerics
   (not taken from the rollout engine, whose kernels differ); the difference to the
   engine's own log-probs is reported as `rollout/logprob_mismatch_*`.
-- Rollouts: the engine on global rank 0 samples the whole batch and broadcasts it; each
-  data-parallel rank trains on its contiguous slice. (The vLLM engine generates per
-  rollout-TP group instead; see rljob_worker.rollout.)
+- Rollouts (spec.rollout.ranks): with the hf engines on GPUs every rank holds the whole model and
+  samples its share of whole prompt groups, and the pieces are gathered in prompt order before the
+  estimator (rljob_worker.rollout.every_rank); with `rank0` (the default on CPU) global rank 0
+  samples the whole batch. The vLLM engine samples per rollout-TP group. Rewards and advantages
+  are computed on rank 0 over whole groups and the batch goes to every rank; each data-parallel
+  rank trains on its contiguous slice. The hf engines release their KV cache after each rollout,
+  so the actor's update gets that memory back.
 """
 from __future__ import annotations
 
@@ -40,6 +44,11 @@ from rljob_worker.distributed import broadcast_object
 from rljob_worker.flops import active_parameters
 from rljob_worker.rewards import resolve_reward, score_all
 from rljob_worker.rollout import RolloutOutput, SamplingParams
+from rljob_worker.rollout.every_rank import (
+    check_hf_engine_layout,
+    sample_share_and_gather,
+    samples_on_every_rank,
+)
 from rljob_worker.rollout.factory import make_engine, resolve_engine_name
 from rljob_worker.rollout.weight_sync import plan_rollout_layout
 from rljob_worker.run_loop import RunLoop
@@ -81,6 +90,7 @@ class GRPOTrainer(RunLoop):
     def build_model(self) -> None:
         """The actor, the reference model (klCoef > 0) and the rollout engine."""
         spec = self.spec
+        self._plan_rollout()  # cheap, and refuses layouts the engine cannot serve before the actor is built
         from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig, RecomputeConfig
 
         m, t = spec.megatron, spec.training
@@ -108,17 +118,13 @@ class GRPOTrainer(RunLoop):
             entropy_coef=a.entropy_coeff, aggregation=a.loss_aggregation, importance=a.importance_level,
             norm_length=spec.data.max_response_length)
 
-        # Rollout engine. HF engines live on global rank 0, which samples for everyone. vLLM lives on
-        # every rank (its process groups span the torchrun world): each rollout-TP group is one
-        # replica that samples a slice of the prompts, and the slices are gathered.
-        r = spec.rollout
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        self.engine_name = resolve_engine_name(r.engine, self.device, world_size=world,
-                                               rollout_tp=r.tensor_model_parallel_size, num_params=self._num_params)
-        self.engine_is_vllm = self.engine_name == RolloutEngineName.VLLM
-        self.engine_everywhere = self.engine_is_vllm and world > 1
+        # Rollout engine (see _plan_rollout). hf engines: on every rank (each samples a share of the prompt
+        # groups) or on global rank 0 only. vLLM lives on every rank (its process groups span the torchrun
+        # world): each rollout-TP group is one replica that samples a slice of the prompts.
+        r, world = spec.rollout, dist.get_world_size() if dist.is_initialized() else 1
         self.rollout_layout = (plan_rollout_layout(world, spec.gpus_per_node, m.tensor_model_parallel_size,
-                                                   r.tensor_model_parallel_size) if self.engine_everywhere else None)
+                                                   r.tensor_model_parallel_size)
+                               if self.engine_everywhere and self.engine_is_vllm else None)
         self.engine = None
         if self.is_main or self.engine_everywhere:
             self.engine = make_engine(self.engine_name, str(self.model_dir), dtype=self.dtype, device=self.device,
@@ -129,8 +135,40 @@ class GRPOTrainer(RunLoop):
                                       enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
                                       seed=t.seed)
         if self.engine is not None and self.is_main:
-            log.info("rollout engine: %s on %s (rollout.engine: %s)", type(self.engine).__name__, self.device,
-                     r.engine.value)
+            log.info("rollout engine: %s on %s (rollout.engine: %s; %s)", type(self.engine).__name__, self.device,
+                     r.engine.value, "every rank samples a share" if self.engine_everywhere else "rank 0 samples")
+
+    def _plan_rollout(self) -> None:
+        """Which engine, which ranks sample (spec.rollout.ranks), and whether an hf engine can serve the
+        model at all: it holds the whole model on each sampling GPU (RolloutLayoutError otherwise)."""
+        spec, r = self.spec, self.spec.rollout
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        from rljob_worker.megatron.hf_weights import load_hf_config
+
+        hf_config = load_hf_config(self.model_dir)
+        self.engine_name = resolve_engine_name(r.engine, self.device, world_size=world,
+                                               rollout_tp=r.tensor_model_parallel_size,
+                                               num_params=active_parameters(hf_config))
+        self.engine_is_vllm = self.engine_name == RolloutEngineName.VLLM
+        self.engine_everywhere = samples_on_every_rank(r.ranks, engine_is_vllm=self.engine_is_vllm,
+                                                       on_gpu=self.device.type == "cuda", world_size=world)
+        if not self.engine_is_vllm:
+            check_hf_engine_layout(rollout_tp=r.tensor_model_parallel_size, gpus_per_node=spec.gpus_per_node,
+                                   gpu_memory_utilization=r.gpu_memory_utilization, dtype_name=str(self.dtype)[6:],
+                                   **self._engine_memory(hf_config))
+
+    def _engine_memory(self, hf_config) -> dict[str, int]:
+        """{weight_bytes, card_bytes} of an hf engine on this GPU ({} on CPU): the model's parameters in the
+        engine's dtype (counted on the meta device, nothing allocated) and the card's memory."""
+        if self.device.type != "cuda":
+            return {}
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=self.spec.model.trust_remote_code)
+        params = sum(p.numel() for p in model.parameters())
+        return {"weight_bytes": params * self.dtype.itemsize,
+                "card_bytes": torch.cuda.get_device_properties(self.device).total_memory}
 
     def _fetcher(self):
         from rljob_worker.model_source import fetch_file
@@ -152,15 +190,20 @@ class GRPOTrainer(RunLoop):
 
         # 1. rollout + reward + advantages on rank 0, then the batch goes to every rank.
         #    batch tensors are (N, T): N = prompts x n responses, T = prompt + response columns.
-        for model, flags in self._offload_plan:  # the rollout engine gets their GPU memory
-            model.offload(**flags)
+        if self._offload_plan:
+            with self.telemetry.stage("actor_offload"):  # the rollout engine gets their GPU memory
+                for model, flags in self._offload_plan:
+                    model.offload(**flags)
         samples_here = self.is_main or self.engine_everywhere
         payload = self._rollout_and_score(metrics) if samples_here else None  # stages: rollout, reward
         payload = broadcast_object(payload)
-        for model, _ in self._offload_plan:
-            model.onload()
+        if self._offload_plan:
+            with self.telemetry.stage("actor_offload"):
+                for model, _ in self._offload_plan:
+                    model.onload()
         batch = payload["batch"]
         metrics.update(payload["metrics"])
+        metrics["batch/tokens"] = float(batch["attention_mask"].sum())  # prompt + response tokens of the step
 
         # 2. this data-parallel rank's slice (N / dp responses)
         per_rank = batch["input_ids"].shape[0] // self.dp_size
@@ -281,12 +324,15 @@ class GRPOTrainer(RunLoop):
         return records, responses, rewards, seconds, float(sum(len(r) for r in out.response_ids))
 
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample with the engine. vLLM on every rank: each replica samples its slice (seeds offset so
-        the samples do not depend on the layout), then the slices are gathered in prompt order."""
+        """Sample with the engine. On every rank: each replica samples its share of whole prompts (seeds
+        offset per share), then the shares are gathered in prompt order."""
         if self.engine_is_vllm and self.engine.state != "awake":
             self.engine.wake_up()
         if not self.engine_everywhere:
             out = self.engine.generate(prompt_ids, params)
+        elif not self.engine_is_vllm:  # hf on every rank: one replica per rank, whole groups each
+            out = sample_share_and_gather(self.engine, prompt_ids, params, rank=dist.get_rank(),
+                                          world_size=dist.get_world_size())
         else:
             layout = self.rollout_layout
             rank = dist.get_rank()
@@ -300,8 +346,11 @@ class GRPOTrainer(RunLoop):
                 out.response_ids += piece.response_ids
                 out.response_logprobs += piece.response_logprobs
                 out.finished += piece.finished
-        if self.engine_is_vllm and self.spec.rollout.free_cache_engine:
-            self.engine.sleep()  # the actor gets the GPU back until the next weight sync
+        if self.spec.rollout.free_cache_engine:
+            if self.engine_is_vllm:
+                self.engine.sleep()  # the actor gets the GPU back until the next weight sync
+            else:
+                self.engine.release_cache()  # the KV cache goes; the weights stay for the next sync
         return out
 
     def _dynamic_sampling(self, records, responses, rewards, metrics):

@@ -9,7 +9,6 @@ import os
 import torch
 from rljob_api.enums import RolloutEngine as EngineName
 
-
 # `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Measured on
 # one H100 (bench/NOTES.md, 2026-11-26), Qwen2.5-0.5B shape, 32 prompts x 8, 128 + 256 tokens: whole GRPO step
 # static engine 3.18 s vs vLLM 0.26 3.90 s (same call); rollout alone 41.4k vs 29.2k tok/s (compiled static 75.2k).
@@ -23,8 +22,9 @@ def resolve_engine_name(name: EngineName, device: torch.device, *, world_size: i
     """`auto` -> the engine the measurements favour; `vllm` / `hf` pass through.
 
     hf when there is no GPU or vLLM is not importable. Otherwise vllm when the rollout is tensor-parallel or the
-    job has more than one process (the HF engines sample on global rank 0 for everyone; vLLM samples on every
-    rank), or the model has more than AUTO_STATIC_MAX_PARAMS active parameters (or an unknown count); else hf
+    job has more than one process (decided when the HF engines sampled on global rank 0 for everyone; they
+    can now sample on every rank, spec.rollout.ranks, not yet measured against vLLM), or the model has more
+    than AUTO_STATIC_MAX_PARAMS active parameters (or an unknown count); else hf
     (the static-cache CUDA-graph engine, faster than vLLM 0.26 at 0.5B).
     """
     if name != EngineName.AUTO:

@@ -46,6 +46,9 @@ class HFEngine:
         if missing:
             raise KeyError(f"weight sync: no tensor for {sorted(missing)[:5]}")
 
+    def release_cache(self) -> None:
+        """Free the KV cache between rollouts (here it lives only inside generate(): nothing to do)."""
+
     def sleep(self) -> None:
         if self.device.type == "cuda":
             self.model.to("cpu")

@@ -12,7 +12,10 @@ same interface, weights and sampling code, and changes only the decode loop:
 - on CUDA the whole decode-step forward (all layers + final norm + lm_head of the last position)
   is captured once into a CUDA graph and replayed every step; sampling (``sample_next``, the same
   code as `HFEngine`, with the caller's generator) runs eagerly on the graph's logits buffer;
-- prefill runs the same forward eagerly and computes logits of the last position only;
+- prefill runs the same forward eagerly and computes logits of the last position only, in chunks
+  of rows sized so that one chunk's attention scores and MLP activations stay under
+  ``prefill_bytes`` (4 GiB: a 7B model's 1024-token prompts take ~0.5 GiB a row, and a whole
+  batch of 256 at once would need over 100 GiB);
 - the all-finished check syncs once every ``check_every`` steps instead of every step;
 - optionally (``compile_decode``, env ``RLJOB_HF_STATIC_COMPILE=1``) the decode step is compiled
   with torch.compile before capture, fusing the norms, RoPE, SwiGLU and the attention's softmax
@@ -70,12 +73,18 @@ class _Session:
         self.logits: torch.Tensor | None = None
         self.graph = None
 
+    def rows(self, lo: int, hi: int) -> _Session:
+        """The cache of rows lo..hi-1 (views: writes land in this session's cache)."""
+        view = object.__new__(_Session)
+        view.k, view.v = [t[lo:hi] for t in self.k], [t[lo:hi] for t in self.v]
+        return view
+
 
 class HFStaticEngine(HFEngine):
     def __init__(self, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
                  pad_token_id: int, max_batch: int = 256, use_cuda_graph: bool | None = None,
                  length_multiple: int = 64, check_every: int | None = None,
-                 compile_decode: bool | None = None):
+                 compile_decode: bool | None = None, prefill_bytes: int = 4 * 2**30):
         super().__init__(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, max_batch=max_batch)
         cfg = self.model.config
@@ -102,6 +111,7 @@ class HFStaticEngine(HFEngine):
         on_cuda = device.type == "cuda"
         self.use_cuda_graph = on_cuda if use_cuda_graph is None else (use_cuda_graph and on_cuda)
         self.length_multiple = length_multiple
+        self.prefill_bytes = prefill_bytes
         self.check_every = check_every if check_every is not None else (16 if on_cuda else 1)
         self._session: _Session | None = None
         self.graph_captures = 0  # how many CUDA graphs were captured (tests, metrics)
@@ -114,9 +124,22 @@ class HFStaticEngine(HFEngine):
         self._race_sample = torch.compile(race_sample, fullgraph=True) if self.compile_decode else None
 
     # -- memory
+    def release_cache(self) -> None:
+        """Free the KV cache and the CUDA graph (the next generate() allocates and captures again), so
+        the actor's update gets that memory; the weights stay where they are."""
+        self._session = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def sleep(self) -> None:
         self._session = None  # the graph and the cache point at device memory that is about to move
         super().sleep()
+
+    def prefill_rows(self, width: int) -> int:
+        """Rows per prefill chunk: one row's float32 attention scores (~3.5 live copies of heads x width^2)
+        and MLP activations (3 of width x intermediate) must fit ``prefill_bytes`` together with the rest."""
+        per_row = 3.5 * self.heads * width * width * 4 + 3 * width * self.cfg.intermediate_size * self.dtype.itemsize
+        return max(1, int(self.prefill_bytes // per_row))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         super().wake_up()
@@ -217,7 +240,10 @@ class HFStaticEngine(HFEngine):
             ar = torch.arange(width, device=self.device)
             causal = ar[None, :] <= ar[:, None]
             key_mask = (valid[:, None, :] & causal[None]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
-            logits = self._forward(input_ids, position_ids, s, s.slots[:width], key_mask, width)
+            rows = self.prefill_rows(width)
+            logits = torch.cat([self._forward(input_ids[lo:lo + rows], position_ids[lo:lo + rows], s.rows(lo, lo + rows),
+                                              s.slots[:width], key_mask[lo:lo + rows], width)
+                                for lo in range(0, batch, rows)])
             s.step.zero_()
             s.pos.copy_(position_ids[:, -1:] + 1)
             if self.use_cuda_graph and s.graph is None:

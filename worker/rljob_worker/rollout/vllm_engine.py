@@ -173,6 +173,12 @@ def _tied_embeddings(model_dir: str) -> bool:
         return False
 
 
+# vLLM 0.26's sleep-mode (CuMem) allocator serves one engine per process for the life of the process: after a
+# first engine, even shut down, the next one fails in load_model with "CuMem allocator can only be used for one
+# instance per process" (seen on an H100, 2026-11-26). Counted here so the second start fails with a clear message.
+_engines_started_in_process = 0
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str, *, dtype: torch.dtype | str = "bfloat16", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.6, enforce_eager: bool = False, seed: int = 0,
@@ -223,6 +229,11 @@ class VLLMEngine:
         kwargs.update(engine_kwargs)
         self.engine_kwargs = kwargs
 
+        global _engines_started_in_process
+        if _engines_started_in_process:
+            raise RuntimeError(
+                "a vLLM engine was already started in this process: vLLM's sleep-mode allocator serves one engine per "
+                "process, even after shutdown(); start the next engine in a new process")
         start = time.perf_counter()
         try:
             self.llm = vllm.LLM(**kwargs)
@@ -235,6 +246,7 @@ class VLLMEngine:
                     f"next to the trainer); raise it, or lower data.maxPromptLength + data.maxResponseLength. "
                     f"vLLM said: {message}") from exc
             raise
+        _engines_started_in_process += 1
         self.startup_seconds = time.perf_counter() - start
         self._param_names = _model_param_names(self.llm) if check_complete_sync else None
         log.info("vLLM %s engine up in %.1f s (tp=%d, gpu_memory_utilization=%.2f, backend=%s)", self.vllm_version,
@@ -243,8 +255,9 @@ class VLLMEngine:
     def shutdown(self) -> None:
         """Stop the engine and drop its memory (benchmarks and tests that start another engine in this process).
 
-        vLLM's sleep-mode allocator is process-wide: a second live engine would be slept and woken with the
-        first, so the first must be gone before the next starts. The torch.distributed world is left alone.
+        vLLM's sleep-mode allocator is process-wide and serves one engine per process even after this (see
+        _engines_started_in_process): a later engine belongs in a new process. The torch.distributed world is
+        left alone.
         """
         llm = getattr(self, "llm", None)
         if llm is None:
