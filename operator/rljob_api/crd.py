@@ -141,12 +141,29 @@ def spec_cel_rules() -> list[dict[str, str]]:
     ccp = _get("critic.megatron.contextParallelSize", meg("context_parallel_size"))
     gae = "(has(self.algorithm) && has(self.algorithm.advantageEstimator) && self.algorithm.advantageEstimator == 'gae')"
     sft = "(has(self.algorithm) && has(self.algorithm.name) && self.algorithm.name == 'sft')"
+    no_critic_pool = f"(!has(self.critic) || ({placement_split} && !{split}))"  # no critic, or .critic.gpus fails
     return [
+        # One rule per size, so the error names the size that breaks divisibility (as pydantic does).
         {
-            "rule": f"({nnodes} * {actor_gpus}) % ({tp} * {pp} * {cp}) == 0",
+            "rule": f"({nnodes} * {actor_gpus}) % {tp} == 0",
             "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
-                       "megatron TP x PP x CP",
+                       "megatron TP x PP x CP; TP (tensorModelParallelSize) alone does not divide it",
             "fieldPath": ".megatron.tensorModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"({nnodes} * {actor_gpus}) % {tp} != 0 || ({nnodes} * {actor_gpus}) % ({tp} * {pp}) == 0",
+            "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
+                       "megatron TP x PP x CP; TP x PP (pipelineModelParallelSize) does not divide it",
+            "fieldPath": ".megatron.pipelineModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"({nnodes} * {actor_gpus}) % ({tp} * {pp}) != 0 || "
+                    f"({nnodes} * {actor_gpus}) % ({tp} * {pp} * {cp}) == 0",
+            "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
+                       "megatron TP x PP x CP; TP x PP x CP (contextParallelSize) does not divide it",
+            "fieldPath": ".megatron.contextParallelSize",
             "reason": "FieldValueInvalid",
         },
         {
@@ -196,11 +213,26 @@ def spec_cel_rules() -> list[dict[str, str]]:
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"!has(self.critic) || ({placement_split} && !{split}) || "
-                    f"({nnodes} * {critic_gpus}) % ({ctp} * {cpp} * {ccp}) == 0",
+            "rule": f"{no_critic_pool} || ({nnodes} * {critic_gpus}) % {ctp} == 0",
             "message": "the critic's GPUs (nnodes x critic.gpus when split, else nnodes x gpusPerNode) must be "
-                       "divisible by critic megatron TP x PP x CP",
+                       "divisible by critic megatron TP x PP x CP; its TP alone does not divide them",
             "fieldPath": ".critic.megatron.tensorModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{no_critic_pool} || ({nnodes} * {critic_gpus}) % {ctp} != 0 || "
+                    f"({nnodes} * {critic_gpus}) % ({ctp} * {cpp}) == 0",
+            "message": "the critic's GPUs must be divisible by critic megatron TP x PP x CP; its TP x PP does not "
+                       "divide them",
+            "fieldPath": ".critic.megatron.pipelineModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{no_critic_pool} || ({nnodes} * {critic_gpus}) % ({ctp} * {cpp}) != 0 || "
+                    f"({nnodes} * {critic_gpus}) % ({ctp} * {cpp} * {ccp}) == 0",
+            "message": "the critic's GPUs must be divisible by critic megatron TP x PP x CP; its TP x PP x CP does not "
+                       "divide them",
+            "fieldPath": ".critic.megatron.contextParallelSize",
             "reason": "FieldValueInvalid",
         },
         {

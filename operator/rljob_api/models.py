@@ -434,7 +434,10 @@ class RewardSpec(ApiModel):
         max_length=256,
     )
     num_workers: int = _f(0, "Processes scoring rewards off the training loop; 0 scores inline.", ge=0, le=256)
-    timeout_seconds: float = _f(30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index.", gt=0)
+    timeout_seconds: float = _f(
+        30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index. Holds with numWorkers 0 "
+        "too (an alarm interrupts Python code; a reward stuck inside C code, such as a pathological regex, is "
+        "only stopped with numWorkers > 0).", gt=0)
 
 
 class CheckpointSpec(ApiModel):
@@ -577,6 +580,8 @@ class TrainerStatus(ApiModel):
     progress_percentage: int | None = _f(None, "step / totalSteps in percent.")
     reward_mean: float | None = _f(None, "Mean training reward of the last step.")
     val_reward_mean: float | None = _f(None, "Mean validation reward of the last validation.")
+    nonfinite_rewards: int | None = _f(
+        None, "Samples whose reward came back NaN or +-Inf so far (scored 0); above 0 the reward function has a bug.")
     last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")
     last_updated_time: str | None = _f(None, "When the worker last reported (RFC 3339).")
 

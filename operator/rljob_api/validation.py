@@ -332,8 +332,11 @@ def megatron_errors(m: MegatronSpec, gpus: int, prefix: str, errs: list[FieldErr
     model_parallel = tp * pp * cp
     dp = None
     if gpus % model_parallel:
+        # Name the first size that breaks divisibility (TP, then TP x PP, then TP x PP x CP).
+        culprit = ("tensorModelParallelSize" if gpus % tp else
+                   "pipelineModelParallelSize" if gpus % (tp * pp) else "contextParallelSize")
         errs.append(FieldError(
-            f"{prefix}.tensorModelParallelSize",
+            f"{prefix}.{culprit}",
             f"{'nnodes x gpusPerNode = ' if not pool else ''}{gpus} GPUs{pool} is not divisible by TP x PP x CP = "
             f"{tp}x{pp}x{cp} = {model_parallel}; choose parallel sizes whose product divides the GPU count"))
     else:

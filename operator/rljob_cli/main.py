@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
+from rljob_cli.yaml_load import load_all
 
 
 def load_documents(path: str) -> list[Any]:
@@ -30,7 +31,7 @@ def load_documents(path: str) -> list[Any]:
     except UnicodeDecodeError as exc:
         raise ValueError(f"cannot read {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
     try:
-        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        return [doc for doc in load_all(text) if doc is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -142,7 +143,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         job = load_rljob(args.file)
     except (ValueError, RLJobValidationError) as exc:
-        return _report_invalid(args.file, exc)
+        _report_invalid(args.file, exc)
+        return 2  # a configuration error, as the worker's own start-up errors
     from rljob_worker.launcher import run_local
 
     return run_local(job, workdir=args.workdir, checkpoint_uri=args.checkpoint_uri, steps=args.steps,
@@ -157,6 +159,17 @@ def _report_invalid(path: str, exc: Exception) -> int:
     else:
         print(f"  {exc}", file=sys.stderr)
     return 1
+
+
+def _positive_steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give the steps to train, e.g. --steps 10") from None
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"{steps} is not >= 1; give the steps to train, e.g. --steps 10 "
+                                         "(to only check a job, use `rljob validate`)")
+    return steps
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", default=True, help="run locally (the only mode for now)")
     p.add_argument("--workdir", default=None, help="where run outputs go (default ./runs/<name>)")
     p.add_argument("--checkpoint-uri", default=None, help="override spec.checkpoint.uri")
-    p.add_argument("--steps", type=int, default=None, help="override spec.training.totalTrainingSteps")
+    p.add_argument("--steps", type=_positive_steps, default=None,
+                   help="override spec.training.totalTrainingSteps (a whole number >= 1)")
     p.add_argument("--fresh", action="store_true", help="delete this job's checkpoints and outputs first")
     p.set_defaults(func=cmd_run)
     return parser

@@ -71,6 +71,7 @@ def encode_progress(
     val_reward_mean: float | None = None,
     last_checkpoint: Mapping[str, Any] | None = None,
     time: str | None = None,
+    nonfinite_rewards: int | None = None,
 ) -> str:
     """The annotation value (compact JSON). `last_checkpoint` is {"step", "uri", "time"?}.
 
@@ -87,6 +88,8 @@ def encode_progress(
         value = _finite(value, key)
         if value is not None:
             doc[key] = round(value, 6)
+    if nonfinite_rewards:
+        doc["nonfiniteRewards"] = _count(nonfinite_rewards, "nonfiniteRewards")
     if last_checkpoint is not None:
         doc["lastCheckpoint"] = _checkpoint(last_checkpoint)
     doc["time"] = time or utc_now()
@@ -94,6 +97,12 @@ def encode_progress(
     if len(text.encode()) > MAX_VALUE_BYTES:
         raise ProgressError(f"progress annotation is {len(text.encode())} bytes; the limit is {MAX_VALUE_BYTES}")
     return text
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProgressError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
 
 
 def _checkpoint(raw: Any) -> dict[str, Any]:
@@ -143,6 +152,8 @@ def decode_progress(value: str) -> dict[str, Any]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ProgressError(f"{key} must be a finite number, got {v!r}")
         trainer[key] = float(v)
+    if doc.get("nonfiniteRewards") is not None:
+        trainer["nonfiniteRewards"] = _count(doc["nonfiniteRewards"], "nonfiniteRewards")
     if doc.get("lastCheckpoint") is not None:
         trainer["lastCheckpoint"] = _checkpoint(doc["lastCheckpoint"])
     trainer["lastUpdatedTime"] = time

@@ -15,6 +15,8 @@ from api_cases import CROSS_INVALID, CROSS_VALID, M, R
 from api_support import DELETE, EXAMPLE_PATHS, cel_failures, cel_rules, changed, errors_of, gpu_job, load_yaml
 
 TP_GPUS = "spec.megatron.tensorModelParallelSize"
+PP_GPUS = "spec.megatron.pipelineModelParallelSize"
+CP_GPUS = "spec.megatron.contextParallelSize"
 ROLLOUT = "spec.rollout.tensorModelParallelSize"
 SP = "spec.megatron.sequenceParallel"
 VPP = "spec.megatron.virtualPipelineModelParallelSize"
@@ -24,6 +26,8 @@ SFT = "spec.sft"
 CRITIC = "spec.critic"
 CRITIC_GPUS = "spec.critic.gpus"
 CRITIC_TP = "spec.critic.megatron.tensorModelParallelSize"
+CRITIC_PP = "spec.critic.megatron.pipelineModelParallelSize"
+CRITIC_CP = "spec.critic.megatron.contextParallelSize"
 CRITIC_LAYER = "spec.critic.outputLayerIndex"
 CRITIC_SP = "spec.critic.megatron.sequenceParallel"
 CRITIC_VPP = "spec.critic.megatron.virtualPipelineModelParallelSize"
@@ -32,6 +36,8 @@ GAE = {"spec.algorithm.advantageEstimator": "gae"}
 # pydantic's error path(s) for the rule behind each CEL fieldPath
 PYDANTIC_PATHS = {
     TP_GPUS: {"spec.megatron.tensorModelParallelSize"},
+    PP_GPUS: {"spec.megatron.pipelineModelParallelSize"},
+    CP_GPUS: {"spec.megatron.contextParallelSize"},
     ROLLOUT: {"spec.rollout.tensorModelParallelSize"},
     SP: {"spec.megatron.sequenceParallel"},
     VPP: {"spec.megatron.virtualPipelineModelParallelSize"},
@@ -41,6 +47,8 @@ PYDANTIC_PATHS = {
     CRITIC: {"spec.critic"},
     CRITIC_GPUS: {"spec.critic.gpus"},
     CRITIC_TP: {"spec.critic.megatron.tensorModelParallelSize"},
+    CRITIC_PP: {"spec.critic.megatron.pipelineModelParallelSize"},
+    CRITIC_CP: {"spec.critic.megatron.contextParallelSize"},
     CRITIC_LAYER: {"spec.critic.outputLayerIndex"},
     CRITIC_SP: {"spec.critic.megatron.sequenceParallel"},
     CRITIC_VPP: {"spec.critic.megatron.virtualPipelineModelParallelSize"},
@@ -69,8 +77,10 @@ CASES = [
     # nnodes x gpusPerNode divisible by TP x PP x CP
     ("tp3-of-8", changed(gpu_job(), {M + "tensorModelParallelSize": 3}), {TP_GPUS}),
     ("tp2-pp2-cp4-of-8", changed(gpu_job(), {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2,
-                                             M + "contextParallelSize": 4}), {TP_GPUS}),
-    ("cp16-of-3x8", changed(gpu_job(), {"spec.nnodes": 3, M + "contextParallelSize": 16}), {TP_GPUS}),
+                                             M + "contextParallelSize": 4}), {CP_GPUS}),
+    ("cp16-of-3x8", changed(gpu_job(), {"spec.nnodes": 3, M + "contextParallelSize": 16}), {CP_GPUS}),
+    ("tp2-pp3-of-8", changed(gpu_job(), {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 3}),
+     {PP_GPUS}),
     ("defaults-8-gpus-tp16", minimal({"model": {"path": "/m"}, "data": FILES, "megatron": {"tensorModelParallelSize": 16}}),
      {TP_GPUS}),
     ("defaults-gpus-6-tp1", minimal({"model": {"path": "/m"}, "data": FILES, "gpusPerNode": 6}), set()),

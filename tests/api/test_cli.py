@@ -109,6 +109,9 @@ BAD_INPUTS = {
                         ["spec.megatron.overrideTransformerConfig.a[0]: refers to itself"]),
     "bad-name": (HEAD.replace("name: x", "name: Bad_Name"), ["metadata.name: must be a DNS label"]),
     "not-utf8": (b"\xff\xfe\x00\x81 not utf-8", ["cannot read", "not UTF-8"]),
+    # kubectl refuses a key given twice ("mapping key ... already defined"); PyYAML kept the last one
+    "duplicate-key": (HEAD + "  training: {lr: 1.0e-6}\n  training: {lr: 2.0e-6}\n",
+                      ["malformed YAML at line 8", "duplicate key 'training' (first at line 7)"]),
 }
 
 
@@ -223,3 +226,79 @@ def test_explain_unknown_field_is_helpful(capsys):
     assert "algorithm" in out and "megatron" in out  # lists what does exist
     code, out = in_process(capsys, "explain", "spec.megatron.tp")
     assert code == 1 and "does not exist in spec.megatron" in out and "tensorModelParallelSize" in out, out
+
+
+# --------------------------------------------------------------------------- run --fresh
+
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+
+
+def test_fresh_refuses_a_workdir_the_run_did_not_create(tmp_path):
+    """`--workdir .` with the user's own files there: --fresh deletes nothing and says why."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "job.yaml").write_text(QUICKSTART.read_text())
+    ckpt = tmp_path / "ckpt"
+    kept = ckpt / "default" / "quickstart" / "step_000001" / "COMMIT"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    code, out = rljob("run", "job.yaml", "--workdir", ".", "--fresh", "--checkpoint-uri", f"file://{ckpt}",
+                      cwd=project)
+    assert code == 2, out
+    assert "refusing to delete anything in" in out and str(project) in out, out
+    assert (project / "job.yaml").exists()
+    assert kept.exists(), "the checkpoints went although the workdir check refused"
+
+
+def test_fresh_deletes_only_what_the_run_wrote(tmp_path):
+    from rljob_cli.main import load_rljob
+    from rljob_worker.launcher import clear_previous_run, mark_workdir, write_spec
+
+    job = load_rljob(str(QUICKSTART))
+    root = tmp_path / "project"
+    (root / "notes").mkdir(parents=True)
+    (root / "notes" / "todo.txt").write_text("mine")
+    (root / "job.yaml").write_text("mine")
+    mark_workdir(job, root)  # as an earlier `rljob run --workdir project` did
+    write_spec(job, root)
+    (root / "work" / "checkpoints").mkdir(parents=True)
+    (root / "pod-1.log").write_text("log")
+    ckpt = tmp_path / "ckpt"
+    for name in ("quickstart", "other"):
+        (ckpt / "default" / name / "step_000001").mkdir(parents=True)
+        (ckpt / "default" / name / "step_000001" / "COMMIT").write_text("{}")
+    clear_previous_run(job, root, f"file://{ckpt}")
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == ["job.yaml", "notes", "notes/todo.txt"]
+    assert not [p for p in (ckpt / "default" / "quickstart").rglob("*") if p.is_file()]
+    assert (ckpt / "default" / "other" / "step_000001" / "COMMIT").exists()
+
+
+# --------------------------------------------------------------------------- YAML as kubectl reads it
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    """`lr: 1e-6` is a number for kubectl (YAML 1.2); rljob reads it the same way, and a quoted one stays text."""
+    from rljob_cli.main import load_rljob
+
+    path = write(tmp_path, "job.yaml", HEAD + "  training: {lr: 1e-6, weightDecay: 2E-2}\n  algorithm: {klCoef: 1e-3}\n")
+    code, out = rljob("validate", path)
+    assert code == 0 and out.startswith("OK "), out
+    spec = load_rljob(str(path)).spec
+    assert (spec.training.lr, spec.training.weight_decay, spec.algorithm.kl_coef) == (1e-6, 2e-2, 1e-3)
+    quoted = write(tmp_path, "quoted.yaml", HEAD + "  training: {lr: '1e-6'}\n")
+    code, out = rljob("validate", quoted)
+    assert code == 1 and "spec.training.lr" in out, out
+
+
+def test_integers_stay_integers():
+    from rljob_cli.yaml_load import load_all
+
+    assert load_all("a: 8\nb: 1_000\nc: 0x10\nd: 1.5\ne: -3e2\nf: '1e2'\ng: 1e2x\n") == [
+        {"a": 8, "b": 1000, "c": 16, "d": 1.5, "e": -300.0, "f": "1e2", "g": "1e2x"}]
+
+
+@pytest.mark.parametrize("steps, words", [("0", "0 is not >= 1"), ("-1", "-1 is not >= 1"), ("ten", "'ten' is not a whole number")])
+def test_run_refuses_steps_below_one(tmp_path, steps, words):
+    code, out = rljob("run", QUICKSTART, "--workdir", tmp_path / "w", "--steps", steps)
+    assert code == 2 and "--steps" in out and words in out, out
+    assert not (tmp_path / "w").exists()

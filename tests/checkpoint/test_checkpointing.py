@@ -10,9 +10,14 @@ from rljob_api.enums import ResumeMode
 from rljob_worker.checkpointing import (
     COMMIT,
     META,
+    QUARANTINE,
+    SUPERSEDED,
+    CheckpointCorrupt,
     CheckpointError,
     CheckpointManager,
+    SpecChanged,
     resolve_resume,
+    restore_for_resume,
     spec_hash,
     step_dirname,
 )
@@ -143,7 +148,7 @@ def test_half_written_step_is_never_returned(manager, tmp_path, helpers):
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
         manager.restore(manager.step_uri(6), tmp_path / "out")
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
-        resolve_resume("uri", manager, manager.step_uri(6))
+        resolve_resume("uri", CheckpointManager(store, "ns/new-job"), manager.step_uri(6))
     assert resolve_resume("auto", manager) == ref5
 
 
@@ -317,19 +322,20 @@ def test_resolve_resume(store, tmp_path, helpers):
     assert resolve_resume("auto", manager) == ref2
     assert resolve_resume(ResumeMode.AUTO, manager) == ref2
     assert resolve_resume("disable", manager) is None
-    assert resolve_resume(ResumeMode.URI, manager, ref1.uri) == ref1
-    assert resolve_resume("uri", manager, ref1.uri + "/") == ref1
-    assert resolve_resume("uri", manager, manager.base_uri) == ref2  # a job folder: its newest step
-    assert resolve_resume(ref1.uri, manager) == ref1  # a URI given as the mode
+    new_job = CheckpointManager(store, "ns/new-job")  # resumeFrom seeds a job without steps of its own
+    assert resolve_resume(ResumeMode.URI, new_job, ref1.uri) == ref1
+    assert resolve_resume("uri", new_job, ref1.uri + "/") == ref1
+    assert resolve_resume("uri", new_job, manager.base_uri) == ref2  # a job folder: its newest step
+    assert resolve_resume(ref1.uri, new_job) == ref1  # a URI given as the mode
     # another job's checkpoints, same credentials
     other = CheckpointManager(store, "ns/other-job")
     _save(other, tmp_path / "o", helpers, 7)
-    got = resolve_resume("uri", manager, other.step_uri(7))
+    got = resolve_resume("uri", new_job, other.step_uri(7))
     assert got.step == 7
     manager.restore(got, tmp_path / "restored_other")
     assert helpers.read_tree(tmp_path / "restored_other") == helpers.read_tree(tmp_path / "o" / "local_7")
     with pytest.raises(CheckpointError, match="no committed checkpoint"):
-        resolve_resume("uri", manager, store.uri_for("ns/empty-job"))
+        resolve_resume("uri", new_job, store.uri_for("ns/empty-job"))
     with pytest.raises(ValueError, match="resumeFrom"):
         resolve_resume("uri", manager)
     with pytest.raises(ValueError, match="auto, disable or uri"):
@@ -351,3 +357,89 @@ def test_s3_commit_object_is_newest(s3_server, s3_bucket, tmp_path, helpers):
     objs = s3_server.client().list_objects_v2(Bucket=s3_bucket, Prefix=f"ckpt/root/{BASE}/step_000003/")["Contents"]
     commit_time = next(o["LastModified"] for o in objs if o["Key"].endswith("/COMMIT"))
     assert len(objs) > 3 and all(o["LastModified"] <= commit_time for o in objs)
+
+
+# --------------------------------------------------------------------------- resuming the right run
+
+
+def _step_files(store, prefix):
+    return sorted(o.key for o in store.list_prefix(prefix))
+
+
+def test_resume_from_seeds_only_the_first_start(store, tmp_path, helpers):
+    """resumeMode uri: the seed on the first start; after that the job's own newest committed step."""
+    seed_job = CheckpointManager(store, "ns/seed-job")
+    seed = _save(seed_job, tmp_path / "seed", helpers, 50)
+    manager = CheckpointManager(store, BASE, max_to_keep=2)
+    first = restore_for_resume(manager, ResumeMode.URI, seed.uri, tmp_path / "r1")
+    assert first.step == 50 and first.uri == seed.uri
+    _save(manager, tmp_path, helpers, 55)  # the job trains on and commits step 55, then its pod restarts
+    again = restore_for_resume(manager, ResumeMode.URI, seed.uri, tmp_path / "r2")
+    assert again.step == 55 and again.uri == manager.step_uri(55)
+    assert helpers.read_tree(tmp_path / "r2") == helpers.read_tree(tmp_path / "local_55")
+
+
+def test_disable_moves_an_earlier_run_aside_and_keeps_every_new_step(store, tmp_path, helpers):
+    """An older, longer run (steps 100, 200) under the prefix: a resumeMode: disable run must keep its own
+    checkpoints (retention used to delete each right after it committed) and auto-resume must load them."""
+    manager = CheckpointManager(store, BASE, max_to_keep=2)
+    old = {s: _save(manager, tmp_path / "old", helpers, s) for s in (100, 200)}
+    assert restore_for_resume(manager, ResumeMode.DISABLE, None, tmp_path / "r") is None
+    for step in (1, 2, 3):
+        _save(manager, tmp_path, helpers, step)
+    assert [r.step for r in manager.list_committed()] == [2, 3]
+    assert resolve_resume(ResumeMode.AUTO, manager).step == 3
+    # nothing of the old run is lost: both steps, every file, under superseded/<time>/
+    aside = _step_files(store, f"{BASE}/{SUPERSEDED}/")
+    for step, ref in old.items():
+        moved = [k for k in aside if f"/{step_dirname(step)}/" in k]
+        assert sorted(k.rsplit(f"{step_dirname(step)}/", 1)[1] for k in moved) == sorted(
+            [f.rel_path for f in ref.files] + [META, COMMIT])
+
+
+def test_bit_flipped_newest_step_is_quarantined_and_the_previous_one_loads(store, tmp_path, helpers, caplog):
+    manager = CheckpointManager(store, BASE, max_to_keep=None)
+    _save(manager, tmp_path, helpers, 1)
+    _save(manager, tmp_path, helpers, 2)
+    key = f"{BASE}/step_000002/__0_0.distcp"
+    data = bytearray(store.get_bytes(key))
+    data[100] ^= 0x01  # one bit: same size, only the checksum can tell
+    store.put_bytes(key, bytes(data))
+    with caplog.at_level("WARNING"):
+        ref = restore_for_resume(manager, ResumeMode.AUTO, None, tmp_path / "restored")
+    assert ref.step == 1
+    assert helpers.read_tree(tmp_path / "restored") == helpers.read_tree(tmp_path / "local_1")
+    assert [r.step for r in manager.list_committed()] == [1]  # the next restart does not trip over it again
+    kept = _step_files(store, f"{BASE}/{QUARANTINE}/")
+    assert any(k.endswith("/__0_0.distcp") and "/step_000002-" in k for k in kept), kept
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "corrupt" in said and f"{QUARANTINE}/step_000002-" in said and "previous committed step" in said
+    # a seed from another job is never moved: its corruption is an error
+    other = CheckpointManager(store, "ns/other")
+    seed = _save(other, tmp_path / "o", helpers, 7)
+    okey = f"{seed.key}/__1_0.distcp"
+    raw = bytearray(store.get_bytes(okey))
+    raw[5] ^= 0x01
+    store.put_bytes(okey, bytes(raw))
+    with pytest.raises(CheckpointCorrupt):
+        restore_for_resume(CheckpointManager(store, "ns/fresh"), ResumeMode.URI, seed.uri, tmp_path / "r3")
+    assert store.exists(f"{seed.key}/{COMMIT}")
+
+
+def test_a_changed_spec_refuses_to_resume_and_names_the_field(store, tmp_path, helpers):
+    manager = CheckpointManager(store, BASE, max_to_keep=None)
+    fields = {"model.path": "s3://models/a", "algorithm.klCoef": 0.001, "data.trainFiles": ["/d/train.parquet"]}
+    src = helpers.write_checkpoint_dir(tmp_path / "local", seed=3)
+    manager.save(src, 3, {}, "hash-a", blocking=True, spec_fields=fields)
+    with pytest.raises(SpecChanged) as err:
+        restore_for_resume(manager, ResumeMode.AUTO, None, tmp_path / "r1", {**fields, "model.path": "s3://models/b"})
+    msg = str(err.value)
+    assert "spec.model.path was 's3://models/a', now 's3://models/b'" in msg
+    assert "resumeMode: disable" in msg and "new job name" in msg and "--fresh" in msg
+    assert "klCoef" not in msg and not (tmp_path / "r1").exists()
+    # the same fields (lr, steps and the like are not recorded) resume
+    assert restore_for_resume(manager, ResumeMode.AUTO, None, tmp_path / "r2", dict(fields)).step == 3
+    # a checkpoint written before fields were recorded is not refused
+    old = helpers.write_checkpoint_dir(tmp_path / "old", seed=4)
+    manager.save(old, 4, {}, "hash-a", blocking=True)
+    assert restore_for_resume(manager, ResumeMode.AUTO, None, tmp_path / "r3", {"model.path": "x"}).step == 4

@@ -104,7 +104,10 @@ def test_apply_train_checkpoint_observe_with_two_pods_and_a_killed_worker(
     assert trainer["rewardMean"] > 0.5, trainer
     assert trainer["lastCheckpoint"]["step"] == 16
     assert trainer["lastCheckpoint"]["uri"] == f"s3://{s3_bucket}/ckpt/{ns}/e2e/step_000016"
-    assert committed_steps(s3_server, s3_bucket, f"ckpt/{ns}/e2e/") == [12, 16]  # maxToKeep 2
+    # maxToKeep 2: step 16 and the one before it: the periodic step 12, or a later step the surviving
+    # pod's preemption save committed when the restart stopped it (SIGTERM -> save -> exit 143)
+    kept = committed_steps(s3_server, s3_bucket, f"ckpt/{ns}/e2e/")
+    assert len(kept) == 2 and kept[-1] == 16 and 12 <= kept[0] < 16, kept
 
     table = kubectl("get", "rlj", "e2e")
     assert table.returncode == 0, table.stderr

@@ -56,6 +56,15 @@ def test_progress_drops_non_finite_rewards_and_clamps_percentage() -> None:
     assert "rewardMean" not in doc and doc["progressPercentage"] == 100
 
 
+def test_progress_carries_the_count_of_non_finite_rewards() -> None:
+    """NaN rewards used to leave no trace but `nan` in a log line: the count reaches status.trainer."""
+    doc = decode_progress(encode_progress(3, reward_mean=float("nan"), nonfinite_rewards=24, time=T0))
+    assert doc["nonfiniteRewards"] == 24 and "rewardMean" not in doc
+    assert "nonfiniteRewards" not in decode_progress(encode_progress(3, nonfinite_rewards=0, time=T0))
+    with pytest.raises(ProgressError, match="nonfiniteRewards"):
+        decode_progress('{"step": 1, "time": "t", "nonfiniteRewards": -1}')
+
+
 @pytest.mark.parametrize("value", [
     "not json", "[]", '{"time": "t"}', '{"step": -1, "time": "t"}', '{"step": 1}', '{"step": true, "time": "t"}',
     '{"step": 1, "time": "t", "totalSteps": 0}', '{"step": 1, "time": "t", "rewardMean": "high"}',

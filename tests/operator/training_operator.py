@@ -168,6 +168,8 @@ class TrainingOperatorStandIn:
         command = [arg for arg in container["command"] + container.get("args", [])]
         if command[0] == "torchrun":
             command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+        elif command[0] == "python":  # the image's interpreter is this one here
+            command = [sys.executable, *command[1:]]
         for mount_path, local in mounts.items():
             command = [arg.replace(mount_path, str(local), 1) if arg.startswith(mount_path) else arg for arg in command]
         metrics_port = self._metrics_ports.setdefault(pod_name, free_port())

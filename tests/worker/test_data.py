@@ -112,6 +112,25 @@ def test_missing_file_names_setting_and_file(tmp_path):
         load_datasets(DataSpec(train_files=[good], val_files=[missing]), char_tokenizer(), seed=0)
 
 
+def test_a_missing_ground_truth_column_stops_a_reward_that_needs_it(tmp_path, caplog):
+    """gsm8k scored every sample 0 against '' before: now the file and the column are named at start-up."""
+    good = write(tmp_path, [verl_row("a")], "good.parquet")
+    no_column = write(tmp_path, [{"prompt": "a", "data_source": "t"}], "bare.parquet")
+    no_field = write(tmp_path, [verl_row("a"), {"prompt": "b", "reward_model": {"style": "rule"}}], "nofield.parquet")
+    with pytest.raises(DataError, match=r"spec\.data\.trainFiles\[1\] .*bare\.parquet: column reward_model is "
+                                        r"missing \(row 0; .*spec\.reward\.function 'gsm8k' scores against it"):
+        load_datasets(DataSpec(train_files=[good, no_column]), char_tokenizer(), seed=0, reward="gsm8k")
+    with pytest.raises(DataError, match=r"nofield\.parquet: column reward_model\.ground_truth is missing or null \(row 1"):
+        load_datasets(spec(no_field), char_tokenizer(), seed=0, reward="math-boxed")
+    with pytest.raises(DataError, match=r"spec\.data\.valFiles\[0\] .*bare\.parquet"):
+        load_datasets(DataSpec(train_files=[good], val_files=[no_column]), char_tokenizer(), seed=0, reward="gsm8k")
+    # a reward that needs no ground truth trains; a custom one gets a warning naming the file
+    load_datasets(spec(no_column), char_tokenizer(), seed=0, reward="format")
+    with caplog.at_level("WARNING"):
+        load_datasets(spec(no_column), char_tokenizer(), seed=0, reward="my_rewards:length")
+    assert "bare.parquet: column reward_model is missing" in caplog.text and "my_rewards:length" in caplog.text
+
+
 @pytest.mark.parametrize("content", [b"", b"prompt,answer\n1+1,2\n", b"PAR1 but not really"])
 def test_unreadable_file_names_the_file(tmp_path, content):
     bad = tmp_path / "bad.parquet"

@@ -138,6 +138,11 @@ def user_module(tmp_path, monkeypatch):
             if completion == "slow":
                 time.sleep(float(extra["sleep"]))
             return 0.5
+
+        def spins(prompt, completion, ground_truth, extra):
+            while completion == "slow":
+                pass
+            return 0.5
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     return name
@@ -218,3 +223,18 @@ def test_score_all_times_out_a_hanging_reward_with_its_index(user_module, pool):
     with pytest.raises(RewardError, match=r"timed out after 0\.5s on sample 1 \(spec\.reward\.timeoutSeconds\)"):
         score_all(fn, *batch(["fast", "slow", "fast"], sleep=60), pool=pool, timeout_s=0.5)
     assert time.monotonic() - start < 10  # an error, not a hang
+
+
+@pytest.mark.parametrize("hang", ["sleepy", "spins"])
+def test_score_all_inline_times_out_a_hanging_reward_too(user_module, hang):
+    """numWorkers 0 (the default) scores inline: timeoutSeconds holds there as well, for a reward that
+    sleeps and for one that spins in Python, and the alarm is gone afterwards."""
+    import signal
+
+    fn = resolve_reward(f"{user_module}:{hang}")
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"timed out after 0\.5s on sample 1 \(prompt 'prompt 1'; spec\.reward\.timeoutSeconds\)"):
+        score_all(fn, *batch(["fast", "slow", "fast"], sleep=60), timeout_s=0.5)
+    assert time.monotonic() - start < 10
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert score_all(fn, *batch(["fast"], sleep=0), timeout_s=0.5) == [0.5]

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,9 +57,23 @@ class Case:
     setting: str  # must appear in the error line
     spec_file: str | None = None
     also: str = ""  # another fragment the line must contain
+    env: dict | None = None  # extra environment of this case
 
 
-def build_cases(tmp: Path) -> dict[str, Case]:
+def damaged_model(tmp: Path, name: str, damage) -> Path:
+    model = tmp / name
+    materialize_builtin("tiny-qwen2", model)
+    damage(model)
+    return model
+
+
+def with_model(path) -> dict:
+    spec = quickstart_spec()
+    spec["model"]["path"] = str(path)
+    return spec
+
+
+def build_cases(tmp: Path, s3_server, bucket: str, busy_port: int) -> dict[str, Case]:
     missing = parquet_spec(tmp / "missing.parquet")
     not_parquet = tmp / "train.parquet"
     not_parquet.write_text("prompt,answer\n1+1=,2\n")
@@ -75,10 +90,32 @@ def build_cases(tmp: Path) -> dict[str, Case]:
     vllm_rank0 = quickstart_spec()
     vllm_rank0["rollout"].update(engine="vllm", ranks="rank0")
     (tmp / "garbage.json").write_text("{not json")
+    broken_config = damaged_model(tmp, "broken-config", lambda m: (m / "config.json").write_text('{"model_type": '))
+
+    def truncate(m: Path) -> None:
+        weights = m / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    truncated = damaged_model(tmp, "truncated", truncate)
+    port_spec = quickstart_spec()
+    port_spec["metrics"]["enabled"] = True
+    missing_s3_model = with_model(f"s3://{bucket}/models/no-such-model")
+    missing_s3_model["s3"] = {"endpoint": s3_server.endpoint_url, "credentialsSecretRef": {"name": "s3-credentials"}}
+    no_truth_rows = [{"prompt": f"{i}+1=", "data_source": "t", "extra_info": {"index": i}} for i in range(8)]
+    no_truth = parquet_spec(write_parquet(tmp / "no-truth.parquet", no_truth_rows))
     return {
         "hf engine with rollout TP 2": Case(hf_rollout_tp, "spec.rollout.tensorModelParallelSize=2",
                                             also="needs spec.rollout.engine: vllm"),
         "vllm engine on rank 0 only": Case(vllm_rank0, "spec.rollout.ranks: rank0", also="is for the hf engines"),
+        "ground truth column missing": Case(no_truth, "spec.data.trainFiles[0]",
+                                            also="no-truth.parquet: column reward_model is missing"),
+        "builtin typo": Case(with_model("builtin://tiny-qwen3"), "spec.model.path", also="builtin://tiny-qwen2"),
+        "config.json broken": Case(with_model(broken_config), "spec.model.path", also="config.json is not valid JSON"),
+        "weights truncated": Case(with_model(truncated), "spec.model.path", also="model.safetensors is truncated"),
+        "metrics port in use": Case(port_spec, f"spec.metrics.port {busy_port}", also="Address already in use",
+                                    env={"RLJOB_METRICS_PORT": str(busy_port)}),
+        "S3 model prefix missing": Case(missing_s3_model, "spec.model.path", also="no objects under this prefix",
+                                        env=s3_server.env()),
         "model path does not exist": Case(bad_model, "spec.model.path", also="no-such-model"),
         "parquet does not exist": Case(missing, "spec.data.trainFiles[0]", also="missing.parquet"),
         "parquet is not parquet": Case(parquet_spec(not_parquet), "spec.data.trainFiles[0]", also="not readable parquet"),
@@ -99,7 +136,7 @@ class Outcome:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+def outcomes(tmp_path_factory, s3_server) -> dict[str, Outcome]:
     tmp = tmp_path_factory.mktemp("startup")
     workdir = tmp / "workdir"
     # builtin://tiny-qwen2 resolves to <RLJOB_WORKDIR>/models/tiny-qwen2; build it once for all cases
@@ -109,13 +146,19 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
            {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}}
     env.update(RLJOB_WORKDIR=str(workdir), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     running = {}
-    cases = build_cases(tmp)
+    bucket = f"startup-{os.getpid()}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    cases = build_cases(tmp, s3_server, bucket, busy.getsockname()[1])
     assert sorted(cases) == sorted(CASE_NAMES)
     for name, case in cases.items():
         spec_path = tmp / (case.spec_file or f"{len(running)}.json")
         if case.spec is not None:
             spec_path.write_text(json.dumps(case.spec))
-        proc = subprocess.Popen([sys.executable, "-m", "rljob_worker", "--spec", str(spec_path)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "rljob_worker", "--spec", str(spec_path)],
+                                env={**env, **(case.env or {})},
                                 cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         running[name] = (proc, time.monotonic())
     results = {}
@@ -131,12 +174,19 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
                 _, stderr = proc.communicate()
             stderr += f"\n[killed after {TIMEOUT_S}s]"
         results[name] = Outcome(cases[name], proc.returncode, stderr, time.monotonic() - start)
+    busy.close()
     return results
 
 
 CASE_NAMES = [
     "hf engine with rollout TP 2",
     "vllm engine on rank 0 only",
+    "ground truth column missing",
+    "builtin typo",
+    "config.json broken",
+    "weights truncated",
+    "metrics port in use",
+    "S3 model prefix missing",
     "model path does not exist",
     "parquet does not exist",
     "parquet is not parquet",
@@ -165,3 +215,23 @@ def test_bad_input_stops_the_worker_with_one_clear_line(outcomes, name):
     lines = non_log_lines(out.stderr)  # no traceback, warning dump or progress bar: just the error
     assert len(lines) == 1 and lines[0].startswith("rljob worker: "), out.stderr
     assert case.setting in lines[0] and case.also in lines[0], lines[0]
+
+
+def test_a_start_up_error_through_torchrun_is_one_line_with_exit_2(tmp_path):
+    """`rljob run` -> rljob_worker.launch (torchrun) -> worker: the worker's own line, exit 2, and none of
+    torchrun's ChildFailedError traceback (it used to turn every error into exit 1 and ~30 lines)."""
+    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["reward"]["function"] = "no_such_reward_module:score"
+    job["spec"]["metrics"]["enabled"] = False
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    proc = subprocess.run([sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(tmp_path / "w"),
+                           "--checkpoint-uri", f"file://{tmp_path}/ckpt"], env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out and "ChildFailedError" not in out and "Root Cause" not in out, out
+    errors = [line for line in non_log_lines(proc.stderr) if not line.startswith("rljob: ")]
+    assert len(errors) == 1 and errors[0].startswith("rljob worker: spec.reward.function"), proc.stderr
+    assert "finished with exit code 2" in proc.stdout

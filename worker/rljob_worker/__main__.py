@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rljob_worker", description="rljob worker (run under torchrun)")
     parser.add_argument("--spec", required=True, help="RLJob spec as JSON (the operator mounts it from a ConfigMap)")
     args = parser.parse_args(argv)
+    _die_with_torchrun()
     rank = os.environ.get("RANK", "0")
     # megatron-core announces every missing optional kernel package; the worker image has them,
     # CPU runs do not need them, and either way the notices bury the progress lines.
@@ -64,6 +65,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: invalid spec: {exc}", file=sys.stderr)  # one line: errors joined by '; '
         return 2
 
+    problem = _metrics_port_problem(spec)
+    if problem:
+        print(f"rljob worker: {problem}", file=sys.stderr)
+        return 2
+
+    job_doc = Path(args.spec).with_name("job.json")  # the operator's ConfigMap: the RLJob's uid
+    if job_doc.is_file() and not os.environ.get("RLJOB_UID"):
+        try:
+            os.environ["RLJOB_UID"] = str(json.loads(job_doc.read_text()).get("uid") or "")
+        except (OSError, ValueError):
+            pass
+
     from rljob_worker.run_loop import RunContext
 
     name = os.environ.get("RLJOB_NAME", "rljob")
@@ -77,8 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=int(max_steps) if max_steps else None,
         show_progress_bar=os.environ.get("RLJOB_PROGRESS_BAR") == "1" and rank == "0",
     )
+    from rljob_worker.run_health import RunFailed
+
     try:
         return run_job(spec, ctx)
+    except RunFailed as exc:  # training cannot learn: say why in one line, fail (not retryable)
+        print(f"rljob worker: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # start-up errors are configuration errors: one clear line, no traceback wall
         from rljob_worker.startup_errors import is_configuration_error
 
@@ -86,6 +104,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rljob worker: {exc}", file=sys.stderr)
             return 2
         raise
+
+
+def _die_with_torchrun() -> None:
+    """torchrun starts each worker in a session of its own, so a SIGKILLed torchrun (outside a container,
+    whose processes all die together) left its workers training on, holding the metrics port and the
+    checkpoint lease. Linux: the kernel SIGKILLs this worker when its parent goes."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+
+
+def _metrics_port_problem(spec) -> str | None:
+    """Say at once, not after a minute of loading, that the metrics port is taken (an earlier run?)."""
+    import socket
+
+    if not spec.metrics.enabled or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    port = int(os.environ.get("RLJOB_METRICS_PORT", spec.metrics.port))
+    if port == 0:
+        return None
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the metrics server binds
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as e:
+            return (f"spec.metrics.port {port}: cannot serve metrics there ({e.strerror}); another process (an "
+                    "earlier run?) holds it: stop it, or choose another port")
+    return None
 
 
 if __name__ == "__main__":

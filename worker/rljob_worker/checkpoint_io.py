@@ -14,9 +14,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rljob_worker.checkpointing import CheckpointManager, resolve_resume, spec_hash, step_dirname
+from rljob_worker.checkpointing import CheckpointError, CheckpointManager, restore_for_resume, spec_hash, step_dirname
 from rljob_worker.distributed import barrier, broadcast_object
-from rljob_worker.storage import open_store
+from rljob_worker.storage import LocalStore, StorageError, open_store, remove_temp_files
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,61 @@ def _utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# Settings a resume must not change: what the weights were trained from and on, the algorithm, and
+# what decides the data order the sampler position refers to. Learning rate, steps, saveFreq,
+# validation, metrics, resources and the parallel layout (megatron checkpoints reshard) may change.
+RESUME_FIXED_FIELDS = (
+    "model.path", "model.tokenizerPath",
+    "data.trainFiles", "data.synthetic", "data.promptKey", "data.maxPromptLength", "data.promptOverflow",
+    "data.applyChatTemplate", "data.shuffle",
+    "algorithm",
+    "rollout.samplesPerPrompt",
+    "training.trainBatchSizePerNode", "training.seed",
+)
+
+
+def resume_fixed_fields(spec_json: dict[str, Any]) -> dict[str, Any]:
+    """The values of RESUME_FIXED_FIELDS in a spec dumped by alias; a section becomes one entry per field."""
+    out: dict[str, Any] = {}
+    for path in RESUME_FIXED_FIELDS:
+        value: Any = spec_json
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, dict) and "." not in path:
+            out.update({f"{path}.{k}": v for k, v in value.items()})
+        else:
+            out[path] = value
+    return out
+
+
+
+
+_writer_managers: list = []  # keeps the shielded multiprocessing Manager of megatron's writer alive
+
+
+def shield_checkpoint_writer() -> None:
+    """Start megatron's checkpoint-writer results queue in a Manager process that ignores SIGTERM.
+
+    megatron-core's async filesystem writer keeps a spawned multiprocessing Manager for its results
+    queue, created at the first save. torchrun sends SIGTERM to each worker's whole process group,
+    so after one periodic save the preemption signal killed that Manager too and the preemption save
+    died with BrokenPipeError (exit 1, up to saveFreq steps lost). Created here first, the Manager
+    ignores the signal and goes away with the worker."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", None) is not None or not hasattr(filesystem_async, "_results_queue"):
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from rljob_worker.process_guard import ignore_stop_signals
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=ignore_stop_signals)
+    filesystem_async._results_queue = manager.Queue()
+    _writer_managers.append(manager)
 
 
 class CheckpointIO:
@@ -41,12 +96,15 @@ class CheckpointIO:
         self.manager = CheckpointManager(self.store, base_prefix=f"{ctx.namespace}/{ctx.job_name}",
                                          max_to_keep=spec.checkpoint.max_to_keep or None)
         self.local_root = Path(ctx.workdir) / "checkpoints"
-        self.spec_hash = spec_hash(spec.model_dump(mode="json", by_alias=True))
+        spec_json = spec.model_dump(mode="json", by_alias=True)
+        self.spec_hash = spec_hash(spec_json)
+        self.spec_fields = resume_fixed_fields(spec_json)
         self.multi_node = spec.nnodes > 1
         self.last_ref = None
         self.last_committed: dict[str, Any] | None = None  # {"step", "uri", "time"} of the newest commit (rank 0)
         self._pending = None  # SaveHandle of the upload in flight (rank 0, one node)
         self._fresh = False  # a commit nobody has polled yet
+        self.lease = None  # rank 0: the CheckpointLease on the job prefix
 
     def check_access(self) -> None:
         """Fail at start-up, not at the first save, when storage is unreachable or credentials are wrong."""
@@ -57,10 +115,13 @@ class CheckpointIO:
              others: dict[str, Any] | None = None):
         """Save the actor (and ``others``, e.g. ``{"critic": critic}``, each in its own sub-folder) and the
         trainer state into one step folder; its one COMMIT covers them all."""
+        if self.lease is not None:
+            self.lease.check()
         local = self.local_root / step_dirname(step)
         if self.env.local_rank == 0 and local.exists():
             shutil.rmtree(local)
         barrier()
+        shield_checkpoint_writer()
         actor.save_checkpoint(local)  # collective; rank 0 writes the common metadata
         for name, model in (others or {}).items():
             model.save_checkpoint(local / name)
@@ -68,7 +129,8 @@ class CheckpointIO:
             (local / TRAINER_STATE).write_text(json.dumps(trainer_state))
         if not self.multi_node:
             if self.env.rank == 0:
-                handle = self.manager.save(local, step, metrics, self.spec_hash, remove_local=True)
+                handle = self.manager.save(local, step, metrics, self.spec_hash, remove_local=True,
+                                           spec_fields=self.spec_fields)
                 self._pending = handle
                 log.info("checkpoint step %d: uploading to %s in the background", step, handle.uri)
                 return handle
@@ -82,7 +144,8 @@ class CheckpointIO:
         barrier()
         ref = None
         if self.env.rank == 0:
-            ref = self.manager.commit(step, metrics, self.spec_hash, expected_ranks=list(range(self.spec.nnodes)))
+            ref = self.manager.commit(step, metrics, self.spec_hash, expected_ranks=list(range(self.spec.nnodes)),
+                                      spec_fields=self.spec_fields)
             self.manager.apply_retention()
             self._committed(ref)
         barrier()
@@ -113,20 +176,44 @@ class CheckpointIO:
         barrier()
         return self.last_ref
 
+    def _remove_stale_temp_files(self) -> None:
+        """Half-written files of killed runs, in the local checkpoint folders and (file:// URIs) the job prefix."""
+        folders = [self.local_root]
+        if isinstance(self.store, LocalStore):
+            folders.append(self.store.root / self.manager.base_prefix)
+        removed = [p for folder in folders if folder.exists() for p in remove_temp_files(folder)]
+        if removed:
+            log.info("removed %d partial files left by an earlier, killed run (e.g. %s)", len(removed), removed[0])
+
     def resume(self, actor, others: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Load the checkpoint the spec asks for (auto / uri / disable); returns the trainer state or None.
         ``others`` (e.g. ``{"critic": critic}``) load from their sub-folders, which must be there: a step
         saved without them (a GRPO checkpoint for a PPO job) is refused, never half-loaded."""
         ck = self.spec.checkpoint
-        uri = None
-        if self.env.rank == 0:
-            ref = resolve_resume(ck.resume_mode.value, self.manager, ck.resume_from)
-            uri = ref.uri if ref is not None else None
-        uri = broadcast_object(uri)
+        local = self.local_root / "restore"
+        choice: dict[str, Any] = {"uri": None}
+        if self.env.rank == 0:  # chooses, verifies (falling back past corrupt steps) and downloads
+            shutil.rmtree(local, ignore_errors=True)
+            try:
+                from rljob_worker.checkpoint_lease import CheckpointLease
+
+                # One writer per prefix, taken after the configuration checks and before resume
+                # moves or quarantines anything.
+                self.lease = CheckpointLease(self.store, self.manager.base_prefix)
+                self.lease.acquire()
+                self._remove_stale_temp_files()
+                ref = restore_for_resume(self.manager, ck.resume_mode.value, ck.resume_from, local, self.spec_fields)
+                choice = {"uri": ref.uri if ref is not None else None}
+            except (StorageError, ValueError) as e:  # the other ranks stop too instead of waiting forever
+                broadcast_object({"error": str(e)})
+                raise
+        choice = broadcast_object(choice)
+        if "error" in choice:
+            raise CheckpointError(choice["error"])
+        uri = choice["uri"]
         if uri is None:
             return None
-        local = self.local_root / "restore"
-        if self.env.local_rank == 0:
+        if self.env.local_rank == 0 and self.env.rank != 0:  # the other nodes download the chosen step
             shutil.rmtree(local, ignore_errors=True)
             self.manager.restore(uri, local)
         barrier()

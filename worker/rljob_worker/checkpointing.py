@@ -70,6 +70,14 @@ class CheckpointError(StorageError):
     """A checkpoint is missing, incomplete or corrupt, or a save could not be committed."""
 
 
+class CheckpointCorrupt(CheckpointError):
+    """A committed step's downloaded files do not match the sizes and sha256 sums of its meta.json."""
+
+
+QUARANTINE = "quarantine"  # <base>/quarantine/step_NNNNNN-<time>/: corrupt steps, kept for inspection
+SUPERSEDED = "superseded"  # <base>/superseded/<time>/step_NNNNNN/: an earlier run's steps (resumeMode: disable)
+
+
 def step_dirname(step: int) -> str:
     """``step_000030``: six digits, zero padded (more digits past 999999)."""
     if step < 0:
@@ -114,6 +122,7 @@ class CheckpointRef:
     spec_hash: str | None = None
     created: str | None = None
     files: tuple[FileEntry, ...] = ()
+    spec_fields: dict = field(default_factory=dict, compare=False)  # the settings a resume must not change
 
     @property
     def total_bytes(self) -> int:
@@ -261,6 +270,7 @@ class CheckpointManager:
         return CheckpointRef(
             step=int(meta["step"]), key=key, uri=where, store=store, metrics=dict(meta.get("metrics") or {}),
             spec_hash=meta.get("spec_hash"), created=meta.get("created"), files=files,
+            spec_fields=dict(meta.get("spec_fields") or {}),
         )
 
     def list_committed(self) -> list[CheckpointRef]:
@@ -312,6 +322,7 @@ class CheckpointManager:
         blocking: bool = False,
         *,
         remove_local: bool = False,
+        spec_fields: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Upload ``local_dir`` as step ``step`` and commit it, in the background unless ``blocking``.
 
@@ -326,7 +337,7 @@ class CheckpointManager:
 
         def run() -> None:
             try:
-                ref = self._save_now(local_dir, step, metrics, spec_hash)
+                ref = self._save_now(local_dir, step, metrics, spec_hash, spec_fields)
                 if remove_local:
                     shutil.rmtree(local_dir, ignore_errors=True)
                 handle._finish(ref, None)
@@ -367,13 +378,14 @@ class CheckpointManager:
                 log.warning("overwriting committed checkpoint step %d at %s", step, self.step_uri(step))
             self._delete_step(step)
 
-    def _save_now(self, local_dir: Path, step: int, metrics: dict, spec_hash: str | None) -> CheckpointRef:
+    def _save_now(self, local_dir: Path, step: int, metrics: dict, spec_hash: str | None,
+                  spec_fields: Mapping[str, Any] | None = None) -> CheckpointRef:
         t0 = time.monotonic()
         self.prepare_step(step)
         entries = self.store.upload_dir(local_dir, self.step_key(step), self.max_workers)
         if not entries:
             raise CheckpointError(f"{local_dir} holds no files; nothing to checkpoint for step {step}")
-        ref = self._commit(step, entries, metrics, spec_hash)
+        ref = self._commit(step, entries, metrics, spec_hash, spec_fields)
         log.info("checkpoint step %d committed to %s: %d files, %.1f MB in %.1f s", step, ref.uri,
                  len(entries), ref.total_bytes / 1e6, time.monotonic() - t0)
         self._retention_after_commit()
@@ -397,6 +409,7 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None = None,
         spec_hash: str | None = None,
         expected_ranks: Iterable[int] | None = None,
+        spec_fields: Mapping[str, Any] | None = None,
     ) -> CheckpointRef:
         """Rank 0, after a barrier: merge the ranks' manifests, verify, write meta.json then COMMIT."""
         key = self.step_key(step)
@@ -420,11 +433,13 @@ class CheckpointManager:
                 raise CheckpointError(f"step {step}: ranks {missing} have not uploaded their files")
         if not merged:
             raise CheckpointError(f"step {step}: no rank uploaded any file under {self.step_uri(step)}")
-        ref = self._commit(step, sorted(merged.values(), key=lambda e: e.rel_path), dict(metrics or {}), spec_hash)
+        ref = self._commit(step, sorted(merged.values(), key=lambda e: e.rel_path), dict(metrics or {}), spec_hash,
+                           spec_fields)
         self._retention_after_commit()
         return ref
 
-    def _commit(self, step: int, entries: list[FileEntry], metrics: dict, spec_hash: str | None) -> CheckpointRef:
+    def _commit(self, step: int, entries: list[FileEntry], metrics: dict, spec_hash: str | None,
+                spec_fields: Mapping[str, Any] | None = None) -> CheckpointRef:
         """Write meta.json, check the listing against it, then write COMMIT (the only commit point)."""
         key = self.step_key(step)
         meta = {
@@ -432,6 +447,7 @@ class CheckpointManager:
             "step": step,
             "metrics": metrics,
             "spec_hash": spec_hash,
+            "spec_fields": dict(spec_fields or {}),
             "created": _now(),
             "total_bytes": sum(e.size for e in entries),
             "files": [e.to_json() for e in entries],
@@ -452,7 +468,7 @@ class CheckpointManager:
         self.store.put_bytes(f"{key}/{COMMIT}", json.dumps(commit).encode())
         return CheckpointRef(
             step=step, key=key, uri=self.step_uri(step), store=self.store, metrics=metrics,
-            spec_hash=spec_hash, created=meta["created"], files=tuple(entries),
+            spec_hash=spec_hash, created=meta["created"], files=tuple(entries), spec_fields=dict(spec_fields or {}),
         )
 
     # -- restoring ----------------------------------------------------------------------------
@@ -482,10 +498,42 @@ class CheckpointManager:
             if got.get(f.rel_path) != f
         ]
         if bad:
-            raise CheckpointError(f"checkpoint {ref.uri} is corrupt: " + "; ".join(bad[:5]))
+            raise CheckpointCorrupt(f"checkpoint {ref.uri} is corrupt: " + "; ".join(bad[:5]))
         log.info("restored checkpoint step %d from %s: %.1f MB in %.1f s", ref.step, ref.uri,
                  ref.total_bytes / 1e6, time.monotonic() - t0)
         return ref
+
+    # -- moving steps out of the resume path ---------------------------------------------------
+
+    def _move_step(self, step: int, dest_key: str) -> str:
+        """Copy step ``step``'s objects under ``dest_key`` (a folder no reader treats as a step), then
+        delete the original, COMMIT first. A crash part-way leaves the original committed (copy
+        unfinished) or uncommitted (delete unfinished): never two committed copies in the resume path."""
+        key = self.step_key(step)
+        objects = [o.key for o in self.store.list_prefix(key + "/")]
+        copies = [(k, f"{dest_key}/{k[len(key) + 1:]}") for k in objects]
+        for src, dst in sorted(copies, key=lambda kv: kv[0].endswith("/" + COMMIT)):  # COMMIT copied last
+            self.store.copy(src, dst)
+        self._delete_step(step)
+        return self.store.uri_for(dest_key)
+
+    def quarantine(self, step: int) -> str:
+        """Move a corrupt committed step to ``<base>/quarantine/step_NNNNNN-<time>/``; returns its new URI."""
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        return self._move_step(step, self._key(QUARANTINE, f"{step_dirname(step)}-{stamp}"))
+
+    def set_aside_committed(self) -> tuple[list[int], str | None]:
+        """Move every committed step to ``<base>/superseded/<time>/`` (``resumeMode: disable`` on a
+        prefix holding an earlier run): the new run then owns the prefix, retention counts only its
+        steps and a later auto-resume loads only its steps; the old ones stay for whoever wants them.
+        Returns the steps moved and the folder they went to."""
+        steps = [r.step for r in self.list_committed()]
+        if not steps:
+            return [], None
+        dest = self._key(SUPERSEDED, datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ"))
+        for step in steps:
+            self._move_step(step, f"{dest}/{step_dirname(step)}")
+        return steps, self.store.uri_for(dest)
 
     # -- retention ----------------------------------------------------------------------------
 
@@ -541,10 +589,80 @@ def resolve_resume(mode: str, manager: CheckpointManager, explicit_uri: str | No
     if mode_s == "uri":
         if not explicit_uri:
             raise ValueError("checkpoint.resume is 'uri' but checkpoint.resumeFrom is empty")
+        # resumeFrom seeds the first start only: once this job has committed a step of its own,
+        # a restart continues from that, not from the seed again.
+        own = manager.latest_committed()
+        if own is not None:
+            log.info("resuming from this job's own step %d, not from resumeFrom %s (the seed of its first start)",
+                     own.step, explicit_uri)
+            return own
         return manager.ref_from_uri(explicit_uri)
     raise ValueError(f"checkpoint.resume must be auto, disable or uri, got {mode!r}")
 
 
+class SpecChanged(CheckpointError):
+    """The spec differs from the checkpoint's in a setting a resume must not change."""
+
+
+def changed_spec_fields(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(field, saved value, current value)`` for every field recorded in both that differs.
+    Fields recorded on one side only (a checkpoint from an older version) are not compared."""
+    return [(k, saved[k], current[k]) for k in sorted(saved) if k in current and saved[k] != current[k]]
+
+
+def _mode_name(mode: Any) -> str:
+    return str(getattr(mode, "value", mode)).strip().lower()
+
+
+def _is_own(manager: CheckpointManager, ref: CheckpointRef) -> bool:
+    base = manager._key()
+    return ref.store is manager.store and (not base or ref.key.startswith(base + "/"))
+
+
+def restore_for_resume(manager: CheckpointManager, mode: Any, resume_from: str | None, local_dir: str | Path,
+                       spec_fields: Mapping[str, Any] | None = None) -> CheckpointRef | None:
+    """Rank 0 at start-up: choose the checkpoint to start from and download it into ``local_dir``.
+
+    - ``disable``: the job's committed steps (an earlier run's) are moved to ``superseded/`` so this
+      run owns the prefix; returns None.
+    - ``auto`` / ``uri``: as :func:`resolve_resume` (``resumeFrom`` only until the job has a step of
+      its own). A step of the job's own whose ``spec_fields`` differ from ``spec_fields`` raises
+      :class:`SpecChanged` naming the fields and the ways out. A step of its own whose files fail
+      their checksums is moved to ``quarantine/`` and the previous committed step is tried.
+    """
+    local_dir = Path(local_dir)
+    if _mode_name(mode) == "disable":
+        moved, where = manager.set_aside_committed()
+        if moved:
+            log.warning("resumeMode is disable: moved the committed steps %s of an earlier run under %s to %s "
+                        "(kept, not deleted); this run starts from scratch and owns the prefix", moved,
+                        manager.base_uri, where)
+        return None
+    while True:
+        ref = resolve_resume(mode, manager, resume_from)
+        if ref is None:
+            return None
+        own = _is_own(manager, ref)
+        if own and spec_fields is not None:
+            changes = changed_spec_fields(ref.spec_fields, spec_fields)
+            if changes:
+                what = "; ".join(f"spec.{k} was {old!r}, now {new!r}" for k, old, new in changes)
+                raise SpecChanged(
+                    f"{what}: the committed checkpoint step {ref.step} at {ref.uri} belongs to the run before the "
+                    "change and cannot continue with it. Revert the change to continue that run, or start over with "
+                    "spec.checkpoint.resumeMode: disable (moves the old steps aside), a new job name, or "
+                    "`rljob run --fresh` (deletes them)")
+        try:
+            return manager.restore(ref, local_dir)
+        except CheckpointCorrupt as e:
+            if not own:
+                raise
+            where = manager.quarantine(ref.step)
+            log.warning("%s; moved step %d to %s for inspection and falling back to the previous committed step",
+                        e, ref.step, where)
+            shutil.rmtree(local_dir, ignore_errors=True)
+
+
 __all__ = [
-    "COMMIT", "META", "CheckpointError", "CheckpointManager", "CheckpointRef", "RetentionPlan", "SaveHandle", "resolve_resume", "spec_hash", "step_dirname",
+    "COMMIT", "META", "QUARANTINE", "SUPERSEDED", "CheckpointCorrupt", "CheckpointError", "SpecChanged", "changed_spec_fields", "restore_for_resume", "CheckpointManager", "CheckpointRef", "RetentionPlan", "SaveHandle", "resolve_resume", "spec_hash", "step_dirname",
 ]

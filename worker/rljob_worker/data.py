@@ -116,8 +116,29 @@ def build_dataset(rows: list[dict], spec: DataSpec, tokenizer, source: str) -> P
     return out
 
 
-def load_datasets(spec: DataSpec, tokenizer, seed: int, fetch=None) -> tuple[PromptDataset, PromptDataset | None]:
-    """(train, val) datasets from parquet files or the synthetic task."""
+def check_ground_truth(rows: list[dict], path: str, setting: str, reward: str | None) -> None:
+    """A reward that scores against reward_model.ground_truth gets it in every row, or the run stops here
+    naming the column and the file (it would otherwise train on reward 0 for every sample)."""
+    from rljob_worker.rewards import NEEDS_GROUND_TRUTH
+
+    for i, row in enumerate(rows):
+        reward_model = row.get("reward_model")
+        truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+        if truth is None:
+            missing = ("column reward_model is missing" if "reward_model" not in row else
+                       "column reward_model.ground_truth is missing or null")
+            where = f"{setting} {path}: {missing} (row {i}; columns: {sorted(row)})"
+            if reward in NEEDS_GROUND_TRUTH:
+                raise DataError(f"{where}, and spec.reward.function {reward!r} scores against it; add it (verl "
+                                "layout: reward_model: {ground_truth: ...}) or choose a reward that needs none")
+            log.warning("%s: spec.reward.function %r gets '' as the ground truth of such rows", where, reward)
+            return
+
+
+def load_datasets(spec: DataSpec, tokenizer, seed: int, fetch=None,
+                  reward: str | None = None) -> tuple[PromptDataset, PromptDataset | None]:
+    """(train, val) datasets from parquet files or the synthetic task. With `reward` (spec.reward.function),
+    files must carry the ground truth a built-in reward scores against."""
     if spec.synthetic is not None:
         from rljob_worker.synthetic import generate_rows
 
@@ -126,15 +147,23 @@ def load_datasets(spec: DataSpec, tokenizer, seed: int, fetch=None) -> tuple[Pro
         train = build_dataset(train_rows, spec, tokenizer, f"synthetic/{spec.synthetic.task}")
         val = build_dataset(val_rows, spec, tokenizer, "synthetic-val") if val_rows else None
         return train, val
-    train_rows = [r for i, f in enumerate(spec.train_files)
-                  for r in read_parquet_rows(f, fetch, f"spec.data.trainFiles[{i}]")]
+    train_rows = []
+    for i, f in enumerate(spec.train_files):
+        rows = read_parquet_rows(f, fetch, f"spec.data.trainFiles[{i}]")
+        if reward is not None:
+            check_ground_truth(rows, f, f"spec.data.trainFiles[{i}]", reward)
+        train_rows += rows
     if not train_rows:
         raise DataError(f"spec.data.trainFiles {spec.train_files}: no rows")
     train = build_dataset(train_rows, spec, tokenizer, ",".join(spec.train_files))
     val = None
     if spec.val_files:
-        val_rows = [r for i, f in enumerate(spec.val_files)
-                    for r in read_parquet_rows(f, fetch, f"spec.data.valFiles[{i}]")]
+        val_rows = []
+        for i, f in enumerate(spec.val_files):
+            rows = read_parquet_rows(f, fetch, f"spec.data.valFiles[{i}]")
+            if reward is not None:
+                check_ground_truth(rows, f, f"spec.data.valFiles[{i}]", reward)
+            val_rows += rows
         val = build_dataset(val_rows, spec, tokenizer, ",".join(spec.val_files))
     return train, val
 

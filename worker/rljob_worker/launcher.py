@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from rljob_api.models import RLJob
@@ -50,7 +51,7 @@ def pod_environment(job: RLJob, node_rank: int, master_port: int, *, master_addr
 
 def pod_command(spec_path: Path) -> list[str]:
     """The container command the operator puts in the PyTorchJob (torchrun reads the PET_* variables)."""
-    return [sys.executable, "-m", "torch.distributed.run", "-m", "rljob_worker", "--spec", str(spec_path)]
+    return [sys.executable, "-m", "rljob_worker.launch", "-m", "rljob_worker", "--spec", str(spec_path)]
 
 
 def write_spec(job: RLJob, directory: Path) -> Path:
@@ -70,17 +71,71 @@ def start_pod(job: RLJob, node_rank: int, master_port: int, spec_path: Path, ext
                             start_new_session=True)
 
 
+RUN_MARKER = ".rljob-run"  # written into every workdir `rljob run` uses; `--fresh` deletes only in such folders
+_RUN_OUTPUTS = ("spec.json", "work", "pod-*.log")  # what a run writes into its workdir, besides the marker
+
+
+class FreshRefused(ValueError):
+    """`--fresh` would delete something the job did not write."""
+
+
+def mark_workdir(job: RLJob, root: Path) -> None:
+    """Record that `root` holds this job's run outputs, so a later `--fresh` may delete them (and only them)."""
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / RUN_MARKER
+    if not marker.exists():
+        marker.write_text(json.dumps({"job": job.metadata.name, "namespace": job.metadata.namespace,
+                                      "outputs": list(_RUN_OUTPUTS)}) + "\n")
+
+
+def fresh_targets(job: RLJob, root: Path) -> list[Path]:
+    """What `--fresh` deletes in `root`: the outputs an earlier `rljob run` of this job wrote there.
+
+    Raises FreshRefused for a folder with content but no marker of this job (a folder the run
+    did not create, e.g. `--workdir .` on a first run), so nothing of the user's is ever deleted."""
+    if not root.exists():
+        return []
+    marker = root / RUN_MARKER
+    owner = None
+    if marker.is_file():
+        try:
+            owner = json.loads(marker.read_text())
+        except ValueError:
+            owner = None
+    ours = isinstance(owner, dict) and owner.get("job") == job.metadata.name and \
+        owner.get("namespace") == job.metadata.namespace
+    if not ours:
+        if not root.is_dir() or any(root.iterdir()):
+            who = f"job {owner.get('namespace')}/{owner.get('job')}" if isinstance(owner, dict) else "no rljob run"
+            raise FreshRefused(
+                f"--fresh: refusing to delete anything in {root}: it was not created by `rljob run` for "
+                f"{job.metadata.namespace}/{job.metadata.name} ({who} marker {RUN_MARKER} there); "
+                "pass --workdir with a new or empty folder, or delete what you no longer need by hand")
+        return []
+    found = [p for pattern in _RUN_OUTPUTS for p in sorted(root.glob(pattern))]
+    return found + [marker]
+
+
 def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
-    """`--fresh`: remove the job's committed checkpoints and local outputs."""
+    """`--fresh`: remove the job's committed checkpoints and the run outputs it wrote into `root`.
+
+    Checks the workdir first, so a refusal deletes nothing at all."""
     import shutil
 
     from rljob_worker.storage import open_store
 
+    targets = fresh_targets(job, root)
     store = open_store(checkpoint_uri, endpoint_url=job.spec.s3.endpoint, region=job.spec.s3.region)
     prefix = f"{job.metadata.namespace}/{job.metadata.name}/"
     store.delete_prefix(prefix)
-    shutil.rmtree(root, ignore_errors=True)
-    print(f"rljob: --fresh: deleted {store.uri_for(prefix.rstrip('/'))}/ and {root}", flush=True)
+    for path in targets:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    listed = ", ".join(str(p) for p in targets) or "no local outputs"
+    print(f"rljob: --fresh: deleted the checkpoints under {store.uri_for(prefix.rstrip('/'))}/ and {listed}",
+          flush=True)
 
 
 def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None = None,
@@ -92,31 +147,57 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
         if not torch.cuda.is_available():
             print("note: spec.device is gpu but no GPU is visible; running on CPU with gloo", file=sys.stderr)
     root = Path(workdir or Path("runs") / job.metadata.name).resolve()
+    from rljob_worker.storage import StorageError, parse_uri
+
+    if checkpoint_uri is not None:
+        try:
+            parse_uri(checkpoint_uri)
+        except ValueError as exc:
+            print(f"rljob: --checkpoint-uri: {exc}", file=sys.stderr)
+            return 2
     if fresh:
-        clear_previous_run(job, root, checkpoint_uri or spec.checkpoint.uri)
+        try:
+            clear_previous_run(job, root, checkpoint_uri or spec.checkpoint.uri)
+        except (FreshRefused, StorageError) as exc:
+            print(f"rljob: {exc}", file=sys.stderr)
+            return 2
+    mark_workdir(job, root)
     spec_path = write_spec(job, root)
     master_port = free_port()
     extra = {"RLJOB_WORKDIR": str(root / "work"), "RLJOB_PROGRESS_BAR": "1" if sys.stdout.isatty() else "0"}
     if checkpoint_uri:
         extra["RLJOB_CHECKPOINT_URI"] = checkpoint_uri
-    if steps:
+    if steps is not None:
         extra["RLJOB_MAX_STEPS"] = str(steps)
     ckpt = checkpoint_uri or spec.checkpoint.uri
     print(f"rljob: running {job.metadata.name} locally: {spec.nnodes} pod(s) x {spec.gpus_per_node} process(es); "
           f"metrics on :{spec.metrics.port}; checkpoints under {ckpt.rstrip('/')}/{job.metadata.namespace}/"
           f"{job.metadata.name}/", flush=True)
     started = time.monotonic()
-    pods = [start_pod(job, rank, master_port, spec_path, extra,
-                      log_path=None if rank == 0 else root / f"pod-{rank}.log") for rank in range(spec.nnodes)]
+    from rljob_worker.process_guard import RUN_ID_VAR, kill_run, start_guard
 
-    def forward(signum, _frame):
+    run_id = uuid.uuid4().hex
+    extra[RUN_ID_VAR] = run_id  # every process of the run inherits it; the guard ends them all
+    guard = start_guard(run_id)
+    pods: list[subprocess.Popen] = []
+
+    def forward(signum, _frame):  # SIGTERM, Ctrl-C, a closed terminal: the pods save and stop
         for pod in pods:
             if pod.poll() is None:
                 os.killpg(pod.pid, signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    codes = [pod.wait() for pod in pods]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        pods.extend(start_pod(job, rank, master_port, spec_path, extra,
+                              log_path=None if rank == 0 else root / f"pod-{rank}.log") for rank in range(spec.nnodes))
+        codes = [pod.wait() for pod in pods]
+    finally:
+        # Helpers that outlived their worker (reward pools, checkpoint writers) go now, not never.
+        kill_run(run_id, grace_s=5.0)
+        if guard is not None:
+            guard.stdin.close()
+            guard.wait()
     code = next((c for c in codes if c != 0), 0)
     print(f"rljob: {job.metadata.name} finished with exit code {code} in {time.monotonic() - started:.0f}s; "
           f"outputs in {root}", flush=True)

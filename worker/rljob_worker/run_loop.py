@@ -218,6 +218,9 @@ class RunLoop:
             if logged:
                 self._append_metrics_log(logged)
         bar = self._progress_bar()
+        from rljob_worker.run_health import RunHealth
+
+        self.health = RunHealth(self.total_steps)
         while self.step < self.total_steps:
             step_start = time.perf_counter()
             self.step += 1
@@ -236,6 +239,7 @@ class RunLoop:
                 logged.update(self.validate_for_log())
             self._append_metrics_log(logged)
             self._report_progress(metrics, bar)
+            self.health.record(self.step, metrics)  # same metrics on every rank: all stop together
             stop = self._agree_to_stop()
             freq = spec.checkpoint.save_freq  # 0: never (benchmarks)
             due = (last and freq != 0) or (freq > 0 and self.step % freq == 0)
@@ -316,8 +320,10 @@ class RunLoop:
             from rljob_worker.status_report import StatusReporter
 
             self._status_reporter = StatusReporter.from_environ(self.ctx.job_name, self.ctx.namespace)
+        health = getattr(self, "health", None)
         self._status_reporter.report(step=self.step, total_steps=self.total_steps,
                                      last_checkpoint=self.checkpoints.last_committed, force=force,
+                                     nonfinite_rewards=health.nonfinite_rewards if health else None,
                                      **self.status_values(metrics))
 
 

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 
+class StartupError(ValueError):
+    """A setting or the machine's state stops the run at start-up; the message names the setting and the fix."""
+
+
 def is_configuration_error(exc: BaseException) -> bool:
     from rljob_worker.checkpoint_io import CheckpointContentError
     from rljob_worker.data import DataError
@@ -12,4 +16,4 @@ def is_configuration_error(exc: BaseException) -> bool:
     from rljob_worker.storage import StorageError
 
     return isinstance(exc, (CheckpointContentError, DataError, ModelSourceError, RewardError, StorageError,
-                            MegatronConfigError, RolloutLayoutError))
+                            MegatronConfigError, RolloutLayoutError, StartupError))

@@ -36,7 +36,8 @@ class StatusReporter:
         return cls(name, namespace, api, enabled, interval)
 
     def report(self, *, step: int, total_steps: int | None, reward_mean: float | None,
-               val_reward_mean: float | None, last_checkpoint: dict[str, Any] | None, force: bool = False) -> bool:
+               val_reward_mean: float | None, last_checkpoint: dict[str, Any] | None, force: bool = False,
+               nonfinite_rewards: int | None = None) -> bool:
         if not self.enabled:
             return False
         now = time.monotonic()
@@ -44,7 +45,8 @@ class StatusReporter:
             return False
         try:
             value = encode_progress(step, total_steps=total_steps, reward_mean=reward_mean,
-                                    val_reward_mean=val_reward_mean, last_checkpoint=last_checkpoint)
+                                    val_reward_mean=val_reward_mean, last_checkpoint=last_checkpoint,
+                                    nonfinite_rewards=nonfinite_rewards)
             patch_progress(value, name=self.name, namespace=self.namespace, api_base=self.api_base, timeout=3.0)
         except Exception as exc:  # noqa: BLE001 - progress is best effort; training goes on
             if not self._warned:

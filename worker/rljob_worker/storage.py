@@ -171,6 +171,19 @@ def _iter_local_files(local_dir: Path) -> list[tuple[str, Path, int]]:
     return out
 
 
+def remove_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """Delete the ``.rljob-tmp-*`` files a killed process left under ``folder`` (half-written copies that
+    listings skip but disks keep). Call it only while no other process writes there."""
+    removed = []
+    for dirpath, _dirs, names in os.walk(folder):
+        for name in names:
+            if _TMP_MARKER in name:
+                path = Path(dirpath) / name
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
 def _run_parallel(fn: Callable[..., T], items: Iterable, max_workers: int) -> list[T]:
     items = list(items)
     if not items:
@@ -224,6 +237,9 @@ class ObjectStore(Protocol):
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object whose key starts with ``prefix`` (which must not be empty)."""
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        """Copy one object inside the store (server-side on S3)."""
 
     def upload_dir(self, local_dir: str | os.PathLike, prefix: str, max_workers: int = 8) -> list[FileEntry]:
         """Upload every file under ``local_dir`` (hidden files included) to ``prefix/<rel_path>``."""
@@ -351,6 +367,12 @@ class LocalStore(_StoreBase):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        src = self._path(src_key)
+        if not src.is_file():
+            raise ObjectNotFoundError(f"{self.uri_for(src_key)} does not exist")
+        self._atomic_write(self._path(dst_key), lambda tmp: shutil.copyfile(src, tmp))
 
     def list_prefix(self, prefix: str) -> list[ObjectInfo]:
         # S3 semantics: a string prefix. Walk the deepest folder the prefix names completely.
@@ -682,6 +704,14 @@ class S3Store(_StoreBase):
             return True
         except ObjectNotFoundError:
             return False
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        src, dst = self._key(src_key), self._key(dst_key)
+        # Managed copy: server-side, multipart for objects past the threshold (single copies stop at 5 GB).
+        self._retry(
+            f"copying {self.uri_for(src_key)} to {self.uri_for(dst_key)}",
+            lambda: self._client.copy({"Bucket": self.bucket, "Key": src}, self.bucket, dst, Config=self._transfer),
+        )
 
     def delete(self, key: str) -> None:
         k = self._key(key)

@@ -89,6 +89,10 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "reward/std": ("rljob_reward_std", "Standard deviation of sequence rewards in the last step's batch."),
     "reward/min": ("rljob_reward_min", "Smallest sequence reward in the last step's batch."),
     "reward/max": ("rljob_reward_max", "Largest sequence reward in the last step's batch."),
+    "reward/nonfinite_count": (
+        "rljob_reward_nonfinite", "Samples of the last step's batch whose reward was NaN or +-Inf (scored 0)."),
+    "actor/skipped": (
+        "rljob_actor_update_skipped", "1 when the last step's optimizer update was skipped (non-finite gradients)."),
     "response_length/mean": (
         "rljob_response_length_mean_tokens", "Mean response length (tokens) of the last step's batch."),
     "response_length/max": (
@@ -287,7 +291,14 @@ class TrainerTelemetry:
         with self._lock:
             if self._server is not None:
                 raise RuntimeError(f"metrics already served on port {self._server.server_port}")
-            server, thread = start_http_server(int(port), addr=addr, registry=self.registry)
+            try:
+                server, thread = start_http_server(int(port), addr=addr, registry=self.registry)
+            except OSError as e:
+                from rljob_worker.startup_errors import StartupError
+
+                raise StartupError(
+                    f"spec.metrics.port {port}: cannot serve metrics there ({e.strerror}); another process (an "
+                    "earlier run?) holds it: stop it, or choose another port") from None
             self._server, self._server_thread = server, thread
         bound = int(server.server_port)
         log.info("serving Prometheus metrics on http://%s:%d/metrics", addr, bound)

@@ -43,6 +43,7 @@ from rljob_worker.data import EpochSampler, load_datasets
 from rljob_worker.distributed import broadcast_object
 from rljob_worker.flops import active_parameters
 from rljob_worker.rewards import resolve_reward, score_all
+from rljob_worker.run_health import sanitize_rewards
 from rljob_worker.rollout import RolloutOutput, SamplingParams
 from rljob_worker.rollout.every_rank import (
     check_hf_engine_layout,
@@ -82,7 +83,7 @@ class GRPOTrainer(RunLoop):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
         self.train_set, self.val_set = load_datasets(spec.data, self.tokenizer, spec.training.seed,
-                                                     fetch=self._fetcher())
+                                                     fetch=self._fetcher(), reward=spec.reward.function)
         self.prompts_per_step = spec.training.train_batch_size_per_node * spec.nnodes
         self.sampler = EpochSampler(len(self.train_set), self.prompts_per_step, spec.training.seed, spec.data.shuffle)
         self.total_steps = self._total_steps()
@@ -261,6 +262,7 @@ class GRPOTrainer(RunLoop):
     def _rollout_and_score(self, metrics: dict[str, float]) -> dict[str, Any]:
         """Rank 0: sample n responses per prompt, score them, compute advantages (N,) and build the batch."""
         spec, n = self.spec, self.spec.rollout.samples_per_prompt
+        self._step_nonfinite, self._step_scored = 0, 0  # counted by _sample_and_score, refills included
         records, responses, rewards, rollout_s, generated = self._sample_and_score(self.prompts_per_step)
         if spec.algorithm.dynamic_sampling:
             records, responses, rewards = self._dynamic_sampling(records, responses, rewards, metrics)
@@ -280,6 +282,7 @@ class GRPOTrainer(RunLoop):
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
+            "reward/nonfinite_count": float(self._step_nonfinite), "reward/samples": float(self._step_scored),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": algo.response_length_clip_ratio(lengths, spec.data.max_response_length),
             "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
@@ -318,6 +321,12 @@ class GRPOTrainer(RunLoop):
                                                  [r.ground_truth for r in prompts], extras,
                                                  pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds),
                                        dtype=torch.float32)
+            rewards, bad = sanitize_rewards(rewards)  # NaN/Inf would poison every advantage of the batch
+            self._step_nonfinite += bad
+            self._step_scored += rewards.numel()
+            if bad:
+                log.warning("step %d: %d of %d rewards were NaN or Inf and are scored 0; spec.reward.function %r "
+                            "returns non-finite values", self.step, bad, rewards.numel(), spec.reward.function)
         if self.engine_everywhere:
             rewards = broadcast_object(rewards)
         responses = list(zip(out.response_ids, out.response_logprobs, out.finished))
@@ -448,6 +457,7 @@ class GRPOTrainer(RunLoop):
         extras = [{**r.extra, "max_response_length": spec.data.max_response_length} for r in prompts]
         scores = score_all(self.reward_fn, [r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
                            extras, pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds)
+        scores = sanitize_rewards(torch.tensor(scores, dtype=torch.float32))[0].tolist()
         return {"val/reward_mean": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
 
     # ------------------------------------------------------------------ the loop's hooks
@@ -492,7 +502,12 @@ def _reward_pool(num_workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
+    from rljob_worker.process_guard import ignore_stop_signals
+
+    # The workers ignore the SIGTERM torchrun sends the trainer's process group: the step that is
+    # finishing before the preemption save still needs its rewards.
+    return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=ignore_stop_signals)
 
 
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:

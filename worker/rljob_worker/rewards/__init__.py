@@ -4,6 +4,12 @@
 `score_all` scores a batch inline or in a process pool, and names the failing sample
 when a reward function raises or times out.
 """
-from rljob_worker.rewards.registry import BUILTIN_REWARDS, RewardError, resolve_reward, score_all
+from rljob_worker.rewards.registry import (
+    BUILTIN_REWARDS,
+    NEEDS_GROUND_TRUTH,
+    RewardError,
+    resolve_reward,
+    score_all,
+)
 
-__all__ = ["BUILTIN_REWARDS", "RewardError", "resolve_reward", "score_all"]
+__all__ = ["BUILTIN_REWARDS", "NEEDS_GROUND_TRUTH", "RewardError", "resolve_reward", "score_all"]

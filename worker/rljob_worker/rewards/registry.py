@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -43,8 +45,35 @@ def resolve_reward(name: str) -> RewardFn:
     return func
 
 
+# Built-in rewards that score against reward_model.ground_truth (a custom function may or may not).
+NEEDS_GROUND_TRUTH = frozenset({"gsm8k", "math-boxed", "target-token", "digit-sum"})
+
+
 def _score_one(fn: RewardFn, prompt: str, completion: str, truth: str, extra: dict) -> float:
     return float(fn(prompt, completion, truth, extra))
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _score_inline(fn: RewardFn, args: tuple, timeout_s: float) -> float:
+    """Score in this process under an alarm (main thread only: where signals are delivered), so a
+    hanging reward fails the step instead of stalling the job forever."""
+    if not (timeout_s and timeout_s > 0 and hasattr(signal, "setitimer")
+            and threading.current_thread() is threading.main_thread()):
+        return _score_one(fn, *args)
+
+    def on_alarm(_signum, _frame):
+        raise _Timeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return _score_one(fn, *args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def score_all(
@@ -63,7 +92,10 @@ def score_all(
         out = []
         for i, (p, c, t, e) in enumerate(args):
             try:
-                out.append(_score_one(fn, p, c, t, e))
+                out.append(_score_inline(fn, (p, c, t, e), timeout_s))
+            except _Timeout:
+                raise RewardError(f"reward function timed out after {timeout_s}s on sample {i} "
+                                  f"(prompt {p[:60]!r}; spec.reward.timeoutSeconds)") from None
             except Exception as exc:
                 raise RewardError(f"reward function failed on sample {i} (prompt {p[:60]!r}): {exc!r}") from exc
         return out

@@ -1,0 +1,124 @@
+"""`rljob run` owns what it starts: a SIGKILLed run leaves no process behind, and a new run removes the
+half-written files a killed one left. Real processes: rljob run -> rljob_worker.launch (torchrun) ->
+the worker and its helpers."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """PIDs whose environment has name=value: every process of a run carries its RLJOB_WORKDIR."""
+    marker = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="counts processes through /proc")
+def test_sigkilled_rljob_run_leaves_no_process_and_stale_temp_files_go(tmp_path):
+    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["metrics"]["enabled"] = False
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    root, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    work = root / "work"
+    # what a run killed mid-copy leaves: a partial file in the job prefix (inside a committed step, too)
+    # and one in the local checkpoint folder
+    stale = [ckpt / "default" / "quickstart" / "step_000004" / ".__0_0.distcp.rljob-tmp-0123abcd",
+             work / "checkpoints" / "step_000004" / ".common.pt.rljob-tmp-4567ef01"]
+    for p in stale:
+        p.parent.mkdir(parents=True)
+        p.write_bytes(b"x" * 1000)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(root),
+                             "--checkpoint-uri", f"file://{ckpt}", "--steps", "200"],
+                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        metrics = work / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "no training step within 400 s"
+            time.sleep(0.2)
+        assert not any(p.exists() for p in stale), "stale .rljob-tmp-* files survived the start"
+        before = processes_with_env("RLJOB_WORKDIR", str(work))
+        assert len(before) >= 2, before  # torchrun and the worker at least
+        proc.send_signal(signal.SIGKILL)  # only `rljob run` itself: no handler, no forwarding
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while processes_with_env("RLJOB_WORKDIR", str(work)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = processes_with_env("RLJOB_WORKDIR", str(work))
+        assert not left, f"processes of the killed run still alive: {left} (of {before})"
+    finally:
+        for pid in processes_with_env("RLJOB_WORKDIR", str(work)):  # a failed run must not leak into later tests
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+    assert json.loads(metrics.read_text().splitlines()[0])["step"] == 1
+
+
+def committed(ckpt: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("_")[1]) for p in (ckpt / "default" / "quickstart").glob("step_*/COMMIT"))
+
+
+def test_sigterm_through_torchrun_after_a_periodic_save_commits_and_exits_143(tmp_path):
+    """The real signal path: SIGTERM to `rljob run` -> its pod's process (torchrun, as PID 1 in a
+    container) -> torchrun signals the worker's process group. After a periodic save (which starts
+    megatron's writer helpers) the preemption save used to die with BrokenPipeError and exit 1."""
+    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["metrics"]["enabled"] = False
+    job["spec"]["checkpoint"].update(saveFreq=2, exportHf=False)
+    job["spec"]["training"].update(testFreq=-1, valBeforeTrain=False)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    root, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    argv = [sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(root),
+            "--checkpoint-uri", f"file://{ckpt}"]
+    proc = subprocess.Popen(argv + ["--steps", "200"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    metrics = root / "work" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 400
+        while not (committed(ckpt) and metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "no periodic save within 400 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out[-4000:]
+    assert "BrokenPipeError" not in out and "Traceback" not in out, out[-4000:]
+    last = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+    assert last >= 3 and committed(ckpt)[-1] == last, (committed(ckpt), last, out[-3000:])
+    # the next run continues from the step the preemption saved
+    resumed = subprocess.run(argv + ["--steps", str(last + 1)], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from step {last}" in resumed.stdout + resumed.stderr
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == last + 1 and steps.count(last + 1) == 1
