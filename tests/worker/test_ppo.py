@@ -147,19 +147,20 @@ def test_killed_ppo_run_resumes_with_identical_rewards_and_value_losses(tmp_path
 
 
 def test_a_step_saved_without_a_critic_is_never_loaded_by_ppo(tmp_path):
-    """A GRPO job's committed step has the actor and no critic: a PPO job pointed at it stops at start-up
-    with one line naming what is missing, and loads nothing."""
+    """A GRPO job's committed step has the actor and no critic: a PPO job told to start from it
+    (resumeMode uri; a job's own steps of another algorithm are refused earlier, as a spec change) stops at
+    start-up naming what is missing, and trains nothing."""
     grpo = quickstart_spec()
     grpo["training"].update(totalTrainingSteps=2, testFreq=-1, valBeforeTrain=False)
     grpo["checkpoint"].update(saveFreq=2, exportHf=False)
-    uri = f"file://{tmp_path}/ckpt"
-    code, out = finish(start(grpo, tmp_path / "grpo", uri))
+    code, out = finish(start(grpo, tmp_path / "grpo", f"file://{tmp_path}/grpo-ckpt"))
     assert code == 0, out[-3000:]
     spec = ppo_spec()
     spec["training"]["totalTrainingSteps"] = 4
-    code, out = finish(start(spec, tmp_path / "ppo", uri))
+    spec["checkpoint"].update(resumeMode="uri", resumeFrom=f"{tmp_path}/grpo-ckpt/test/test/step_000002")
+    code, out = finish(start(spec, tmp_path / "ppo", f"file://{tmp_path}/ppo-ckpt"))
     assert code != 0
-    assert "has no critic" in out and "step_000002" in out
+    assert "has no critic" in out and "step_000002" in out, out[-3000:]
     assert not (tmp_path / "ppo" / "metrics.jsonl").exists()
 
 
