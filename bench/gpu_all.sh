@@ -12,6 +12,7 @@
 #             q7bprep, then q7bevery q7brank0 q7breport (4 GPUs, issue 23: Qwen2.5-7B-shape GRPO, TP2 x DP2, hf
 #             engine on every GPU vs on rank 0, same call; 16 prompts x 8 by default so both fit one call:
 #             Q7B_PROMPTS, Q7B_STEPS (3), Q7B_LIMIT) | q7bpp2 (TP2 x PP2, 32 prompts x 8)
+#             lossmbs1 lossmbs4 (issue 18: digit-sum GRPO at microBatchSizePerGpu 1 vs 4, same reward curve)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Needs wheels (carry: [".whl/megatron_actor_gpu", ".whl/trl"]): megatron-core 0.16.1 cp312; trl 1.16, datasets,
 # dill, multiprocess, pydantic(+core, annotated-types, typing-inspection, typing-extensions). Keep the image's pyarrow.
@@ -67,6 +68,7 @@ for s in $SECTIONS; do
     grpopp2) section grpopp2 150 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_pp2.yaml --workdir /tmp/pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/pp2/work/metrics.jsonl grpo-digit-sum-pp2" ;;
     grpocompiled) section grpocompiled 330 python3 bench/grpo_step.py --variants rljob-static:32,rljob-compiled:32 --timeout-each 160 --tag _compiled ;;
     grpotp2pp2) section grpotp2pp2 130 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_tp2pp2.yaml --workdir /tmp/tp2pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/tp2pp2/work/metrics.jsonl grpo-digit-sum-tp2pp2" ;;
+    lossmbs1|lossmbs4) m=${s#lossmbs}; section $s ${LOSSMBS_LIMIT:-540} bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_mbs$m.yaml --workdir /tmp/mbs$m --fresh | grep -E 'step (1|100|200|300)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/mbs$m/work/metrics.jsonl grpo-digit-sum-mbs$m" ;;
     gpu4tests) section gpu4tests ${GPU4_LIMIT:-300} python3 -m pytest tests/worker/test_megatron_gpu.py -k "${GPU4_K:-four_gpu}" -v -p no:cacheprovider -rs ;;
     vllmtests) section vllmtests ${VLLMTESTS_LIMIT:-240} bash -c "for f in tests/worker/test_vllm_gpu_fp32.py tests/worker/test_vllm_gpu.py; do python3 -m pytest \$f -v -s -p no:cacheprovider -rs; done; python3 -m pytest tests/worker/test_vllm_engine.py -m vllm -v -p no:cacheprovider -rs" ;;
     grpovllm1) section grpovllm1 180 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm.yaml --workdir /tmp/vllm1 --fresh | grep -E 'step (1|100|300|500|700)/|rollout engine|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/vllm1/work/metrics.jsonl grpo-digit-sum-vllm" ;;

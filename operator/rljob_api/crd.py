@@ -23,6 +23,7 @@ from rljob_api.models import (
     SINGULAR,
     VERSION,
     CheckpointSpec,
+    AlgorithmSpec,
     MegatronSpec,
     RLJob,
     RLJobSpec,
@@ -125,6 +126,7 @@ def _default(model: type, field: str) -> Any:
 def spec_cel_rules() -> list[dict[str, str]]:
     spec_default = lambda f: _default(RLJobSpec, f)  # noqa: E731
     meg = lambda f: _default(MegatronSpec, f)  # noqa: E731
+    alg = lambda f: _default(AlgorithmSpec, f)  # noqa: E731
     nnodes = _get("nnodes", spec_default("nnodes"))
     gpus = _get("gpusPerNode", spec_default("gpus_per_node"))
     tp = _get("megatron.tensorModelParallelSize", meg("tensor_model_parallel_size"))
@@ -183,6 +185,15 @@ def spec_cel_rules() -> list[dict[str, str]]:
             "rule": f"!has(self.megatron) || !has(self.megatron.virtualPipelineModelParallelSize) || {pp} >= 2",
             "message": "megatron.virtualPipelineModelParallelSize needs pipelineModelParallelSize >= 2",
             "fieldPath": ".megatron.virtualPipelineModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{_get('algorithm.name', alg('name').value)} == 'sft' || "
+                    f"{_get('algorithm.importanceLevel', alg('importance_level').value)} != 'sequence' || "
+                    f"{_get('algorithm.lossAggregation', alg('loss_aggregation').value)} != 'token-mean'",
+            "message": "algorithm.importanceLevel sequence (GSPO) needs a sequence-level lossAggregation: set "
+                       "spec.algorithm.lossAggregation: seq-mean-token-mean (token-mean weights responses by length)",
+            "fieldPath": ".algorithm.lossAggregation",
             "reason": "FieldValueInvalid",
         },
         {

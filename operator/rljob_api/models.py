@@ -161,6 +161,25 @@ class OverlongBufferSpec(ApiModel):
     penalty_factor: float = _f(1.0, "Penalty at maxResponseLength; grows linearly from 0 over the zone.", ge=0)
 
 
+class RolloutCorrectionSpec(ApiModel):
+    token_truncation: bool = _f(
+        False,
+        "Truncated importance sampling: weight each token's policy-gradient loss by min(pi_train / pi_rollout, "
+        "threshold), pi_rollout being the rollout engine's own log-prob of the token (Yao et al. 2025; verl: "
+        "algorithm.rollout_corr token-level TIS; TRL: vllm_importance_sampling_mode token_truncate).",
+    )
+    sequence_masking: bool = _f(
+        False,
+        "Drop from the policy-gradient loss every response whose sequence ratio, the geometric mean of its "
+        "token ratios pi_train / pi_rollout, lies outside [1 / threshold, threshold]; the response still "
+        "counts in the loss normaliser. (TRL: vllm_importance_sampling_mode sequence_mask)",
+    )
+    threshold: float = _f(
+        2.0, "C: the truncation cap of tokenTruncation and the band [1/C, C] of sequenceMasking (verl's and TRL's "
+        "default cap is 2).", gt=1, le=100,
+    )
+
+
 class AlgorithmSpec(ApiModel):
     name: AlgorithmName = _f(
         AlgorithmName.GRPO,
@@ -183,7 +202,10 @@ class AlgorithmSpec(ApiModel):
         "(verl: algorithm.lam)", ge=0, le=1, alias="lambda",
     )
     norm_adv_by_std: bool = _f(
-        True, "Divide group-centred rewards by the group std; false gives Dr.GRPO. (verl: algorithm.norm_adv_by_std_in_grpo)"
+        True, "Divide group-centred rewards by the group std; false gives Dr.GRPO. The std is the population std "
+        "(divisor G for a group of G), not Bessel's (G - 1) that verl's GRPO uses, so verl's advantages are these "
+        "times sqrt((G - 1) / G). reinforce_plus_plus whitens over all response tokens of the batch (a response "
+        "weighs its length), as the paper and verl. (verl: algorithm.norm_adv_by_std_in_grpo)"
     )
     clip_ratio_low: float = _f(0.2, "PPO clip range below 1. (verl: actor.clip_ratio_low)", ge=0, le=1)
     clip_ratio_high: float = _f(0.2, "PPO clip range above 1; DAPO's clip-higher uses 0.28. (verl: actor.clip_ratio_high)", ge=0, le=10)
@@ -191,7 +213,9 @@ class AlgorithmSpec(ApiModel):
         None, "Dual-clip bound for negative advantages (> 1, typically 3); unset disables. (verl: actor.clip_ratio_c)", gt=1
     )
     importance_level: ImportanceLevel = _f(
-        ImportanceLevel.TOKEN, "Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."
+        ImportanceLevel.TOKEN, "Importance ratio per token (PPO/GRPO) or per sequence (GSPO). sequence needs a "
+        "sequence-level lossAggregation (seq-mean-token-mean, as verl forces for GSPO): under token-mean every token "
+        "of a row carries the row's shared ratio, which weights rows by length. (verl: actor.policy_loss.loss_mode gspo)"
     )
     kl_coef: float = _f(
         0.001, "KL coefficient; 0 disables the reference model. (verl: actor.kl_loss_coef / algorithm.kl_ctrl.kl_coef)", ge=0
@@ -200,18 +224,31 @@ class AlgorithmSpec(ApiModel):
         KLEstimator.LOW_VAR_KL, "KL estimator: k1, k2, k3, low_var_kl (clamped k3). (verl: actor.kl_loss_type)"
     )
     kl_placement: KLPlacement = _f(
-        KLPlacement.LOSS, "Add the KL term to the loss (GRPO) or subtract it from the reward. (verl: actor.use_kl_loss / algorithm.use_kl_in_reward)"
+        KLPlacement.LOSS, "Add the KL term to the loss (GRPO) or subtract it from the reward. With reward, coef x KL "
+        "(of the rollout policy to the reference) is subtracted from the token rewards before the advantage "
+        "estimator runs: for grpo and rloo each response's score becomes reward - coef x sum of its token KL "
+        "before group normalisation; reinforce_plus_plus whitens the KL-shaped returns. (verl: actor.use_kl_loss / "
+        "algorithm.use_kl_in_reward)"
     )
     entropy_coeff: float = _f(0.0, "Entropy bonus coefficient. (verl: actor.entropy_coeff)", ge=0)
     loss_aggregation: LossAggregation = _f(
         LossAggregation.TOKEN_MEAN,
-        "How token losses become one number: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm (Dr.GRPO). (verl: actor.loss_agg_mode)",
+        "How token losses become one number: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm (Dr.GRPO). "
+        "The mean runs over the whole mini-batch of one optimizer step (tokens or sequences counted over every "
+        "micro-batch and data-parallel rank), so microBatchSizePerGpu and the parallel layout do not change the "
+        "loss; the KL-in-loss and entropy terms are aggregated alike. (verl: actor.loss_agg_mode)",
     )
     dynamic_sampling: bool = _f(
         False, "DAPO dynamic sampling: drop prompt groups whose rewards are all equal and refill from the next prompts."
     )
     max_refill_batches: int = _f(4, "With dynamicSampling, how many extra rollout batches may be drawn per step.", ge=0, le=64)
     overlong_buffer: OverlongBufferSpec = _f(default_factory=OverlongBufferSpec, description="DAPO overlong reward shaping.")
+    rollout_correction: RolloutCorrectionSpec = _f(
+        default_factory=RolloutCorrectionSpec,
+        description="Correct the policy gradient for the gap between the rollout engine's sampling distribution and "
+        "the trainer's (kernels, precision, sampling settings); off by default. The gap is always reported "
+        "(rljob_rollout_logprob_mismatch_*), the correction's effect too (rljob_rollout_correction_*).",
+    )
 
 
 class SFTSpec(ApiModel):

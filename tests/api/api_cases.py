@@ -91,6 +91,8 @@ CROSS_INVALID = [
     # algorithm / sampling consistency
     ("low-var-kl-in-reward", {"spec.algorithm.klPlacement": "reward"},
      {"spec.algorithm.klEstimator": ["use k1", "klPlacement: loss"]}),
+    ("gspo-token-mean", {"spec.algorithm.importanceLevel": "sequence"},
+     {"spec.algorithm.lossAggregation": ["seq-mean-token-mean", "GSPO objective", "weights responses by length"]}),
     ("greedy-validation-repeats", {R + "valN": 4}, {R + "valN": ["raise valTemperature"]}),
     # S3-compatible endpoint needs credentials for every s3:// URI the job reads or writes
     ("endpoint-no-creds-model", {"spec.s3.endpoint": "http://minio:9000", "spec.model.path": "s3://models/qwen"},
@@ -178,6 +180,10 @@ CROSS_VALID = [
     ("resume-disable", {"spec.checkpoint.resumeMode": "disable"}),
     ("k1-in-reward", {"spec.algorithm.klPlacement": "reward", "spec.algorithm.klEstimator": "k1"}),
     ("low-var-kl-in-reward-with-kl-off", {"spec.algorithm.klPlacement": "reward", "spec.algorithm.klCoef": 0}),
+    ("gspo-seq-mean-token-mean", {"spec.algorithm.importanceLevel": "sequence",
+                                  "spec.algorithm.lossAggregation": "seq-mean-token-mean"}),
+    ("rollout-correction-on", {"spec.algorithm.rolloutCorrection": {"tokenTruncation": True, "sequenceMasking": True,
+                                                                    "threshold": 3.0}}),
     ("sampled-validation", {R + "valN": 4, R + "valTemperature": 0.7}),
     ("endpoint-with-creds", {"spec.s3.endpoint": "http://minio:9000", "spec.model.path": "s3://models/qwen",
                              "spec.s3.credentialsSecretRef": S3_CREDS}),

@@ -32,6 +32,7 @@ CRITIC_LAYER = "spec.critic.outputLayerIndex"
 CRITIC_SP = "spec.critic.megatron.sequenceParallel"
 CRITIC_VPP = "spec.critic.megatron.virtualPipelineModelParallelSize"
 GAE = {"spec.algorithm.advantageEstimator": "gae"}
+GSPO = "spec.algorithm.lossAggregation"
 
 # pydantic's error path(s) for the rule behind each CEL fieldPath
 PYDANTIC_PATHS = {
@@ -52,6 +53,7 @@ PYDANTIC_PATHS = {
     CRITIC_LAYER: {"spec.critic.outputLayerIndex"},
     CRITIC_SP: {"spec.critic.megatron.sequenceParallel"},
     CRITIC_VPP: {"spec.critic.megatron.virtualPipelineModelParallelSize"},
+    GSPO: {"spec.algorithm.lossAggregation"},
 }
 
 
@@ -114,6 +116,17 @@ CASES = [
     # algorithm sft <-> spec.sft
     ("sft-without-section", changed(gpu_job(), {"spec.algorithm.name": "sft"}), {SFT}),
     ("sft-section-under-grpo", changed(gpu_job(), {"spec.sft": {"format": "tokenized"}}), {SFT}),
+    # GSPO (importanceLevel sequence) refuses token-mean, the default aggregation
+    ("gspo-default-aggregation", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence"}), {GSPO}),
+    ("gspo-token-mean", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence",
+                                            "spec.algorithm.lossAggregation": "token-mean"}), {GSPO}),
+    ("gspo-minimal", minimal({"model": {"path": "/m"}, "data": FILES, "algorithm": {"importanceLevel": "sequence"}}),
+     {GSPO}),
+    ("gspo-seq-mean", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence",
+                                          "spec.algorithm.lossAggregation": "seq-mean-token-mean"}), set()),
+    ("gspo-dr-grpo", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence",
+                                         "spec.algorithm.lossAggregation": "seq-mean-token-sum-norm"}), set()),
+    ("token-level-token-mean", changed(gpu_job(), {"spec.algorithm.importanceLevel": "token"}), set()),
     # resumeMode uri needs resumeFrom
     ("resume-uri-no-from", changed(gpu_job(), {"spec.checkpoint.resumeMode": "uri"}), {RESUME}),
     ("resume-uri-with-from", changed(gpu_job(), {"spec.checkpoint.resumeMode": "uri",

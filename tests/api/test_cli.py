@@ -170,6 +170,17 @@ def test_validate_multi_document_file(tmp_path):
                                         f"OK {both_ok}#1: " + out.split(f"OK {both_ok}#1: ")[1].splitlines()[0]]
 
 
+def test_validate_refuses_gspo_with_token_mean():
+    """importanceLevel sequence under the default token-mean: the error names the field and the fix."""
+    gspo = changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence"})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(gspo))
+    assert code == 1, out
+    assert "spec.algorithm.lossAggregation:" in out and "set lossAggregation: seq-mean-token-mean" in out, out
+    fixed = changed(gspo, {"spec.algorithm.lossAggregation": "seq-mean-token-mean"})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(fixed))
+    assert code == 0, out
+
+
 def test_validate_stdin():
     code, out = rljob("validate", "-", stdin=yaml.safe_dump(gpu_job()))
     assert code == 0 and out.startswith("OK -: t:"), out

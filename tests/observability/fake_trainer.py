@@ -65,6 +65,9 @@ def step_metrics(step: int, reward: float, std: float, diverged: bool = False) -
         "perf/mfu": 0.31,
         "rollout/logprob_mismatch_mean": 0.002,
         "rollout/logprob_mismatch_frac": 0.001,
+        "rollout/correction_weight_mean": 0.98,
+        "rollout/correction_clipped_frac": 0.01,
+        "rollout/correction_masked_frac": 0.0,
         "custom/extra_scalar": 42.0,  # no dedicated metric: exported as rljob_trainer_metric{key=...}
     }
     if diverged:

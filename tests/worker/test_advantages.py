@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from rljob_api.enums import AdvantageEstimator
-from rljob_worker.algorithms import broadcast_to_tokens, compute_outcome_advantages
+from rljob_worker.algorithms import broadcast_to_tokens, compute_outcome_advantages, compute_token_reward_advantages
 
 ALL_ESTIMATORS = [e for e in AdvantageEstimator if e is not AdvantageEstimator.GAE]  # gae: test_gae.py
 
@@ -153,3 +153,54 @@ def test_broadcast_to_tokens_fills_response_tokens_only():
 def test_gae_is_not_an_outcome_estimator():
     with pytest.raises(ValueError, match="algorithms.gae"):
         compute_outcome_advantages(torch.tensor([1.0, 0.0]), 2, AdvantageEstimator.GAE)
+
+
+def test_reinforce_plus_plus_whitens_over_tokens_by_hand():
+    # rewards [1, 0], lengths [1, 3]: token mean 1/4, token variance (0.75^2 + 3 * 0.25^2) / 4 = 3/16
+    adv, _ = compute_outcome_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), 2,
+                                        AdvantageEstimator.REINFORCE_PLUS_PLUS, eps=0.0,
+                                        response_lengths=torch.tensor([1, 3]))
+    torch.testing.assert_close(adv, torch.tensor([math.sqrt(3.0), -1 / math.sqrt(3.0)], dtype=torch.float64))
+    assert adv.tolist() == pytest.approx([1.732, -0.577], abs=1e-3)
+    # equal lengths: the response-level whitening of before
+    same, _ = compute_outcome_advantages(torch.tensor([1.0, 0.0]), 2, AdvantageEstimator.REINFORCE_PLUS_PLUS,
+                                         eps=0.0, response_lengths=torch.tensor([3, 3]))
+    assert same.tolist() == pytest.approx([1.0, -1.0])
+
+
+def test_kl_in_reward_enters_the_grpo_score_before_group_normalisation():
+    # one group of 2, rewards [1, 1] on the last response token, k1 KL summing to [2, 0], coef 0.1:
+    # scores [0.8, 1.0] -> group-normalised [-1, +1] (subtracting after normalisation gave [-0.2, 0])
+    from rljob_worker.algorithms import apply_kl_to_rewards, compute_token_reward_advantages
+
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    outcome = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    kl = torch.tensor([[1.5, 0.5, 9.0], [0.5, -1.0, 0.5]])
+    token_rewards = apply_kl_to_rewards(outcome, kl, 0.1, mask)
+    adv, metrics = compute_token_reward_advantages(token_rewards, mask, 2, AdvantageEstimator.GRPO, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[-1.0, -1.0, 0.0], [1.0, 1.0, 1.0]]))
+    assert metrics["reward_mean"] == pytest.approx(0.9)
+
+
+def test_token_reward_reinforce_plus_plus_without_kl_equals_the_token_weighted_outcome():
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    lengths = mask.sum(-1)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    outcome = torch.zeros(4, 4)
+    outcome[torch.arange(4), lengths - 1] = rewards
+    adv, _ = compute_token_reward_advantages(outcome, mask, 2, AdvantageEstimator.REINFORCE_PLUS_PLUS)
+    seq, _ = compute_outcome_advantages(rewards, 2, AdvantageEstimator.REINFORCE_PLUS_PLUS, response_lengths=lengths)
+    torch.testing.assert_close(adv, broadcast_to_tokens(seq, mask))
+
+
+def test_token_reward_reinforce_plus_plus_returns_by_hand():
+    # token rewards [[1, -1]] and [[0, 2]]: returns [[0, -1], [2, 2]]; token mean 0.75,
+    # population std sqrt((0.5625 + 3.0625 + 1.5625 * 2) / 4) = sqrt(6.75 / 4)
+    from rljob_worker.algorithms import compute_token_reward_advantages
+
+    mask = torch.ones(2, 2)
+    adv, _ = compute_token_reward_advantages(torch.tensor([[1.0, -1.0], [0.0, 2.0]]), mask, 2,
+                                             AdvantageEstimator.REINFORCE_PLUS_PLUS, eps=0.0)
+    std = math.sqrt(6.75 / 4)
+    expected = (torch.tensor([[0.0, -1.0], [2.0, 2.0]]) - 0.75) / std
+    torch.testing.assert_close(adv, expected)

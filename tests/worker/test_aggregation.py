@@ -86,3 +86,43 @@ def test_bad_norm_length_and_mode():
 def test_masked_mean():
     assert masked_mean(LOSS, MASK).item() == pytest.approx(4.2)
     assert masked_mean(LOSS, torch.zeros_like(MASK)).item() == 0.0
+
+
+@pytest.mark.parametrize("mode", list(LossAggregation))
+@pytest.mark.parametrize("sizes", [[1, 1, 1, 1, 1, 1], [2, 2, 2], [4, 2], [3, 3], [6]])
+def test_micro_batch_shares_sum_to_the_mini_batch_loss(mode, sizes):
+    """With the mini-batch's counts, the parts' losses (and gradients) sum to the whole's, at any split."""
+    from rljob_worker.algorithms import loss_counts
+
+    g = torch.Generator().manual_seed(3)
+    loss_mat = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    mask = torch.zeros(6, 5, dtype=torch.long)
+    for row, length in enumerate([1, 5, 2, 0, 3, 4]):  # lengths differ across parts; one empty row
+        mask[row, :length] = 1
+    whole_in = loss_mat.clone().requires_grad_(True)
+    whole = aggregate_loss(whole_in, mask, mode, norm_length=5)
+    whole.backward()
+    tokens, sequences = loss_counts(mask)
+    assert (tokens, sequences) == (15, 5)
+    if mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+        sequences = 6  # Dr.GRPO's mean runs over every row (an empty one adds 0)
+    parts_in = loss_mat.clone().requires_grad_(True)
+    total, start = 0.0, 0
+    for size in sizes:
+        sl = slice(start, start + size)
+        total = total + aggregate_loss(parts_in[sl], mask[sl], mode, norm_length=5,
+                                       num_tokens=tokens, num_sequences=sequences)
+        start += size
+    total.backward()
+    torch.testing.assert_close(total, whole.detach())
+    torch.testing.assert_close(parts_in.grad, whole_in.grad)
+
+
+def test_token_mean_of_parts_with_their_own_counts_is_not_the_token_mean():
+    """Why the counts are needed: averaging per-part token means reweights tokens by their part's size."""
+    loss_mat = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    whole = aggregate_loss(loss_mat, mask, LossAggregation.TOKEN_MEAN)  # (3 + 4) / 4
+    per_part = sum(aggregate_loss(loss_mat[i:i + 1], mask[i:i + 1], LossAggregation.TOKEN_MEAN) for i in range(2)) / 2
+    assert whole.item() == pytest.approx(1.75)
+    assert per_part.item() == pytest.approx(2.5)  # (1 + 4) / 2: a sequence mean

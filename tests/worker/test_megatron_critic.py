@@ -96,6 +96,36 @@ def test_critic_regression_learns_and_checkpoint_round_trips(hf_dir, tmp_path):
     torch.testing.assert_close(critic.compute_values(batch, micro_batch_size=4), saved, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_value_loss_is_the_mini_batch_loss_at_every_micro_batch_size(hf_dir, mode):
+    """With the mini-batch's normalisers (normalise_by), micro-batches of 1, 3 and 4 rows give the same loss
+    and gradient as the whole mini-batch in one piece (uneven rows: 15, 7, 11, 13 real tokens)."""
+    from rljob_api.enums import LossAggregation
+    from rljob_worker.algorithms.gae import value_loss
+
+    ids, mask = H.varied_batch()
+    response = mask.clone()
+    response[:, :4] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "response_mask": response,
+             "returns": torch.linspace(-1, 1, ids.shape[1]).expand(ids.shape).contiguous() * response}
+
+    def loss_fn(values, mb, **counts):
+        return value_loss(values, torch.zeros_like(values), mb["returns"], mb["response_mask"], 0.5,
+                          LossAggregation(mode), norm_length=16, **counts)
+
+    results = {}
+    for mbs in (4, 1, 3):
+        critic = MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(), optim=OptimConfig(lr=1e-2), seed=1)
+        results[mbs] = critic.update(batch, loss_fn, micro_batch_size=mbs, normalise_by="response_mask")
+    for mbs in (1, 3):
+        assert results[mbs]["loss"] == pytest.approx(results[4]["loss"], rel=1e-6), (mbs, results)
+        assert results[mbs]["grad_norm"] == pytest.approx(results[4]["grad_norm"], rel=1e-5), (mbs, results)
+    if mode == "token-mean":  # without the normalisers, micro-batch means weigh rows, not tokens: it differs
+        critic = MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(), optim=OptimConfig(lr=1e-2), seed=1)
+        plain = critic.update(batch, loss_fn, micro_batch_size=1)
+        assert plain["grad_norm"] != pytest.approx(results[4]["grad_norm"], rel=1e-3)
+
+
 def test_intermediate_layer_with_pipeline_stages_is_refused_naming_the_field(hf_dir):
     with pytest.raises(MegatronConfigError, match=r"spec\.critic\.outputLayerIndex.*pipelineModelParallelSize"):
         MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(pp=2), output_layer_index=2)

@@ -198,3 +198,15 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group, divisor: float = 1
         flat /= divisor
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
+
+
+def all_gather_rows(tensor: torch.Tensor, group, device: torch.device | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` (same shape on each) along dim 0, in rank order of ``group``;
+    ``tensor`` itself when the group has one rank. ``device``: where the collective runs (the GPU for
+    NCCL); the result comes back on ``tensor``'s device."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return tensor
+    local = tensor.to(device) if device is not None else tensor
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts).to(tensor.device)

@@ -99,7 +99,7 @@ class PPOTrainer(GRPOTrainer):
         self._on_gpu(self.actor, self.ref, self.critic)  # a model's state is saved from where it trains
         super().save_checkpoint(metrics)
 
-    def _outcome_advantages(self, scores: torch.Tensor, group_size: int):
+    def _outcome_advantages(self, scores: torch.Tensor, group_size: int, response_mask: torch.Tensor):
         """PPO's advantages come from the critic later in the step: none here (the scores travel)."""
         return torch.zeros_like(scores), {}
 
@@ -121,6 +121,7 @@ class PPOTrainer(GRPOTrainer):
         per_rank = batch["input_ids"].shape[0] // self.dp_size
         lo = self.dp_rank * per_rank
         local = slice_batch(batch, lo, lo + per_rank)
+        local.pop("token_rewards", None)  # GRPO's KL-in-reward input; PPO builds its token rewards below
         mini_batches_per_step = self.prompts_per_step // (spec.training.ppo_mini_batch_size_per_node * spec.nnodes)
         kl_in_reward = self.use_ref and a.kl_placement == KLPlacement.REWARD
         single_update = mini_batches_per_step == 1 and spec.training.ppo_epochs == 1 and not kl_in_reward
@@ -162,7 +163,9 @@ class PPOTrainer(GRPOTrainer):
         # 5. critic update: critic.ppoEpochs x mini-batches
         start = time.perf_counter()
         with self.telemetry.stage("critic_update"):
-            critic_metrics = [self.critic.update(mini, self._value_loss_fn(), micro_batch_size=c.micro_batch_size_per_gpu)
+            # the value loss is normalised by the mini-batch's response tokens / sequences over all DP ranks
+            critic_metrics = [self.critic.update(mini, self._value_loss_fn(), micro_batch_size=c.micro_batch_size_per_gpu,
+                                                 normalise_by="response_mask")
                               for _ in range(c.ppo_epochs) for mini in minis]
         for key, value in _mean_dicts(critic_metrics).items():
             metrics[key if key.startswith("critic/") else f"critic/{key}"] = value
@@ -177,7 +180,7 @@ class PPOTrainer(GRPOTrainer):
             with self.telemetry.stage("actor_update"):
                 actor_metrics = [self.actor.update(mini, self._loss_fn(single_update),
                                                    micro_batch_size=spec.training.micro_batch_size_per_gpu,
-                                                   with_entropy=a.entropy_coeff > 0)
+                                                   with_entropy=a.entropy_coeff > 0, normalise_by="response_mask")
                                  for _ in range(spec.training.ppo_epochs) for mini in minis]
             for key, value in _mean_dicts(actor_metrics).items():
                 metrics[key if key.startswith("rollout/") else f"actor/{key}"] = value
@@ -190,9 +193,11 @@ class PPOTrainer(GRPOTrainer):
         c, a = self.spec.critic, self.spec.algorithm
         norm_length = self.spec.data.max_response_length
 
-        def loss_fn(values: torch.Tensor, micro: dict[str, torch.Tensor]):
+        def loss_fn(values: torch.Tensor, micro: dict[str, torch.Tensor], num_tokens: float | None = None,
+                    num_sequences: float | None = None):
             return gae.value_loss(values, micro["old_values"], micro["returns"], micro["response_mask"],
-                                  c.cliprange_value, a.loss_aggregation, norm_length)
+                                  c.cliprange_value, a.loss_aggregation, norm_length,
+                                  num_tokens=num_tokens, num_sequences=num_sequences)
 
         return loss_fn
 

@@ -130,6 +130,15 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "rollout/logprob_mismatch_frac": (
         "rljob_rollout_logprob_mismatch_fraction",
         "Fraction of tokens whose rollout and trainer log-probs differ beyond tolerance (last batch)."),
+    "rollout/correction_weight_mean": (
+        "rljob_rollout_correction_weight_mean",
+        "Mean rollout-correction weight of the policy gradient per response token (1 when off or on-policy)."),
+    "rollout/correction_clipped_frac": (
+        "rljob_rollout_correction_clipped_fraction",
+        "Fraction of response tokens whose ratio pi_train / pi_rollout exceeds algorithm.rolloutCorrection.threshold."),
+    "rollout/correction_masked_frac": (
+        "rljob_rollout_correction_masked_fraction",
+        "Fraction of responses whose sequence ratio leaves [1/threshold, threshold] (masked with sequenceMasking)."),
 }
 
 #: ``record_validation`` key -> (gauge name, help).

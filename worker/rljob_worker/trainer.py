@@ -14,7 +14,18 @@ How this departs from textbook GRPO (Shao et al. 2024):
   construction; the trainer then uses the current log-probs, detached, and skips a forward
   pass. Otherwise they are recomputed by the megatron actor with the trainer's numerics
   (not taken from the rollout engine, whose kernels differ); the difference to the
-  engine's own log-probs is reported as `rollout/logprob_mismatch_*`.
+  engine's own log-probs is reported as `rollout/logprob_mismatch_*`, and
+  `algorithm.rolloutCorrection` can weight the policy gradient by that gap (truncated
+  importance sampling, sequence masking).
+- KL in the reward (`klPlacement: reward`) is subtracted from the token rewards before the
+  advantage estimator runs (as verl's apply_kl_penalty before compute_advantage), so it is
+  group-centred and std-scaled with the reward; the advantages are then computed after the
+  reference log-probs, on every rank, from the DP-gathered KL.
+- Loss aggregation is over the whole mini-batch of an optimizer step, whatever the
+  micro-batch size and parallel layout: the actor counts the mini-batch's response tokens and
+  sequences over the DP ranks and each micro-batch's loss is its share (see
+  megatron.actor.MegatronActor.update). The reported
+  actor/loss is the mini-batch loss, actor/pg_loss, actor/kl and actor/entropy micro-batch means.
 - Rollouts (spec.rollout.ranks): with the hf engines on GPUs every rank holds the whole model and
   samples its share of whole prompt groups, and the pieces are gathered in prompt order before the
   estimator (rljob_worker.rollout.every_rank); with `rank0` (the default on CPU) global rank 0
@@ -40,7 +51,7 @@ from rljob_api.enums import RolloutEngine as RolloutEngineName
 from rljob_worker import algorithms as algo
 from rljob_worker.batching import pad_batch, scatter_response_values, slice_batch, split_batch, trim_padding
 from rljob_worker.data import EpochSampler, load_datasets
-from rljob_worker.distributed import broadcast_object
+from rljob_worker.distributed import all_gather_rows, broadcast_object
 from rljob_worker.flops import active_parameters
 from rljob_worker.rewards import resolve_reward, score_all
 from rljob_worker.run_health import sanitize_rewards
@@ -209,7 +220,7 @@ class GRPOTrainer(RunLoop):
         # 2. this data-parallel rank's slice (N / dp responses)
         per_rank = batch["input_ids"].shape[0] // self.dp_size
         lo = self.dp_rank * per_rank
-        local = trim_padding(slice_batch(batch, lo, lo + per_rank))
+        local = slice_batch(batch, lo, lo + per_rank)
         mini_batches_per_step = self.prompts_per_step // (spec.training.ppo_mini_batch_size_per_node * spec.nnodes)
         kl_in_reward = self.use_ref and a.kl_placement == KLPlacement.REWARD
         single_update = mini_batches_per_step == 1 and spec.training.ppo_epochs == 1 and not kl_in_reward
@@ -222,8 +233,10 @@ class GRPOTrainer(RunLoop):
         if self.use_ref:
             with self.telemetry.stage("ref_logprob"):
                 local["ref_logprobs"] = self.ref.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
-            if kl_in_reward:
-                self._fold_kl_into_advantages(local)
+        if kl_in_reward:  # the KL-shaped rewards feed the advantage estimator
+            local["advantages"] = self._kl_in_reward_advantages(batch, local, lo, metrics)
+        local.pop("token_rewards", None)
+        local = trim_padding(local)
 
         # 4. actor update: ppoEpochs x mini-batches, each one optimizer step
         update_start = time.perf_counter()
@@ -231,9 +244,10 @@ class GRPOTrainer(RunLoop):
             update_metrics = []
             for _ in range(spec.training.ppo_epochs):
                 for mini in split_batch(local, mini_batches_per_step):
+                    # the loss is normalised by the mini-batch's response tokens / sequences over all DP ranks
                     update_metrics.append(self.actor.update(
                         mini, self._loss_fn(single_update), micro_batch_size=spec.training.micro_batch_size_per_gpu,
-                        with_entropy=a.entropy_coeff > 0))
+                        with_entropy=a.entropy_coeff > 0, normalise_by="response_mask"))
         for key, value in _mean_dicts(update_metrics).items():
             metrics[key if key.startswith("rollout/") else f"actor/{key}"] = value
         metrics.update(self._training_throughput(local, time.perf_counter() - update_start))
@@ -274,11 +288,17 @@ class GRPOTrainer(RunLoop):
         ob = spec.algorithm.overlong_buffer
         if ob.enable:
             shaped = shaped + algo.overlong_penalty(lengths, spec.data.max_response_length, ob.length, ob.penalty_factor)
-        advantages, adv_metrics = self._outcome_advantages(shaped, n)
         batch = pad_batch([r.prompt_ids for r in prompts], out.response_ids, self.pad_id)
-        batch["scores"] = shaped  # (N,) the shaped outcome reward of each response
-        batch["advantages"] = algo.broadcast_to_tokens(advantages, batch["response_mask"])
         batch["rollout_logprobs"] = scatter_response_values(out.response_logprobs, batch["response_mask"])
+        batch["scores"] = shaped  # (N,) the shaped outcome reward of each response (PPO's critic reads them)
+        a = spec.algorithm
+        adv_metrics = {}
+        if self.use_ref and a.kl_placement == KLPlacement.REWARD:
+            # the outcome on each response's last token; KL joins it once the reference log-probs exist
+            batch["token_rewards"] = _outcome_on_last_token(shaped, batch["response_mask"])
+        else:
+            advantages, adv_metrics = self._outcome_advantages(shaped, n, batch["response_mask"])
+            batch["advantages"] = algo.broadcast_to_tokens(advantages, batch["response_mask"])
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
@@ -290,10 +310,12 @@ class GRPOTrainer(RunLoop):
         })
         return {"batch": batch, "metrics": metrics}
 
-    def _outcome_advantages(self, scores: torch.Tensor, group_size: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _outcome_advantages(self, scores: torch.Tensor, group_size: int,
+                            response_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """(N,) advantages from the (N,) shaped scores, and their metrics (GRPO / RLOO / REINFORCE++)."""
         a = self.spec.algorithm
-        return algo.compute_outcome_advantages(scores, group_size, a.advantage_estimator, norm_by_std=a.norm_adv_by_std)
+        return algo.compute_outcome_advantages(scores, group_size, a.advantage_estimator, norm_by_std=a.norm_adv_by_std,
+                                               response_lengths=response_mask.sum(-1))
 
     def _sample_and_score(self, num_prompts: int):
         """Draw `num_prompts` prompts, sample n responses each and score them.
@@ -391,28 +413,46 @@ class GRPOTrainer(RunLoop):
                 torch.cat([g[2] for g in groups]))
 
     def _loss_fn(self, single_update: bool):
-        config = self.loss_config
+        config, correction = self.loss_config, self.spec.algorithm.rollout_correction
+        correct = correction.token_truncation or correction.sequence_masking
 
-        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: dict[str, torch.Tensor]):
+        def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: dict[str, torch.Tensor],
+                    num_tokens: float | None = None, num_sequences: float | None = None):
             old = logprobs.detach() if single_update else micro["old_logprobs"]
-            loss, metrics = algo.grpo_loss(logprobs, old, micro["advantages"], micro["response_mask"], config,
-                                           ref_logprobs=micro.get("ref_logprobs"), entropy=entropy)
-            # How far the engine's sampling log-probs are from the trainer's (kernel/numerics drift).
             mask = micro["response_mask"].bool()
-            gap = (logprobs.detach() - micro["rollout_logprobs"]).abs()[mask]
+            # pi_train / pi_rollout: the trainer's log-probs of the sampling policy against the engine's own
+            weights, correction_metrics = algo.rollout_correction_weights(
+                old, micro["rollout_logprobs"], mask, threshold=correction.threshold,
+                token_truncation=correction.token_truncation, sequence_masking=correction.sequence_masking)
+            loss, metrics = algo.grpo_loss(logprobs, old, micro["advantages"], mask, config,
+                                           ref_logprobs=micro.get("ref_logprobs"), entropy=entropy,
+                                           token_weights=weights if correct else None,
+                                           num_tokens=num_tokens, num_sequences=num_sequences)
+            # How far the engine's sampling log-probs are from the trainer's (kernel/numerics drift).
+            gap = (old - micro["rollout_logprobs"]).abs()[mask]
             if gap.numel():
                 metrics["rollout/logprob_mismatch_mean"] = float(gap.mean())
                 metrics["rollout/logprob_mismatch_frac"] = float((gap > 0.1).float().mean())
+            metrics.update({f"rollout/correction_{k}": v for k, v in correction_metrics.items()})
             return loss, metrics
 
         return loss_fn
 
-    def _fold_kl_into_advantages(self, local: dict[str, torch.Tensor]) -> None:
-        """KL in the reward: subtract coef x the response's summed KL from its advantage (PPO-style shaping)."""
-        a = self.spec.algorithm
-        kl = algo.kl_penalty(local["old_logprobs"], local["ref_logprobs"], a.kl_estimator)
-        seq_kl = (kl * local["response_mask"]).sum(-1, keepdim=True)
-        local["advantages"] = local["advantages"] - a.kl_coef * seq_kl * local["response_mask"]
+    def _kl_in_reward_advantages(self, batch: dict[str, torch.Tensor], local: dict[str, torch.Tensor], lo: int,
+                                 metrics: dict[str, float]) -> torch.Tensor:
+        """KL in the reward, before the estimator: token rewards - coef x KL(rollout policy || ref), with
+        the KL of every data-parallel rank's rows gathered, so each rank computes the advantages of
+        the whole batch (groups may span ranks) and keeps its rows. Returns (N/dp, T)."""
+        a, n = self.spec.algorithm, self.spec.rollout.samples_per_prompt
+        kl = algo.kl_penalty(local["old_logprobs"], local["ref_logprobs"], a.kl_estimator)  # (N/dp, T)
+        kl = all_gather_rows(kl.float(), self.actor.dp_group, self.device)  # (N, T)
+        token_rewards = algo.apply_kl_to_rewards(batch["token_rewards"], kl, a.kl_coef, batch["response_mask"])
+        advantages, adv_metrics = algo.compute_token_reward_advantages(
+            token_rewards, batch["response_mask"], n, a.advantage_estimator, norm_by_std=a.norm_adv_by_std)
+        seq_kl = algo.masked_zero(kl, batch["response_mask"]).sum(-1)
+        metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
+        metrics["reward/kl_penalty_mean"] = float(a.kl_coef * seq_kl.mean())
+        return advantages[lo:lo + local["input_ids"].shape[0]]
 
     def _sync_weights(self) -> None:
         stream = self.actor.export_hf_weights()  # collective: every rank iterates
@@ -508,6 +548,16 @@ def _reward_pool(num_workers: int):
     # finishing before the preemption save still needs its rewards.
     return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=ignore_stop_signals)
+
+
+def _outcome_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(N,) sequence scores -> (N, T) token rewards: each score on its response's last token, 0 elsewhere."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    cols = torch.arange(response_mask.shape[1])
+    last = torch.where(response_mask.bool(), cols, -1).amax(dim=-1)  # (N,), -1 for an empty response
+    rows = (last >= 0).nonzero().flatten()
+    out[rows, last[rows]] = scores[rows].float()
+    return out
 
 
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:

@@ -4,6 +4,11 @@ The batch holds N = G * group_size responses; the group_size responses of one pr
 contiguous (rows [g * group_size, (g + 1) * group_size) belong to prompt g). Standard
 deviations are population ones (unbiased=False): a group of rewards [1, 0, 0, 1] has std 0.5
 and gets advantages of +-1, and a group of 2 is not inflated by a 1 / (n - 1) correction.
+(verl's GRPO divides by Bessel's std instead, so its advantages are ours times
+sqrt((G - 1) / G) for a group of G.)
+
+REINFORCE++ (arXiv 2501.03262, and verl) whitens over response *tokens*: a response of 3 tokens
+weighs 3 times one of 1 token in the batch mean and std.
 """
 
 import torch
@@ -35,6 +40,7 @@ def compute_outcome_advantages(
     estimator: AdvantageEstimator,
     norm_by_std: bool = True,
     eps: float = 1e-6,
+    response_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One scalar advantage per response from its outcome reward.
 
@@ -45,8 +51,11 @@ def compute_outcome_advantages(
       - RLOO: r_i - mean of the other group_size - 1 rewards of its group
         (= group_size / (group_size - 1) * (r_i - group mean)); needs group_size >= 2; never
         divided by a std.
-      - REINFORCE_PLUS_PLUS: no group baseline; the raw rewards are whitened over the whole
-        batch, (r - batch mean) / (batch std + eps), or only centred when norm_by_std is False.
+      - REINFORCE_PLUS_PLUS: no group baseline; the raw rewards are whitened over all response
+        tokens of the batch, (r - token mean) / (token std + eps), or only centred when
+        norm_by_std is False: each response's reward counts once per token (its return at every
+        token, gamma = 1), so with response_lengths (N,) the mean and std are weighted by them.
+        response_lengths None counts every response once (equal lengths).
     A group (for REINFORCE_PLUS_PLUS, the batch) whose rewards are all equal gets exactly 0,
     also with eps = 0 and when float rounding puts the mean a hair off the common value.
     Returns (advantages (N,) detached, metrics) with metrics reward_mean, reward_std,
@@ -74,8 +83,16 @@ def compute_outcome_advantages(
         others_mean = (grouped.sum(dim=-1, keepdim=True) - grouped) / (group_size - 1)
         advantages = torch.where(constant_group, 0.0, grouped - others_mean)
     elif estimator is AdvantageEstimator.REINFORCE_PLUS_PLUS:
-        centred = grouped - rewards.mean()
-        advantages = _scale(centred, rewards.std(unbiased=False), eps) if norm_by_std else centred
+        if response_lengths is None:
+            weights = torch.ones_like(rewards)
+        else:
+            weights = response_lengths.detach().to(rewards.dtype).reshape(-1)
+            if weights.shape != rewards.shape:
+                raise ValueError(f"response_lengths {tuple(weights.shape)} does not match rewards {tuple(rewards.shape)}")
+        mean = (weights * rewards).sum() / weights.sum().clamp(min=1)
+        std = ((weights * (rewards - mean).square()).sum() / weights.sum().clamp(min=1)).sqrt()
+        centred = grouped - mean
+        advantages = _scale(centred, std, eps) if norm_by_std else centred
         if rewards.amax() == rewards.amin():
             advantages = torch.zeros_like(advantages)
     else:
@@ -102,3 +119,52 @@ def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -
     """
     per_token = advantages.unsqueeze(-1).expand(response_mask.shape)
     return masked_zero(per_token, response_mask)
+
+
+def _reverse_cumsum(values: torch.Tensor) -> torch.Tensor:
+    """(N, T) -> (N, T): out[:, t] = sum of values[:, t:]."""
+    return values.flip(-1).cumsum(-1).flip(-1)
+
+
+def compute_token_reward_advantages(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_size: int,
+    estimator: AdvantageEstimator,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Advantages from per-token rewards, e.g. the outcome minus coef * KL per token (KL in reward).
+
+    token_rewards: (N, T), 0 outside the response; response_mask: (N, T). Groups as above.
+      - GRPO, RLOO: outcome estimators; each response's score is its summed token rewards
+        (reward - coef * sum_t KL_t), normalised in its group by compute_outcome_advantages and
+        given to every response token.
+      - REINFORCE_PLUS_PLUS: the return at token t is the sum of the rewards from t to the end
+        (gamma = 1); the returns are whitened over all response tokens of the batch. With the
+        reward on one token and no KL this equals compute_outcome_advantages with the response
+        lengths.
+    Returns (advantages (N, T) detached, 0 outside the response; metrics as
+    compute_outcome_advantages, of the sequence scores).
+    """
+    estimator = AdvantageEstimator(estimator)
+    mask = response_mask.bool()
+    token_rewards = masked_zero(token_rewards.detach().float(), mask)
+    scores = token_rewards.sum(dim=-1)  # (N,)
+    lengths = mask.sum(dim=-1)
+    seq_adv, metrics = compute_outcome_advantages(scores, group_size, estimator, norm_by_std, eps, lengths)
+    if estimator is not AdvantageEstimator.REINFORCE_PLUS_PLUS:
+        return broadcast_to_tokens(seq_adv, mask), metrics
+    returns = _reverse_cumsum(token_rewards)  # (N, T)
+    values = returns[mask]
+    if values.numel() == 0 or values.amax() == values.amin():
+        advantages = torch.zeros_like(returns)
+    else:
+        centred = returns - values.mean()
+        advantages = _scale(centred, values.std(unbiased=False), eps) if norm_by_std else centred
+    advantages = masked_zero(advantages, mask)
+    values = advantages[mask]
+    if values.numel():
+        metrics.update(advantage_mean=values.mean().item(), advantage_std=values.std(unbiased=False).item(),
+                       advantage_min=values.min().item(), advantage_max=values.max().item())
+    return advantages, metrics

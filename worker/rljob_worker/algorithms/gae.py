@@ -128,6 +128,9 @@ def value_loss(
     cliprange_value: float,
     aggregation: LossAggregation,
     norm_length: int | None = None,
+    *,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped value loss, aggregated like the policy loss.
 
@@ -137,7 +140,9 @@ def value_loss(
         clipped = old + clamp(V - old, -c, c)
         loss_t = 0.5 * max((V - R)^2, (clipped - R)^2)
     then aggregation.aggregate_loss(loss, mask, aggregation, norm_length): token-mean,
-    seq-mean-token-mean or seq-mean-token-sum-norm, as the policy loss.
+    seq-mean-token-mean or seq-mean-token-sum-norm, as the policy loss; with ``num_tokens`` /
+    ``num_sequences`` (the whole mini-batch's counts, aggregation.loss_counts summed over micro-batches
+    and data-parallel ranks) the result is this batch's share of the mini-batch loss.
     Returns (scalar loss, metrics): critic/value_loss, critic/value_clip_fraction (share of
     counted tokens where the clipped error was the larger), critic/vpred_mean.
     """
@@ -149,7 +154,7 @@ def value_loss(
     unclipped_error = (values - returns).square()
     clipped_error = (clipped - returns).square()
     loss_mat = 0.5 * torch.maximum(unclipped_error, clipped_error)
-    loss = aggregate_loss(loss_mat, mask, aggregation, norm_length)
+    loss = aggregate_loss(loss_mat, mask, aggregation, norm_length, num_tokens=num_tokens, num_sequences=num_sequences)
     metrics = {
         "critic/value_loss": float(loss.detach()),
         "critic/value_clip_fraction": float(masked_mean((clipped_error > unclipped_error).float(), mask)),

@@ -52,6 +52,9 @@ def policy_loss(
     aggregation: LossAggregation,
     importance: ImportanceLevel = ImportanceLevel.TOKEN,
     norm_length: int | None = None,
+    token_weights: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with an asymmetric clip range and optional dual clip.
 
@@ -61,8 +64,12 @@ def policy_loss(
     Per token: loss = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)) (clip_high >
     clip_low is DAPO's clip-higher). Dual clip (dual_clip_c = c > 1): where A < 0 the loss is
     further capped at -A * c, so a huge ratio on a bad token cannot blow up the update.
-    The per-token loss is reduced by aggregation.aggregate_loss(aggregation, norm_length).
-    Returns (loss scalar, metrics): pg_loss; clip_fraction (share of response tokens where the
+    token_weights: (B, T) constant per-token weights of the loss (rollout correction, see
+    rollout_correction.rollout_correction_weights), or None for 1.
+    The per-token loss is reduced by aggregation.aggregate_loss(aggregation, norm_length,
+    num_tokens, num_sequences): with the mini-batch's counts given, the loss is this micro-batch's
+    share of the mini-batch loss (the shares sum to it).
+    Returns (loss scalar, metrics): pg_loss (this batch's own mean, whatever the counts); clip_fraction (share of response tokens where the
     clipped term is strictly the larger, i.e. the clip zeroes the gradient); dual_clip_fraction
     (share where the dual-clip cap binds); ratio_mean/min/max over response tokens (1.0 when
     there are none); approx_kl: mean over response tokens of the k3 estimate of
@@ -91,8 +98,11 @@ def policy_loss(
         negative = advantages < 0
         dual_active = negative & (loss_mat > cap) & mask
         loss_mat = torch.where(negative, torch.minimum(loss_mat, cap), loss_mat)
+    if token_weights is not None:
+        loss_mat = loss_mat * masked_zero(token_weights, mask).detach()
 
-    loss = aggregate_loss(loss_mat, mask, aggregation, norm_length)
+    loss = aggregate_loss(loss_mat, mask, aggregation, norm_length, num_tokens=num_tokens, num_sequences=num_sequences)
+    own = loss if num_tokens is None and num_sequences is None else aggregate_loss(loss_mat.detach(), mask, aggregation, norm_length)
 
     with torch.no_grad():
         ratio_d = ratio.detach()
@@ -102,7 +112,7 @@ def policy_loss(
         ratio_min = torch.where(mask, ratio_d, torch.inf).amin()
         metrics = _to_floats(
             {
-                "pg_loss": loss.detach(),
+                "pg_loss": own.detach(),
                 "clip_fraction": masked_mean(clip_active.float(), mask),
                 "dual_clip_fraction": masked_mean(dual_active.float(), mask),
                 "ratio_mean": torch.where(has_tokens, masked_mean(ratio_d, mask), 1.0),
@@ -121,15 +131,21 @@ def entropy_bonus(
     aggregation: LossAggregation,
     coef: float,
     norm_length: int | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Entropy regulariser as a loss term: -coef * aggregate(entropy).
 
     entropy: (B, T) per-token entropy of the policy, with grad; response_mask: (B, T).
-    Returns (loss scalar, {"entropy": aggregated entropy}); adding the loss to the total rewards
-    higher entropy when coef > 0.
+    num_tokens, num_sequences: the mini-batch's counts (see aggregation.aggregate_loss).
+    Returns (loss scalar, {"entropy": this batch's own aggregated entropy}); adding the loss to
+    the total rewards higher entropy when coef > 0.
     """
-    aggregated = aggregate_loss(entropy, response_mask, aggregation, norm_length)
-    return -coef * aggregated, {"entropy": aggregated.detach().item()}
+    aggregated = aggregate_loss(entropy, response_mask, aggregation, norm_length,
+                                num_tokens=num_tokens, num_sequences=num_sequences)
+    own = aggregated if num_tokens is None and num_sequences is None else aggregate_loss(
+        entropy.detach(), response_mask, aggregation, norm_length)
+    return -coef * aggregated, {"entropy": own.detach().item()}
 
 
 @dataclass(frozen=True)
@@ -182,15 +198,23 @@ def grpo_loss(
     *,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total GRPO loss = policy loss + kl_coef * KL (placement LOSS) - entropy_coef * entropy.
 
     logprobs, old_logprobs, advantages, response_mask: (B, T) as in policy_loss.
+    token_weights: (B, T) rollout-correction weights of the policy-gradient term, or None.
+    num_tokens, num_sequences: the counts of the whole mini-batch this micro-batch belongs to
+      (aggregation.loss_counts summed over micro-batches and data-parallel ranks); all three terms
+      are normalised by them, so the micro-batch losses sum to the mini-batch loss. None: this
+      batch is the mini-batch. Metrics are this batch's own means either way.
     ref_logprobs: (B, T) reference-policy logprobs; required when kl_coef > 0 and placement is
       LOSS; when given with placement REWARD the KL is computed for the metrics only.
     entropy: (B, T) per-token policy entropy, or None to skip the bonus and its metric.
     KL and entropy are aggregated with the same mode and norm_length as the policy loss.
-    Returns (loss scalar, metrics): everything policy_loss reports, plus loss (the total),
+    Returns (loss scalar, metrics): everything policy_loss reports, plus loss (this batch's own total),
     kl (when ref_logprobs is given) and entropy (when entropy is given).
     """
     kl_in_loss = config.kl_placement is KLPlacement.LOSS and config.kl_coef != 0.0
@@ -208,21 +232,29 @@ def grpo_loss(
         aggregation=config.aggregation,
         importance=config.importance,
         norm_length=config.norm_length,
+        token_weights=token_weights,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
     )
+    counts = {"num_tokens": num_tokens, "num_sequences": num_sequences}
     if ref_logprobs is not None:
         kl_mat = kl_penalty(
             masked_zero(logprobs, mask), masked_zero(ref_logprobs, mask).detach(), config.kl_estimator
         )
-        kl = aggregate_loss(kl_mat, mask, config.aggregation, config.norm_length)
-        metrics["kl"] = kl.detach().item()
+        kl = aggregate_loss(kl_mat, mask, config.aggregation, config.norm_length, **counts)
+        own = kl if num_tokens is None and num_sequences is None else aggregate_loss(
+            kl_mat.detach(), mask, config.aggregation, config.norm_length)
+        metrics["kl"] = own.detach().item()
         if kl_in_loss:
             loss = loss + config.kl_coef * kl
     if entropy is not None:
         bonus, entropy_metrics = entropy_bonus(
-            entropy, mask, config.aggregation, config.entropy_coef, config.norm_length
+            entropy, mask, config.aggregation, config.entropy_coef, config.norm_length, **counts
         )
         metrics.update(entropy_metrics)
         if config.entropy_coef != 0.0:
             loss = loss + bonus
-    metrics["loss"] = loss.detach().item()
+    # this batch's own total (a micro-batch's loss is only its share of the mini-batch's)
+    metrics["loss"] = (metrics["pg_loss"] + (config.kl_coef * metrics["kl"] if kl_in_loss else 0.0)
+                       - (config.entropy_coef * metrics["entropy"] if entropy is not None else 0.0))
     return loss, metrics

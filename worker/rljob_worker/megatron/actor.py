@@ -188,26 +188,39 @@ class MegatronActor(MegatronEngine):
         loss_fn: LossFn,
         micro_batch_size: int,
         with_entropy: bool | None = None,
+        normalise_by: str | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``batch`` (this rank's share of the mini-batch).
 
         For each micro-batch: ``loss, metrics = loss_fn(logprobs (b, T), entropy (b, T) | None,
-        micro_batch)``; ``loss / num_micro_batches`` is back-propagated. Gradients are averaged over
-        data-parallel ranks, clipped to ``grad_clip`` by their global norm (TP shards counted once),
-        then AdamW steps. Returns the micro-batch mean of each metric (and of ``loss``), averaged
-        over DP ranks, plus ``grad_norm`` and ``lr``. A non-finite grad norm skips the step
+        micro_batch)``. Gradients are clipped to ``grad_clip`` by their global norm (TP shards
+        counted once), then AdamW steps. Returns the micro-batch mean of each metric, averaged over
+        DP ranks, ``loss``, ``grad_norm`` and ``lr``; a non-finite grad norm skips the step
         (``skipped`` = 1).
+
+        ``normalise_by``: the key of a ``(B, T)`` mask of the tokens the loss runs over (the GRPO
+        trainer's ``"response_mask"``). Given, the loss is normalised over the whole mini-batch:
+        before any forward pass, this rank's tokens and sequences with at least one token are
+        counted and summed over the data-parallel ranks (one all-reduce of two integers), and
+        ``loss_fn`` is called with ``num_tokens=`` and ``num_sequences=`` those totals and returns
+        its micro-batch's share of the mini-batch loss (``algorithms.aggregate_loss``); the engine
+        back-propagates the sum of the shares over micro-batches and DP ranks
+        (``train_step(loss_reduction="sum")``), and ``loss`` is that sum. The count runs over DP,
+        not DP x CP: the ranks of a context-parallel group hold the same rows. Unset: the mean of
+        the micro-batch losses over micro-batches and DP ranks (``loss_reduction="mean"``).
         """
         if self.optimizer is None:
             raise RuntimeError("this actor was built with trainable=False (a frozen reference model)")
         self._require_onloaded("update")
         with_entropy = self.loss_fn_needs_entropy if with_entropy is None else with_entropy
+        counts = {} if normalise_by is None else self.mini_batch_counts(batch[normalise_by])
 
         def engine_loss(values, micro_batch):
             logprobs, entropy = values
-            return loss_fn(logprobs, entropy, micro_batch)
+            return loss_fn(logprobs, entropy, micro_batch, **counts)
 
-        return self.train_step(batch, micro_batch_size, self.policy_head(with_entropy), engine_loss)
+        return self.train_step(batch, micro_batch_size, self.policy_head(with_entropy), engine_loss,
+                               loss_reduction="mean" if normalise_by is None else "sum")
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -142,8 +142,16 @@ class MegatronCritic(MegatronEngine):
         shape = tuple(batch["input_ids"].shape)
         return self.broadcast_from_last_stage(torch.cat(results) if self.is_last_stage else None, shape)
 
-    def update(self, batch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int) -> dict[str, float]:
+    def update(self, batch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int,
+               normalise_by: str | None = None) -> dict[str, float]:
         """One optimizer step over ``batch``: ``loss, metrics = loss_fn(values (b, T), micro_batch)`` per
-        micro-batch (see :meth:`MegatronEngine.train_step`)."""
+        micro-batch (see :meth:`MegatronEngine.train_step`). ``normalise_by``: as the actor's (the key of
+        the ``(B, T)`` mask the loss runs over): the mini-batch's token and sequence counts over the
+        data-parallel ranks go to ``loss_fn`` as ``num_tokens=`` / ``num_sequences=``, each micro-batch's
+        loss is its share of the mini-batch loss, and ``loss`` is the mini-batch loss."""
         self._require_onloaded("update")
-        return self.train_step(batch, micro_batch_size, self.value_head, loss_fn)
+        if normalise_by is None:
+            return self.train_step(batch, micro_batch_size, self.value_head, loss_fn)
+        counts = self.mini_batch_counts(batch[normalise_by])
+        return self.train_step(batch, micro_batch_size, self.value_head,
+                               lambda values, micro: loss_fn(values, micro, **counts), loss_reduction="sum")

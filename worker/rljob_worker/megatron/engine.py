@@ -337,16 +337,36 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         return results
 
     def train_step(self, batch: Mapping[str, Any], micro_batch_size: int, head: HeadFn, loss_fn: EngineLossFn,
-                   needs_hidden: bool = False) -> dict[str, float]:
+                   needs_hidden: bool = False, loss_reduction: str = "mean") -> dict[str, float]:
         """One optimizer step over ``batch`` (this rank's share of the mini-batch).
 
         For each micro-batch: ``loss, metrics = loss_fn(head(HeadInput), micro_batch)`` (the
-        micro-batch's tensors on the engine's device); ``loss / num_micro_batches`` is
-        back-propagated. Gradients are averaged over data-parallel ranks, clipped to ``grad_clip``
-        by their global norm (TP shards counted once), then AdamW steps. Returns the micro-batch mean
-        of each metric (and of ``loss``), averaged over DP ranks, plus ``grad_norm`` and ``lr``. A
-        non-finite grad norm skips the step (``skipped`` = 1).
+        micro-batch's tensors on the engine's device). ``loss_reduction`` says how the micro-batch
+        losses of all data-parallel ranks make the loss of the optimizer step:
+
+        - ``"mean"``: their mean. ``loss / num_micro_batches`` is back-propagated and gradients are
+          averaged over DP ranks. (A per-micro-batch mean loss then weighs micro-batches, not
+          tokens, equally.)
+        - ``"sum"``: their sum. Each loss is its micro-batch's share of the mini-batch loss, already
+          divided by the whole mini-batch's token or sequence count (``algorithms.aggregate_loss``
+          with ``num_tokens`` / ``num_sequences``), so the result does not depend on the micro-batch
+          size or the layout. The engine back-propagates ``loss x dp_size``: megatron's DDP (and the
+          CPU path) average gradients over DP x CP, and the factor turns the DP average into the sum.
+          CP needs no factor: every CP rank computes the same loss over all rows, and the backward
+          of the log-prob all-gather already sums the CP ranks' gradients, which the CP part of the
+          average divides back. Under a pipeline schedule megatron divides each loss by its
+          micro-batch count, which the engine multiplies back.
+
+        Gradients are then clipped to ``grad_clip`` by their global norm (TP shards counted once),
+        and AdamW steps. Returns the micro-batch mean of each metric, averaged over DP ranks, and
+        ``loss`` (the mean, or with ``"sum"`` the sum over micro-batches and DP ranks: the
+        mini-batch loss), plus ``grad_norm`` and ``lr``. A non-finite grad norm skips the step
+        (``skipped`` = 1). The MoE load-balancing loss keeps megatron's convention in both modes:
+        each micro-batch's aux loss weighs ``1 / num_micro_batches`` and is averaged over DP ranks
+        (megatron's ``MoEAuxLossAutoScaler`` scale ``loss_scale / num_micro_batches``).
         """
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if self.optimizer is None:
             raise RuntimeError("this model was built with trainable=False (a frozen model)")
         self._require_onloaded("train_step")
@@ -356,19 +376,33 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         self._set_training(True)
         self._zero_grad()
         self._moe_aux_begin(n)
+        # what each micro-batch's loss is multiplied by before its backward (see the docstring)
+        loss_scale = float(self.dp_size) if loss_reduction == "sum" else 1.0 / n
         if self.pp_size > 1:
-            sums = self._pipeline_backward(micro_batches, head, loss_fn, needs_hidden)
+            sums = self._pipeline_backward(micro_batches, head, loss_fn, needs_hidden, loss_scale)
         else:
-            sums = self._sequential_backward(micro_batches, head, loss_fn, needs_hidden)
+            sums = self._sequential_backward(micro_batches, head, loss_fn, needs_hidden, loss_scale)
         if self.on_gpu:
             grad_norm, skipped = self._gpu_step(lr)
         else:
             grad_norm, skipped = self._cpu_step(lr)
         if not skipped:
             self.step += 1
+        total = sums.pop("loss") if loss_reduction == "sum" else None
         out = self._dp_mean({**{k: v / n for k, v in sums.items()}, **self._moe_aux_end(n)})
+        if total is not None:
+            out["loss"] = self._dp_sum(total)
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
         return out
+
+    def mini_batch_counts(self, mask: torch.Tensor) -> dict[str, int]:
+        """``{"num_tokens", "num_sequences"}`` of the whole mini-batch: this rank's ``mask (B, T)``
+        (tokens; rows with at least one token) summed over the data-parallel group (the normalisers of ``train_step(loss_reduction="sum")``)."""
+        m = mask.bool()
+        t = torch.tensor([int(m.sum()), int(m.any(dim=-1).sum())], dtype=torch.int64, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return {"num_tokens": int(t[0]), "num_sequences": int(t[1])}
 
     def broadcast_from_last_stage(self, tensor: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of the pipeline group (returned on the CPU; with
@@ -419,36 +453,37 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         return self._head_input(output.float(), packed, hidden, b, t)
 
     def _sequential_backward(self, micro_batches, head: HeadFn, loss_fn: EngineLossFn,
-                             needs_hidden: bool) -> dict[str, float]:
-        """One stage: forward and backward of each micro-batch in turn. Returns the summed ``loss``
-        and metrics."""
-        n = len(micro_batches)
+                             needs_hidden: bool, loss_scale: float) -> dict[str, float]:
+        """One stage: forward and backward (of ``loss x loss_scale``) of each micro-batch in turn.
+        Returns the summed ``loss`` and metrics."""
         sums: dict[str, float] = {}
         for mb in micro_batches:
             result = head(self._forward_one(mb, needs_hidden))
             mb_dev = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
             loss, metrics = loss_fn(result, mb_dev)
-            scaled = loss / n
+            scaled = loss * loss_scale
             if self.on_gpu:
                 scaled = self.optimizer.scale_loss(scaled)
             scaled.backward()
-            for k, v in {"loss": loss, **metrics}.items():
+            for k, v in {**metrics, "loss": loss}.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, torch.Tensor) else v)
         return sums
 
     # ----------------------------------------------------------------------------------------------
     # pipeline parallelism: megatron's schedules; results live on the last stage
 
-    def _run_pipeline(self, micro_batches, on_head_input, forward_only: bool, needs_hidden: bool) -> list[Any]:
+    def _run_pipeline(self, micro_batches, on_head_input, forward_only: bool, needs_hidden: bool,
+                      loss_scale: float = 1.0) -> list[Any]:
         """Run megatron's pipeline schedule over ``micro_batches``. On the last stage
         ``on_head_input(HeadInput) -> (loss | None, result)`` handles each micro-batch;
-        ``loss / len(micro_batches)`` is back-propagated unless ``forward_only``. Returns the results
-        in micro-batch order on the last stage, [] elsewhere."""
+        ``loss x loss_scale`` is back-propagated unless ``forward_only``. Returns the results in
+        micro-batch order on the last stage, [] elsewhere."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         packed = [self._pack_micro_batch(mb) for mb in micro_batches]
         packed = self._fill_for_interleaving(packed)
-        scale = len(packed) / len(micro_batches)  # megatron divides each loss by its micro-batch count
+        # megatron's schedule divides each loss by its micro-batch count (fillers included): undo that
+        scale = len(packed) * loss_scale
         rows = max(p.ids.shape[0] for p in packed)
         cols = max(p.ids.shape[1] for p in packed)
         captured: list[torch.Tensor | None] = [None]
@@ -487,10 +522,10 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         return [r for r in results if r is not None] if self.is_last_stage else []
 
     def _pipeline_backward(self, micro_batches, head: HeadFn, loss_fn: EngineLossFn,
-                           needs_hidden: bool) -> dict[str, float]:
-        """Forward and backward of every micro-batch through the pipeline; ``head`` and ``loss_fn``
-        run on the last stage. Returns the summed ``loss`` and metrics on every rank of the pipeline
-        group."""
+                           needs_hidden: bool, loss_scale: float) -> dict[str, float]:
+        """Forward and backward (of ``loss x loss_scale``) of every micro-batch through the pipeline;
+        ``head`` and ``loss_fn`` run on the last stage. Returns the summed ``loss`` and metrics on
+        every rank of the pipeline group."""
 
         def on_head_input(x: HeadInput):
             result = head(x)
@@ -498,10 +533,10 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
                 k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in x.packed.micro_batch.items()
             }
             loss, metrics = loss_fn(result, mb_dev)
-            values = {"loss": loss, **metrics}
+            values = {**metrics, "loss": loss}
             return loss, {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
 
-        results = self._run_pipeline(micro_batches, on_head_input, False, needs_hidden)
+        results = self._run_pipeline(micro_batches, on_head_input, False, needs_hidden, loss_scale)
         sums: dict[str, float] = {}
         for metrics in results:
             for k, v in metrics.items():
@@ -556,6 +591,13 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             dist.all_reduce(t, group=self.pp_group)
             aux = float(t[0]) if t[1] > 0 else None
         return {} if aux is None else {"moe_aux_loss": aux}
+
+    def _dp_sum(self, value: float) -> float:
+        if self.dp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t[0])
 
     def _dp_mean(self, metrics: dict[str, float]) -> dict[str, float]:
         if self.dp_size == 1 or not metrics:
