@@ -19,6 +19,12 @@ def main(path: str, label: str) -> None:
     print(f"RESULT {label}: {len(rows)} steps, reward first 50 {statistics.mean(first):.3f} -> last 50 "
           f"{statistics.mean(last):.3f}, median step {statistics.median(r['timing/step_s'] for r in rows) * 1e3:.1f} ms "
           f"({breakdown})")
+    if "critic/value_loss" in rows[-1]:  # PPO: how the critic did
+        ev = [r["critic/explained_variance"] for r in rows]
+        print(f"RESULT {label} critic: explained variance first 50 {statistics.mean(ev[:50]):.2f} -> last 50 "
+              f"{statistics.mean(ev[-50:]):.2f}, value loss first 50 "
+              f"{statistics.mean(r['critic/value_loss'] for r in rows[:50]):.4f} -> last 50 "
+              f"{statistics.mean(r['critic/value_loss'] for r in rows[-50:]):.4f}")
 
 
 if __name__ == "__main__":

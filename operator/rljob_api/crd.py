@@ -133,29 +133,45 @@ def spec_cel_rules() -> list[dict[str, str]]:
     pp = _get("megatron.pipelineModelParallelSize", meg("pipeline_model_parallel_size"))
     cp = _get("megatron.contextParallelSize", meg("context_parallel_size"))
     rollout_tp = _get("rollout.tensorModelParallelSize", 1)
+    # A split critic takes critic.gpus of every node; the actor and the rollout engine run on the rest.
+    placement_split = "(has(self.critic) && has(self.critic.placement) && self.critic.placement == 'split')"
+    split = f"({placement_split} && has(self.critic.gpus) && self.critic.gpus < {gpus})"  # else rule .critic.gpus fails
+    actor_gpus = f"({split} ? {gpus} - self.critic.gpus : {gpus})"
+    critic_gpus = f"({split} ? self.critic.gpus : {gpus})"
+    ctp = _get("critic.megatron.tensorModelParallelSize", meg("tensor_model_parallel_size"))
+    cpp = _get("critic.megatron.pipelineModelParallelSize", meg("pipeline_model_parallel_size"))
+    ccp = _get("critic.megatron.contextParallelSize", meg("context_parallel_size"))
+    gae = "(has(self.algorithm) && has(self.algorithm.advantageEstimator) && self.algorithm.advantageEstimator == 'gae')"
+    sft = "(has(self.algorithm) && has(self.algorithm.name) && self.algorithm.name == 'sft')"
+    no_critic_pool = f"(!has(self.critic) || ({placement_split} && !{split}))"  # no critic, or .critic.gpus fails
     return [
         # One rule per size, so the error names the size that breaks divisibility (as pydantic does).
         {
-            "rule": f"({nnodes} * {gpus}) % {tp} == 0",
-            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x CP; TP (tensorModelParallelSize) alone does not divide it",
+            "rule": f"({nnodes} * {actor_gpus}) % {tp} == 0",
+            "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
+                       "megatron TP x PP x CP; TP (tensorModelParallelSize) alone does not divide it",
             "fieldPath": ".megatron.tensorModelParallelSize",
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"({nnodes} * {gpus}) % {tp} != 0 || ({nnodes} * {gpus}) % ({tp} * {pp}) == 0",
-            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x CP; TP x PP (pipelineModelParallelSize) does not divide it",
+            "rule": f"({nnodes} * {actor_gpus}) % {tp} != 0 || ({nnodes} * {actor_gpus}) % ({tp} * {pp}) == 0",
+            "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
+                       "megatron TP x PP x CP; TP x PP (pipelineModelParallelSize) does not divide it",
             "fieldPath": ".megatron.pipelineModelParallelSize",
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"({nnodes} * {gpus}) % ({tp} * {pp}) != 0 || ({nnodes} * {gpus}) % ({tp} * {pp} * {cp}) == 0",
-            "message": "nnodes x gpusPerNode must be divisible by megatron TP x PP x CP; TP x PP x CP (contextParallelSize) does not divide it",
+            "rule": f"({nnodes} * {actor_gpus}) % ({tp} * {pp}) != 0 || "
+                    f"({nnodes} * {actor_gpus}) % ({tp} * {pp} * {cp}) == 0",
+            "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
+                       "megatron TP x PP x CP; TP x PP x CP (contextParallelSize) does not divide it",
             "fieldPath": ".megatron.contextParallelSize",
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"{gpus} % {rollout_tp} == 0",
-            "message": "rollout.tensorModelParallelSize must divide gpusPerNode",
+            "rule": f"{gpus} % {rollout_tp} == 0 && {actor_gpus} % {rollout_tp} == 0",
+            "message": "rollout.tensorModelParallelSize must divide gpusPerNode (and the actor's GPUs per node with a "
+                       "split critic)",
             "fieldPath": ".rollout.tensorModelParallelSize",
             "reason": "FieldValueInvalid",
         },
@@ -192,6 +208,61 @@ def spec_cel_rules() -> list[dict[str, str]]:
                     "(has(self.data.synthetic))))",
             "message": "set exactly one of data.trainFiles and data.synthetic",
             "fieldPath": ".data",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"has(self.critic) ? ({gae} && !{sft}) : (!{gae} || {sft})",
+            "message": "algorithm.advantageEstimator gae needs spec.critic, and spec.critic is only for gae",
+            "fieldPath": ".critic",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"!has(self.critic) || ({placement_split} == has(self.critic.gpus) && "
+                    f"(!has(self.critic.gpus) || self.critic.gpus < {gpus}))",
+            "message": "critic.gpus is required by (and only used by) placement split, and must be below gpusPerNode",
+            "fieldPath": ".critic.gpus",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{no_critic_pool} || ({nnodes} * {critic_gpus}) % {ctp} == 0",
+            "message": "the critic's GPUs (nnodes x critic.gpus when split, else nnodes x gpusPerNode) must be "
+                       "divisible by critic megatron TP x PP x CP; its TP alone does not divide them",
+            "fieldPath": ".critic.megatron.tensorModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{no_critic_pool} || ({nnodes} * {critic_gpus}) % {ctp} != 0 || "
+                    f"({nnodes} * {critic_gpus}) % ({ctp} * {cpp}) == 0",
+            "message": "the critic's GPUs must be divisible by critic megatron TP x PP x CP; its TP x PP does not "
+                       "divide them",
+            "fieldPath": ".critic.megatron.pipelineModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{no_critic_pool} || ({nnodes} * {critic_gpus}) % ({ctp} * {cpp}) != 0 || "
+                    f"({nnodes} * {critic_gpus}) % ({ctp} * {cpp} * {ccp}) == 0",
+            "message": "the critic's GPUs must be divisible by critic megatron TP x PP x CP; its TP x PP x CP does not "
+                       "divide them",
+            "fieldPath": ".critic.megatron.contextParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"!has(self.critic) || !has(self.critic.outputLayerIndex) || {cpp} == 1",
+            "message": "critic.outputLayerIndex needs critic megatron.pipelineModelParallelSize 1",
+            "fieldPath": ".critic.outputLayerIndex",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"!{_get('critic.megatron.sequenceParallel', False)} || {ctp} > 1",
+            "message": "critic megatron.sequenceParallel needs its tensorModelParallelSize > 1",
+            "fieldPath": ".critic.megatron.sequenceParallel",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": "!has(self.critic) || !has(self.critic.megatron) || "
+                    f"!has(self.critic.megatron.virtualPipelineModelParallelSize) || {cpp} >= 2",
+            "message": "critic megatron.virtualPipelineModelParallelSize needs its pipelineModelParallelSize >= 2",
+            "fieldPath": ".critic.megatron.virtualPipelineModelParallelSize",
             "reason": "FieldValueInvalid",
         },
     ]

@@ -30,6 +30,12 @@ class AdvantageEstimator(StrEnum):
     GRPO = "grpo"  # group mean baseline, optional std normalisation
     RLOO = "rloo"  # leave-one-out group mean baseline
     REINFORCE_PLUS_PLUS = "reinforce_plus_plus"  # batch-normalised returns, no group baseline
+    GAE = "gae"  # PPO: generalised advantage estimation against a learned value model (spec.critic)
+
+
+class CriticPlacement(StrEnum):
+    SHARED = "shared"  # actor and critic take turns on the same GPUs
+    SPLIT = "split"  # the critic trains on its own GPUs (critic.gpus of each node), overlapping the actor
 
 
 class KLEstimator(StrEnum):

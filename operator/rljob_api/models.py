@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 from rljob_api.enums import (
     AdvantageEstimator,
     AlgorithmName,
+    CriticPlacement,
     ImportanceLevel,
     KLEstimator,
     KLPlacement,
@@ -186,7 +187,19 @@ class AlgorithmSpec(ApiModel):
         "the rollout, reward and GRPO loss settings are then unused).",
     )
     advantage_estimator: AdvantageEstimator = _f(
-        AdvantageEstimator.GRPO, "Outcome advantage: grpo (group mean), rloo (leave-one-out), reinforce_plus_plus. (verl: algorithm.adv_estimator)"
+        AdvantageEstimator.GRPO,
+        "Advantage estimator: grpo (group mean), rloo (leave-one-out), reinforce_plus_plus (outcome advantages), or "
+        "gae (PPO: generalised advantage estimation against the value model of spec.critic, which it requires). "
+        "(verl: algorithm.adv_estimator)",
+    )
+    gamma: float = _f(
+        1.0, "gae: discount per response token; 1.0 (as verl) suits outcome rewards on the last token. "
+        "(verl: algorithm.gamma)", ge=0, le=1,
+    )
+    # YAML key `lambda` (Python keyword, hence the field name).
+    gae_lambda: float = _f(
+        1.0, "gae: GAE lambda, the bias/variance trade-off between TD(0) (0) and Monte-Carlo returns (1). "
+        "(verl: algorithm.lam)", ge=0, le=1, alias="lambda",
     )
     norm_adv_by_std: bool = _f(
         True, "Divide group-centred rewards by the group std; false gives Dr.GRPO. The std is the population std "
@@ -392,6 +405,68 @@ class MegatronSpec(ApiModel):
     )
 
 
+# --------------------------------------------------------------------------- critic (PPO value model)
+
+
+class CriticModelSpec(ApiModel):
+    path: str | None = _f(
+        None,
+        "Hugging Face checkpoint folder the critic starts from (its transformer layers; the value head is new); "
+        "unset uses spec.model.path. It must use the actor's tokenizer. (verl: critic.model.path)",
+        pattern=MODEL_URI_PATTERN,
+        max_length=1024,
+    )
+
+
+class CriticSpec(ApiModel):
+    """The value model of PPO (algorithm.advantageEstimator gae): a megatron-core GPT with a scalar head."""
+
+    model: CriticModelSpec = _f(default_factory=CriticModelSpec, description="Where the critic's weights come from.")
+    megatron: MegatronSpec = _f(
+        default_factory=MegatronSpec,
+        description="The critic's own megatron-core parallelism, offload and recompute; the same fields and rules "
+        "as spec.megatron. (verl: critic.megatron.*; Trinity: the critic block's tensor/pipeline/expert sizes, "
+        "offload flags and override_transformer_config)",
+    )
+    lr: float = _f(1e-5, "Peak learning rate of the critic. (verl: critic.optim.lr)", gt=0, le=1)
+    lr_warmup_steps: int = _f(0, "Linear warm-up optimizer steps of the critic. (verl: critic.optim.lr_warmup_steps)", ge=0)
+    weight_decay: float = _f(0.01, "AdamW weight decay of the critic. (verl: critic.optim.weight_decay)", ge=0)
+    grad_clip: float = _f(1.0, "Global gradient-norm clip of the critic; 0 disables. (verl: critic.grad_clip)", ge=0)
+    ppo_epochs: int = _f(1, "Critic passes over each rollout batch. (verl: critic.ppo_epochs)", ge=1, le=64)
+    micro_batch_size_per_gpu: int = _f(
+        4, "Sequences per critic forward/backward on one GPU. (verl: critic.ppo_micro_batch_size_per_gpu)", ge=1
+    )
+    cliprange_value: float = _f(
+        0.5, "Value clipping: new values are clipped to old values +- this before the squared error, and the larger "
+        "of the clipped and unclipped errors counts. (verl: critic.cliprange_value)", gt=0,
+    )
+    warmup_steps: int = _f(
+        0, "Steps that update only the critic before the actor starts training. (verl: trainer.critic_warmup)", ge=0
+    )
+    output_layer_index: int | None = _f(
+        None,
+        "Number of decoder layers the critic runs: the value head reads the hidden state after this layer (HF's "
+        "hidden_states[outputLayerIndex]) through the final norm; layers above it are not built. Unset reads the "
+        "last layer. Needs critic megatron.pipelineModelParallelSize 1. (seeds: critic.output_layer_index)",
+        ge=1,
+        le=4096,
+    )
+    placement: CriticPlacement = _f(
+        CriticPlacement.SHARED,
+        "shared: actor and critic take turns on all GPUs (the idle one offloaded when its offload flags are set; "
+        "also the translation of sequential FSDP-style placement); split: the critic trains on its own critic.gpus "
+        "GPUs of each node while the actor and rollout use the rest, and the two updates overlap. (verl: "
+        "resource_pool / critic placement)",
+    )
+    gpus: int | None = _f(
+        None,
+        "With placement split: GPUs of each node that run the critic; the actor and rollout get gpusPerNode - gpus. "
+        "(verl: the critic's resource pool size per node)",
+        ge=1,
+        le=63,
+    )
+
+
 # --------------------------------------------------------------------------- reward, checkpoint, storage, metrics
 
 
@@ -514,6 +589,10 @@ class RLJobSpec(ApiModel):
     rollout: RolloutSpec = _f(default_factory=RolloutSpec, description="Generation engine and sampling.")
     training: TrainingSpec = _f(default_factory=TrainingSpec, description="Batch sizes, optimizer and schedule.")
     megatron: MegatronSpec = _f(default_factory=MegatronSpec, description="megatron-core parallelism, memory and recompute.")
+    critic: CriticSpec | None = _f(
+        None, "The value model of PPO; required by (and only allowed with) algorithm.advantageEstimator gae. "
+        "(verl: critic.*)",
+    )
     reward: RewardSpec = _f(default_factory=RewardSpec, description="Reward function.")
     checkpoint: CheckpointSpec = _f(default_factory=CheckpointSpec, description="Checkpointing and resume.")
     s3: S3Spec = _f(default_factory=S3Spec, description="Object storage connection for s3:// URIs.")

@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import ValidationError
 
-from rljob_api.enums import AlgorithmName, ResumeMode, SFTDataFormat
+from rljob_api.enums import AdvantageEstimator, AlgorithmName, CriticPlacement, ResumeMode, SFTDataFormat
 from rljob_api.models import (
     API_VERSION,
     KIND,
@@ -27,6 +27,7 @@ from rljob_api.models import (
     S3_ENDPOINT_PATTERN,
     SHM_SIZE_PATTERN,
     STORAGE_URI_PATTERN,
+    MegatronSpec,
     RLJob,
     RLJobSpec,
 )
@@ -172,12 +173,54 @@ def parse_spec(spec: Any) -> RLJobSpec:
     return parsed
 
 
+def actor_gpus_per_node(spec: RLJobSpec) -> int:
+    """GPUs of each node that run the actor (and the rollout engine): all of them, unless a split critic
+    takes critic.gpus of each node."""
+    c = spec.critic
+    if c is not None and c.placement == CriticPlacement.SPLIT and c.gpus is not None:
+        return spec.gpus_per_node - c.gpus
+    return spec.gpus_per_node
+
+
+def critic_gpus_per_node(spec: RLJobSpec) -> int:
+    """GPUs of each node that run the critic: critic.gpus when split, else all of them (shared); 0 without one."""
+    c = spec.critic
+    if c is None:
+        return 0
+    if c.placement == CriticPlacement.SPLIT and c.gpus is not None:
+        return c.gpus
+    return spec.gpus_per_node
+
+
+def _model_parallel(m: MegatronSpec) -> int:
+    return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+
+
 def data_parallel_size(spec: RLJobSpec) -> int:
-    """Data-parallel ranks of the trainer: world / (TP x PP x CP). Assumes the spec is valid."""
-    m = spec.megatron
-    return (spec.nnodes * spec.gpus_per_node) // (
-        m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-    )
+    """Data-parallel ranks of the actor: its GPUs / (TP x PP x CP). Assumes the spec is valid."""
+    return (spec.nnodes * actor_gpus_per_node(spec)) // _model_parallel(spec.megatron)
+
+
+def critic_data_parallel_size(spec: RLJobSpec) -> int:
+    """Data-parallel ranks of the critic: its GPUs / its TP x PP x CP. Assumes the spec is valid and has a critic."""
+    return (spec.nnodes * critic_gpus_per_node(spec)) // _model_parallel(spec.critic.megatron)
+
+
+def pool_ranks(spec: RLJobSpec) -> tuple[list[int], list[int]]:
+    """Global ranks of the actor pool and of the critic pool in the one torchrun world of the job.
+
+    World = nnodes x gpusPerNode, rank = node x gpusPerNode + local rank (the PyTorchJob contract). Shared
+    placement (and no critic): both pools are the whole world. Split: on every node the first
+    gpusPerNode - critic.gpus local ranks are the actor's, the last critic.gpus the critic's, so each pool
+    spans the nodes evenly and a pool's TP group stays inside a node whenever its TP divides its GPUs per node.
+    """
+    world = list(range(spec.nnodes * spec.gpus_per_node))
+    actor_local = actor_gpus_per_node(spec)
+    if spec.critic is None or actor_local == spec.gpus_per_node:
+        return world, (world if spec.critic is not None else [])
+    actor = [r for r in world if r % spec.gpus_per_node < actor_local]
+    critic = [r for r in world if r % spec.gpus_per_node >= actor_local]
+    return actor, critic
 
 
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -195,38 +238,18 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     """Every rule that spans fields, each with the path to change and how. Pure."""
     errs: list[FieldError] = []
     m, t, r, a = spec.megatron, spec.training, spec.rollout, spec.algorithm
-    world = spec.nnodes * spec.gpus_per_node
-    tp, pp, cp, ep = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                      m.context_parallel_size, m.expert_model_parallel_size)
-    model_parallel = tp * pp * cp
-    if world % model_parallel:
-        # Name the first size that breaks divisibility (TP, then TP x PP, then TP x PP x CP).
-        culprit = ("tensorModelParallelSize" if world % tp else
-                   "pipelineModelParallelSize" if world % (tp * pp) else "contextParallelSize")
-        errs.append(FieldError(
-            f"spec.megatron.{culprit}",
-            f"nnodes x gpusPerNode = {world} GPUs is not divisible by TP x PP x CP = {tp}x{pp}x{cp} = {model_parallel}; "
-            "choose parallel sizes whose product divides the GPU count"))
-        dp = None
-    else:
-        dp = world // model_parallel
-    # Experts are sharded over the data-parallel x context-parallel ranks of a TP x PP group.
-    if ep > 1:
-        etp = m.expert_tensor_parallel_size or tp
-        if world % (etp * ep * pp):
-            errs.append(FieldError(
-                "spec.megatron.expertModelParallelSize",
-                f"{world} GPUs is not divisible by expertTensorParallel x EP x PP = {etp}x{ep}x{pp}; reduce EP"))
-    if m.virtual_pipeline_model_parallel_size is not None and pp < 2:
-        errs.append(FieldError(
-            "spec.megatron.virtualPipelineModelParallelSize",
-            "needs pipelineModelParallelSize >= 2; unset it or raise the pipeline size"))
-    if m.sequence_parallel and tp < 2:
-        errs.append(FieldError(
-            "spec.megatron.sequenceParallel", "needs tensorModelParallelSize > 1; set it false or raise TP"))
+    errs.extend(critic_pool_errors(spec))
+    actor_gpus = actor_gpus_per_node(spec)
+    if actor_gpus <= 0:  # critic.gpus takes the whole node: reported above
+        actor_gpus = spec.gpus_per_node
+    pool = " of the actor's pool (gpusPerNode - critic.gpus per node)" if actor_gpus != spec.gpus_per_node else ""
+    dp = megatron_errors(m, spec.nnodes * actor_gpus, "spec.megatron", errs, pool)
     sft = a.name == AlgorithmName.SFT
     if sft:
         errs.extend(sft_errors(spec, dp))
+        if spec.critic is not None:
+            errs.append(FieldError("spec.critic", "is only used by PPO (algorithm.advantageEstimator gae), not by "
+                                   "algorithm.name sft; remove it"))
     elif spec.sft is not None:
         errs.append(FieldError("spec.sft", f"is only used by algorithm.name sft (this job runs {a.name.value}); "
                                "remove it or set algorithm.name: sft"))
@@ -235,6 +258,11 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             "spec.rollout.tensorModelParallelSize",
             f"rollout TP {r.tensor_model_parallel_size} must divide gpusPerNode={spec.gpus_per_node} "
             "(an engine instance lives inside one pod)"))
+    elif actor_gpus % r.tensor_model_parallel_size:
+        errs.append(FieldError(
+            "spec.rollout.tensorModelParallelSize",
+            f"rollout TP {r.tensor_model_parallel_size} must divide the actor's {actor_gpus} GPUs per node "
+            "(gpusPerNode - critic.gpus: the rollout engine runs on the actor's pool)"))
     # Batch sizes: verl's semantics (prompt counts; x n samples inside the actor).
     train = t.train_batch_size_per_node * spec.nnodes
     mini = t.ppo_mini_batch_size_per_node * spec.nnodes
@@ -272,6 +300,12 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
                 "spec.training.maxTokensPerMicroBatch",
                 f"{t.max_tokens_per_micro_batch} is less than one full row (data.maxPromptLength + "
                 f"data.maxResponseLength = {row}); raise it to at least {row}"))
+    if spec.critic is not None and not sft:
+        errs.extend(critic_errors(spec, mini * r.samples_per_prompt))
+    elif a.advantage_estimator == AdvantageEstimator.GAE and not sft:
+        errs.append(FieldError(
+            "spec.critic", "algorithm.advantageEstimator gae needs a value model: add spec.critic (at least `critic: {}`, "
+            "which trains one from spec.model.path on the same GPUs), or pick an outcome estimator such as grpo"))
     if not spec.data.train_files and spec.data.synthetic is None:
         errs.append(FieldError("spec.data.trainFiles", "give training parquet files or a synthetic task (data.synthetic)"))
     if spec.data.train_files and spec.data.synthetic is not None:
@@ -303,6 +337,91 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError(
             "spec.s3.credentialsSecretRef",
             "an S3-compatible endpoint is set but no credentials; name a Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"))
+    return errs
+
+
+def megatron_errors(m: MegatronSpec, gpus: int, prefix: str, errs: list[FieldError], pool: str = "") -> int | None:
+    """The rules of one megatron block (the actor's spec.megatron or the critic's) over the GPUs it runs on.
+    Appends to errs; returns the data-parallel size, or None when the sizes do not divide the GPUs."""
+    tp, pp, cp, ep = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                      m.context_parallel_size, m.expert_model_parallel_size)
+    model_parallel = tp * pp * cp
+    dp = None
+    if gpus % model_parallel:
+        # Name the first size that breaks divisibility (TP, then TP x PP, then TP x PP x CP).
+        culprit = ("tensorModelParallelSize" if gpus % tp else
+                   "pipelineModelParallelSize" if gpus % (tp * pp) else "contextParallelSize")
+        errs.append(FieldError(
+            f"{prefix}.{culprit}",
+            f"{'nnodes x gpusPerNode = ' if not pool else ''}{gpus} GPUs{pool} is not divisible by TP x PP x CP = "
+            f"{tp}x{pp}x{cp} = {model_parallel}; choose parallel sizes whose product divides the GPU count"))
+    else:
+        dp = gpus // model_parallel
+    # Experts are sharded over the data-parallel x context-parallel ranks of a TP x PP group.
+    if ep > 1:
+        etp = m.expert_tensor_parallel_size or tp
+        if gpus % (etp * ep * pp):
+            errs.append(FieldError(
+                f"{prefix}.expertModelParallelSize",
+                f"{gpus} GPUs{pool} is not divisible by expertTensorParallel x EP x PP = {etp}x{ep}x{pp}; reduce EP"))
+    if m.virtual_pipeline_model_parallel_size is not None and pp < 2:
+        errs.append(FieldError(
+            f"{prefix}.virtualPipelineModelParallelSize",
+            "needs pipelineModelParallelSize >= 2; unset it or raise the pipeline size"))
+    if m.sequence_parallel and tp < 2:
+        errs.append(FieldError(
+            f"{prefix}.sequenceParallel", "needs tensorModelParallelSize > 1; set it false or raise TP"))
+    return dp
+
+
+def critic_pool_errors(spec: RLJobSpec) -> list[FieldError]:
+    """Placement of the critic: split needs critic.gpus, leaving the actor at least one GPU per node. Pure."""
+    c = spec.critic
+    if c is None:
+        return []
+    if c.placement == CriticPlacement.SPLIT:
+        if c.gpus is None:
+            return [FieldError("spec.critic.gpus", f"placement split needs the critic's GPUs per node; set gpus to "
+                               f"fewer than gpusPerNode={spec.gpus_per_node} (the actor and rollout get the rest)")]
+        if c.gpus >= spec.gpus_per_node:
+            return [FieldError("spec.critic.gpus", f"{c.gpus} leaves no GPU of the node's {spec.gpus_per_node} to the "
+                               f"actor; set gpus below gpusPerNode, or use placement: shared")]
+    elif c.gpus is not None:
+        return [FieldError("spec.critic.gpus", "is only used by placement split (shared placement runs the critic on "
+                           "all GPUs); remove it or set placement: split")]
+    return []
+
+
+def critic_errors(spec: RLJobSpec, mini_responses: int) -> list[FieldError]:
+    """Rules of spec.critic: only with gae, its megatron block over its own GPUs, its micro-batches, and the
+    intermediate-layer head (outputLayerIndex) only without pipeline stages (the seeds' rule). Pure."""
+    errs: list[FieldError] = []
+    c = spec.critic
+    if spec.algorithm.advantage_estimator != AdvantageEstimator.GAE:
+        errs.append(FieldError(
+            "spec.critic", f"is only used by algorithm.advantageEstimator gae (this job uses "
+            f"{spec.algorithm.advantage_estimator.value}); remove it or set advantageEstimator: gae"))
+    if c.output_layer_index is not None and c.megatron.pipeline_model_parallel_size > 1:
+        errs.append(FieldError(
+            "spec.critic.outputLayerIndex",
+            f"reads an intermediate layer, which needs the critic without pipeline stages (critic megatron."
+            f"pipelineModelParallelSize is {c.megatron.pipeline_model_parallel_size}); set it to 1 or unset "
+            "outputLayerIndex"))
+    if c.placement == CriticPlacement.SPLIT and (c.gpus is None or c.gpus >= spec.gpus_per_node):
+        return errs  # reported by critic_pool_errors
+    pool = " of the critic's pool (critic.gpus per node)" if c.placement == CriticPlacement.SPLIT else ""
+    dp = megatron_errors(c.megatron, spec.nnodes * critic_gpus_per_node(spec), "spec.critic.megatron", errs, pool)
+    if dp is not None:
+        if mini_responses % dp:
+            errs.append(FieldError(
+                "spec.critic.megatron",
+                f"mini-batch responses {mini_responses} must divide evenly over the critic's {dp} data-parallel "
+                "ranks; change the critic's parallel sizes (or critic.gpus)"))
+        elif (mini_responses // dp) % c.micro_batch_size_per_gpu:
+            errs.append(FieldError(
+                "spec.critic.microBatchSizePerGpu",
+                f"the critic's per-rank mini-batch of {mini_responses // dp} responses is not a multiple of "
+                f"microBatchSizePerGpu={c.micro_batch_size_per_gpu}; pick a divisor of {mini_responses // dp}"))
     return errs
 
 

@@ -51,15 +51,26 @@ def load_rljob(path: str):
     return job
 
 
+def _critic_summary(s) -> str:
+    """', critic shared TP2 PP1' or ', critic split 4/node TP4 PP1' (PPO with a value model)."""
+    c = s.critic
+    if c is None:
+        return ""
+    where = f"split {c.gpus}/node" if c.placement.value == "split" else "shared"
+    return (f", critic {where} TP{c.megatron.tensor_model_parallel_size} PP{c.megatron.pipeline_model_parallel_size}"
+            + (f" layer {c.output_layer_index}" if c.output_layer_index else ""))
+
+
 def summarize(job) -> str:
     s = job.spec
     m = s.megatron
     data = f"synthetic:{s.data.synthetic.task}" if s.data.synthetic else f"{len(s.data.train_files)} train file(s)"
     return (
-        f"{job.metadata.name}: {s.algorithm.name.value} on {s.model.path}, {s.nnodes}x{s.gpus_per_node} {s.device}, "
+        f"{job.metadata.name}: {'ppo (gae)' if s.critic else s.algorithm.name.value} on {s.model.path}, {s.nnodes}x{s.gpus_per_node} {s.device}, "
         f"TP{m.tensor_model_parallel_size} PP{m.pipeline_model_parallel_size} CP{m.context_parallel_size} "
         + (f"EP{m.expert_model_parallel_size}, {data}" if s.algorithm.name.value == "sft" else
-           f"EP{m.expert_model_parallel_size}, samplesPerPrompt={s.rollout.samples_per_prompt}, {data}")
+           f"EP{m.expert_model_parallel_size}, samplesPerPrompt={s.rollout.samples_per_prompt}, {data}"
+           + _critic_summary(s))
     )
 
 

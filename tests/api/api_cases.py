@@ -18,6 +18,9 @@ from rljob_api.enums import (
 M = "spec.megatron."
 T = "spec.training."
 R = "spec.rollout."
+C = "spec.critic."
+GAE = {"spec.algorithm.advantageEstimator": "gae"}
+SPLIT4 = {"placement": "split", "gpus": 4}
 SYNTHETIC = {"spec.data.trainFiles": DELETE, "spec.data.synthetic": {"task": "target-token"}}
 S3_CREDS = {"name": "s3-credentials"}
 
@@ -112,6 +115,42 @@ CROSS_INVALID = [
     ("name-underscore", {"metadata.name": "qwen_3"}, {"metadata.name": ["DNS label"]}),
     ("name-trailing-dash", {"metadata.name": "qwen-"}, {"metadata.name": ["DNS label"]}),
     ("name-51-chars", {"metadata.name": "a" * 51}, {"metadata.name": ["at most 50 characters"]}),
+    # PPO: gae <-> spec.critic, split pools, the critic's own megatron block, outputLayerIndex
+    ("gae-without-critic", GAE, {"spec.critic": ["needs a value model", "add spec.critic"]}),
+    ("critic-without-gae", {"spec.critic": {}}, {"spec.critic": ["only used by algorithm.advantageEstimator gae",
+                                                                 "uses grpo"]}),
+    ("split-without-gpus", {**GAE, "spec.critic": {"placement": "split"}},
+     {C + "gpus": ["placement split needs", "fewer than gpusPerNode=8"]}),
+    ("split-takes-whole-node", {**GAE, "spec.critic": {"placement": "split", "gpus": 8}},
+     {C + "gpus": ["leaves no GPU", "placement: shared"]}),
+    ("gpus-with-shared", {**GAE, "spec.critic": {"gpus": 4}}, {C + "gpus": ["only used by placement split"]}),
+    ("split-actor-pool-not-fitting-tp", {**GAE, "spec.critic": {"placement": "split", "gpus": 2},
+                                         M + "tensorModelParallelSize": 4},
+     {M + "tensorModelParallelSize": ["6 GPUs of the actor's pool", "4x1x1 = 4"]}),
+    ("split-critic-pool-not-fitting-tp", {**GAE, "spec.critic": {**SPLIT4, "megatron": {"tensorModelParallelSize": 8}}},
+     {C + "megatron.tensorModelParallelSize": ["4 GPUs of the critic's pool", "8x1x1 = 8"]}),
+    ("shared-critic-tp-not-dividing", {**GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 3}}},
+     {C + "megatron.tensorModelParallelSize": ["nnodes x gpusPerNode = 8 GPUs", "3x1x1"]}),
+    ("critic-pp-cp-not-dividing", {**GAE, "spec.critic": {"megatron": {"pipelineModelParallelSize": 4,
+                                                                       "contextParallelSize": 4}}},
+     {C + "megatron.contextParallelSize": ["1x4x4 = 16"]}),
+    ("rollout-tp-not-dividing-actor-pool", {**GAE, "spec.critic": SPLIT4, R + "tensorModelParallelSize": 8},
+     {R + "tensorModelParallelSize": ["actor's 4 GPUs per node"]}),
+    ("output-layer-with-critic-pp2", {**GAE, "spec.critic": {"outputLayerIndex": 20,
+                                                             "megatron": {"pipelineModelParallelSize": 2}}},
+     {C + "outputLayerIndex": ["pipelineModelParallelSize is 2", "set it to 1 or unset outputLayerIndex"]}),
+    ("critic-sp-with-tp-1", {**GAE, "spec.critic": {"megatron": {"sequenceParallel": True}}},
+     {C + "megatron.sequenceParallel": ["tensorModelParallelSize > 1"]}),
+    ("critic-vpp-with-pp-1", {**GAE, "spec.critic": {"megatron": {"virtualPipelineModelParallelSize": 2}}},
+     {C + "megatron.virtualPipelineModelParallelSize": ["pipelineModelParallelSize >= 2"]}),
+    ("critic-micro-not-dividing", {**GAE, "spec.critic": {"microBatchSizePerGpu": 3}},
+     {C + "microBatchSizePerGpu": ["critic's per-rank mini-batch of 16", "pick a divisor of 16"]}),
+    ("critic-dp-not-dividing-mini", {**GAE, "spec.gpusPerNode": 6, T + "trainBatchSizePerNode": 2,
+                                     T + "ppoMiniBatchSizePerNode": 2, R + "samplesPerPrompt": 3, T + "microBatchSizePerGpu": 1,
+                                     "spec.critic": {"placement": "split", "gpus": 4, "microBatchSizePerGpu": 1}},
+     {"spec.critic.megatron": ["mini-batch responses 6", "critic's 4 data-parallel ranks"]}),
+    ("critic-ep-too-large", {**GAE, "spec.critic": {**SPLIT4, "megatron": {"expertModelParallelSize": 8}}},
+     {C + "megatron.expertModelParallelSize": ["4 GPUs of the critic's pool", "reduce EP"]}),
     # several independent problems are all reported
     ("three-rules-at-once", {M + "sequenceParallel": True, R + "tensorModelParallelSize": 3, R + "valN": 2},
      {M + "sequenceParallel": ["raise TP"], R + "tensorModelParallelSize": ["divide"], R + "valN": ["valTemperature"]}),
@@ -155,6 +194,14 @@ CROSS_VALID = [
     ("endpoint-without-s3-uris", {"spec.s3.endpoint": "http://minio:9000"}),
     ("name-50-chars", {"metadata.name": "a" * 50}),
     ("name-with-dashes-digits", {"metadata.name": "qwen3-8b-grpo-2"}),
+    ("gae-shared-critic-defaults", {**GAE, "spec.critic": {}}),
+    ("gae-split-4-4-tp4", {**GAE, M + "tensorModelParallelSize": 4, R + "tensorModelParallelSize": 4,
+                           "spec.critic": {**SPLIT4, "megatron": {"tensorModelParallelSize": 4}}}),
+    ("gae-split-4-4-tp2-critic-tp1", {**GAE, M + "tensorModelParallelSize": 2, R + "tensorModelParallelSize": 2,
+                                      T + "microBatchSizePerGpu": 8, "spec.critic": SPLIT4}),
+    ("gae-output-layer-pp1", {**GAE, "spec.critic": {"outputLayerIndex": 20}}),
+    ("gae-critic-pp2-last-layer", {**GAE, "spec.critic": {"megatron": {"pipelineModelParallelSize": 2}}}),
+    ("gae-lambda-0.95", {**GAE, "spec.algorithm.lambda": 0.95, "spec.algorithm.gamma": 0.99, "spec.critic": {}}),
 ]
 
 
@@ -183,6 +230,14 @@ SCHEMA_INVALID = [
     ("nnodes-0", {"spec.nnodes": 0}, "spec.nnodes", ["greater than or equal to 1", "got 0"], True),
     ("gpus-per-node-65", {"spec.gpusPerNode": 65}, "spec.gpusPerNode", ["less than or equal to 64"], True),
     ("group-size-1", {R + "samplesPerPrompt": 1}, R + "samplesPerPrompt", ["greater than or equal to 2"], True),
+    ("gamma-above-1", {"spec.algorithm.gamma": 1.5}, "spec.algorithm.gamma", ["less than or equal to 1"], True),
+    ("lambda-negative", {"spec.algorithm.lambda": -0.1}, "spec.algorithm.lambda", ["greater than or equal to 0"], True),
+    ("lambda-snake-name", {"spec.algorithm.gaeLambda": 0.9}, "spec.algorithm.gaeLambda", ["unknown field"], True),
+    ("critic-output-layer-0", {**GAE, "spec.critic": {"outputLayerIndex": 0}}, C + "outputLayerIndex",
+     ["greater than or equal to 1"], True),
+    ("critic-placement-typo", {**GAE, "spec.critic": {"placement": "separate"}}, C + "placement", ["'shared' or 'split'"],
+     True),
+    ("critic-cliprange-0", {**GAE, "spec.critic": {"cliprangeValue": 0}}, C + "cliprangeValue", ["greater than 0"], True),
     ("top-p-0", {R + "topP": 0}, R + "topP", ["greater than 0"], True),
     ("gpu-mem-0.96", {R + "gpuMemoryUtilization": 0.96}, R + "gpuMemoryUtilization", ["less than or equal to 0.95"], True),
     ("rollout-tp-0", {R + "tensorModelParallelSize": 0}, R + "tensorModelParallelSize", ["greater than or equal to 1"], True),
@@ -217,8 +272,8 @@ SCHEMA_INVALID = [
     ("loss-aggregation-seq-mean", {"spec.algorithm.lossAggregation": "seq-mean"}, "spec.algorithm.lossAggregation",
      ["'token-mean'", "'seq-mean-token-sum-norm'"], True),
     ("algorithm-ppo", {"spec.algorithm.name": "ppo"}, "spec.algorithm.name", ["'grpo'"], True),
-    ("advantage-estimator-gae", {"spec.algorithm.advantageEstimator": "gae"}, "spec.algorithm.advantageEstimator",
-     ["'rloo'"], True),
+    ("advantage-estimator-ppo", {"spec.algorithm.advantageEstimator": "ppo"}, "spec.algorithm.advantageEstimator",
+     ["'rloo'", "'gae'"], True),
     ("kl-placement-both", {"spec.algorithm.klPlacement": "both"}, "spec.algorithm.klPlacement", ["'loss' or 'reward'"], True),
     ("engine-sglang", {R + "engine": "sglang"}, R + "engine", ["'vllm', 'hf' or 'auto'"], True),
     ("dtype-fp8", {"spec.model.dtype": "fp8"}, "spec.model.dtype", ["'bfloat16'"], True),

@@ -23,6 +23,15 @@ VPP = "spec.megatron.virtualPipelineModelParallelSize"
 DATA = "spec.data"
 RESUME = "spec.checkpoint.resumeFrom"
 SFT = "spec.sft"
+CRITIC = "spec.critic"
+CRITIC_GPUS = "spec.critic.gpus"
+CRITIC_TP = "spec.critic.megatron.tensorModelParallelSize"
+CRITIC_PP = "spec.critic.megatron.pipelineModelParallelSize"
+CRITIC_CP = "spec.critic.megatron.contextParallelSize"
+CRITIC_LAYER = "spec.critic.outputLayerIndex"
+CRITIC_SP = "spec.critic.megatron.sequenceParallel"
+CRITIC_VPP = "spec.critic.megatron.virtualPipelineModelParallelSize"
+GAE = {"spec.algorithm.advantageEstimator": "gae"}
 GSPO = "spec.algorithm.lossAggregation"
 
 # pydantic's error path(s) for the rule behind each CEL fieldPath
@@ -36,6 +45,14 @@ PYDANTIC_PATHS = {
     DATA: {"spec.data.trainFiles", "spec.data.synthetic"},
     RESUME: {"spec.checkpoint.resumeFrom"},
     SFT: {"spec.sft"},
+    CRITIC: {"spec.critic"},
+    CRITIC_GPUS: {"spec.critic.gpus"},
+    CRITIC_TP: {"spec.critic.megatron.tensorModelParallelSize"},
+    CRITIC_PP: {"spec.critic.megatron.pipelineModelParallelSize"},
+    CRITIC_CP: {"spec.critic.megatron.contextParallelSize"},
+    CRITIC_LAYER: {"spec.critic.outputLayerIndex"},
+    CRITIC_SP: {"spec.critic.megatron.sequenceParallel"},
+    CRITIC_VPP: {"spec.critic.megatron.virtualPipelineModelParallelSize"},
     GSPO: {"spec.algorithm.lossAggregation"},
 }
 
@@ -115,6 +132,37 @@ CASES = [
     ("resume-uri-with-from", changed(gpu_job(), {"spec.checkpoint.resumeMode": "uri",
                                                  "spec.checkpoint.resumeFrom": "/ckpt/step_000010"}), set()),
     ("resume-auto", changed(gpu_job(), {"spec.checkpoint.resumeMode": "auto"}), set()),
+    # gae <-> spec.critic (sft takes neither)
+    ("gae-no-critic", changed(gpu_job(), GAE), {CRITIC}),
+    ("critic-under-grpo", changed(gpu_job(), {"spec.critic": {}}), {CRITIC}),
+    ("gae-critic", changed(gpu_job(), {**GAE, "spec.critic": {}}), set()),
+    ("gae-critic-defaults-only", minimal({"model": {"path": "/m"}, "data": FILES, "algorithm": {"advantageEstimator": "gae"},
+                                          "critic": {}}), set()),
+    # split pools: critic.gpus with split only, below gpusPerNode; the actor's pool fits its TP x PP x CP
+    ("split-no-gpus", changed(gpu_job(), {**GAE, "spec.critic": {"placement": "split"}}), {CRITIC_GPUS}),
+    ("shared-with-gpus", changed(gpu_job(), {**GAE, "spec.critic": {"gpus": 2}}), {CRITIC_GPUS}),
+    ("split-whole-node", changed(gpu_job(), {**GAE, "spec.critic": {"placement": "split", "gpus": 8}}),
+     {CRITIC_GPUS}),
+    ("split-actor-6-tp4", changed(gpu_job(), {**GAE, M + "tensorModelParallelSize": 4,
+                                              "spec.critic": {"placement": "split", "gpus": 2}}), {TP_GPUS}),
+    ("split-4-4-rollout-tp8", changed(gpu_job(), {**GAE, R + "tensorModelParallelSize": 8,
+                                                  "spec.critic": {"placement": "split", "gpus": 4}}), {ROLLOUT}),
+    ("split-critic-4-tp8", changed(gpu_job(), {**GAE, "spec.critic": {"placement": "split", "gpus": 4,
+                                                                       "megatron": {"tensorModelParallelSize": 8}}}),
+     {CRITIC_TP}),
+    ("shared-critic-tp8", changed(gpu_job(), {**GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 8}}}),
+     set()),
+    ("split-4-4-tp4", changed(gpu_job(), {**GAE, M + "tensorModelParallelSize": 4, R + "tensorModelParallelSize": 4,
+                                          "spec.critic": {"placement": "split", "gpus": 4,
+                                                          "megatron": {"tensorModelParallelSize": 4}}}), set()),
+    # outputLayerIndex needs critic PP 1; the critic's SP / VPP rules
+    ("layer-with-pp2", changed(gpu_job(), {**GAE, "spec.critic": {"outputLayerIndex": 20,
+                                                                   "megatron": {"pipelineModelParallelSize": 2}}}),
+     {CRITIC_LAYER}),
+    ("layer-with-pp1", changed(gpu_job(), {**GAE, "spec.critic": {"outputLayerIndex": 20}}), set()),
+    ("critic-sp-tp1", changed(gpu_job(), {**GAE, "spec.critic": {"megatron": {"sequenceParallel": True}}}), {CRITIC_SP}),
+    ("critic-vpp-pp1", changed(gpu_job(), {**GAE, "spec.critic": {"megatron": {"virtualPipelineModelParallelSize": 2}}}),
+     {CRITIC_VPP}),
     # several at once
     ("all-rules-at-once", changed(gpu_job(), {
         M + "tensorModelParallelSize": 3, R + "tensorModelParallelSize": 3, M + "virtualPipelineModelParallelSize": 2,
@@ -164,6 +212,29 @@ def test_cel_and_pydantic_agree_on_a_grid_of_parallel_layouts():
         cel, pyd = set(cel_failures(doc)), cel_covered_pydantic_paths(doc)
         if cel != pyd:
             disagreements.append((nnodes, gpus, tp, pp, cp, rollout_tp, sp, vpp, sorted(cel), sorted(pyd)))
+    assert not disagreements, disagreements[:5]
+
+
+def test_cel_and_pydantic_agree_on_a_grid_of_critic_layouts():
+    """Random PPO layouts (fixed seed): placement, critic GPUs, both pools' TP / PP, outputLayerIndex, rollout TP."""
+    rng = random.Random(20261126)
+    grid = list(itertools.product([1, 2], [2, 4, 8], ["shared", "split"], [None, 1, 2, 4, 8], [1, 2, 4], [1, 2, 4],
+                                  [1, 2], [None, 20], [1, 2, 4]))
+    disagreements = []
+    for nnodes, gpus, placement, critic_gpus, tp, ctp, cpp, layer, rollout_tp in rng.sample(grid, 150):
+        critic = {"placement": placement, "megatron": {"tensorModelParallelSize": ctp, "pipelineModelParallelSize": cpp},
+                  "microBatchSizePerGpu": 1}
+        if critic_gpus is not None:
+            critic["gpus"] = critic_gpus
+        if layer is not None:
+            critic["outputLayerIndex"] = layer
+        doc = changed(gpu_job(), {**GAE, "spec.nnodes": nnodes, "spec.gpusPerNode": gpus, M + "tensorModelParallelSize": tp,
+                                  R + "tensorModelParallelSize": rollout_tp, "spec.critic": critic,
+                                  "spec.training.microBatchSizePerGpu": 1})
+        cel, pyd = set(cel_failures(doc)), cel_covered_pydantic_paths(doc)
+        if cel != pyd:
+            disagreements.append((nnodes, gpus, placement, critic_gpus, tp, ctp, cpp, layer, rollout_tp,
+                                  sorted(cel), sorted(pyd)))
     assert not disagreements, disagreements[:5]
 
 

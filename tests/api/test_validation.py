@@ -16,8 +16,10 @@ from rljob_api.validation import (
     FieldError,
     RLJobValidationError,
     cross_field_errors,
+    critic_data_parallel_size,
     data_parallel_size,
     name_errors,
+    pool_ranks,
     parse_rljob,
     parse_spec,
 )
@@ -217,3 +219,51 @@ def test_yaml_only_values_become_what_json_carries():
 def test_non_json_values_are_reported_with_their_path():
     doc = changed(gpu_job(), {"spec.image": b"bytes"})
     assert [(e.path, "quote it" in e.message) for e in errors_of(doc)] == [("spec.image", True)]
+
+
+def test_ppo_examples_translate_the_three_critic_placements_and_trinity():
+    split = _example("qwen2.5-7b-ppo-split.yaml")
+    assert split.algorithm.advantage_estimator.value == "gae" and split.critic.placement.value == "split"
+    assert (split.gpus_per_node, split.critic.gpus) == (8, 4)
+    assert split.megatron.tensor_model_parallel_size == split.critic.megatron.tensor_model_parallel_size == 4
+    assert split.critic.output_layer_index == 20 and split.critic.megatron.pipeline_model_parallel_size == 1
+    assert (data_parallel_size(split), critic_data_parallel_size(split)) == (1, 1)
+    assert pool_ranks(split) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    shared = _example("qwen2.5-7b-ppo-shared.yaml")
+    assert (shared.gpus_per_node, shared.critic.placement.value) == (2, "shared")
+    assert shared.megatron.tensor_model_parallel_size == shared.critic.megatron.tensor_model_parallel_size == 2
+    assert shared.critic.megatron.param_offload and shared.megatron.param_offload
+    assert pool_ranks(shared) == ([0, 1], [0, 1])
+    sequential = _example("qwen2.5-7b-ppo-sequential.yaml")
+    assert (sequential.gpus_per_node, sequential.critic.placement.value) == (8, "shared")
+    trinity = _example("trinity-ppo-megatron.yaml")
+    assert trinity.critic.megatron.tensor_model_parallel_size == 4
+    assert trinity.megatron.recompute_granularity.value == trinity.critic.megatron.recompute_granularity.value == "full"
+    assert trinity.algorithm.gae_lambda == 0.95
+    for spec in (split, shared, sequential, trinity):
+        assert spec.critic.model.path is None  # the critic starts from the actor's checkpoint
+
+
+@pytest.mark.parametrize(("nnodes", "gpus", "critic_gpus", "actor", "critic"), [
+    (1, 8, 4, [0, 1, 2, 3], [4, 5, 6, 7]),
+    (2, 4, 2, [0, 1, 4, 5], [2, 3, 6, 7]),
+    (2, 2, None, [0, 1, 2, 3], [0, 1, 2, 3]),  # shared: both pools are the whole world
+])
+def test_pool_ranks_split_every_node_the_same_way(nnodes, gpus, critic_gpus, actor, critic):
+    critic_spec = {"placement": "split", "gpus": critic_gpus} if critic_gpus else {}
+    doc = changed(gpu_job(), {"spec.nnodes": nnodes, "spec.gpusPerNode": gpus, "spec.algorithm.advantageEstimator": "gae",
+                              "spec.critic": critic_spec, "spec.training.microBatchSizePerGpu": 1})
+    spec = parse_rljob(doc).spec
+    assert pool_ranks(spec) == (actor, critic)
+    assert data_parallel_size(spec) == len(actor) and critic_data_parallel_size(spec) == len(critic)
+
+
+def test_pool_ranks_without_critic_is_the_actor_alone():
+    assert pool_ranks(parse_rljob(gpu_job()).spec) == (list(range(8)), [])
+
+
+def test_lambda_is_the_yaml_key_of_gae_lambda():
+    spec = parse_rljob(changed(gpu_job(), {"spec.algorithm.advantageEstimator": "gae", "spec.algorithm.lambda": 0.9,
+                                           "spec.critic": {}})).spec
+    assert spec.algorithm.gae_lambda == 0.9
+    assert spec.model_dump(mode="json", by_alias=True)["algorithm"]["lambda"] == 0.9

@@ -48,7 +48,8 @@ def test_stage_times_add_up_to_step_time(observed_run):
     # Each stage's mean matches what the fake trainer sleeps (plus scheduling slack).
     means = prom.query(f"increase(rljob_stage_seconds_sum{{{H}}}[{window}]) / increase(rljob_stage_seconds_count{{{H}}}[{window}])")
     mean = {r["metric"]["stage"]: float(r["value"][1]) for r in means}
-    assert set(mean) == {"rollout", "reward", "old_logprob", "ref_logprob", "actor_update", "weight_sync",
+    assert set(mean) == {"rollout", "reward", "old_logprob", "ref_logprob", "critic_values", "critic_update",
+                         "actor_update", "weight_sync",
                          "checkpoint", "validation"}
     assert 0.04 <= mean["rollout"] < 0.08 and 0.04 <= mean["actor_update"] < 0.08, mean
     assert 0.01 <= mean["weight_sync"] < 0.04, mean

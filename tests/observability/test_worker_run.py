@@ -35,6 +35,10 @@ NOT_PRODUCED_HERE = {
     "rljob_actor_entropy": "quickstart has entropyCoeff 0: the trainer skips the entropy",
     "rljob_mfu_ratio": "the trainer does not report perf/mfu (yet)",
     "rljob_train_tokens_per_second": "the trainer does not report throughput/train_tokens_per_s (yet)",
+    **{name: "quickstart is GRPO: no critic (the PPO row is checked against the fake trainer in test_dashboards, "
+       "and the PPO trainer's metrics keys in test_ppo)" for name in (
+        "rljob_critic_value_loss", "rljob_critic_explained_variance", "rljob_critic_value_clip_fraction",
+        "rljob_critic_vpred_mean", "rljob_critic_update_seconds")},
 }
 
 

@@ -69,6 +69,7 @@ GOLDEN_CASES = {
     "qwen3-8b-grpo-megatron": (lambda: load_example("qwen3-8b-grpo-megatron.yaml"), OperatorSettings()),
     "multinode-overrides": (multinode_doc, OperatorSettings(metrics_service=True, worker_image="registry.local/w:1")),
     "no-progress-rbac": (lambda: load_example("qwen2.5-7b-grpo-tp2.yaml"), OperatorSettings(progress_rbac=False)),
+    "qwen2.5-7b-ppo-split": (lambda: load_example("qwen2.5-7b-ppo-split.yaml"), OperatorSettings()),
 }
 
 
@@ -157,6 +158,20 @@ def test_gpu_resources_follow_device_and_gpus_per_node(device: str, gpus: int, u
     container = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     assert container.get("resources") == expected
     assert ptj["spec"]["nprocPerNode"] == str(gpus)
+
+
+def test_split_critic_pool_is_inside_the_same_pods() -> None:
+    """Split pools are ranks of one world: each pod asks for all gpusPerNode GPUs (actor and critic pools
+    together) and runs one process per GPU; no second job or replica type."""
+    ptj = builders.build_pytorchjob(job_from(load_example("qwen2.5-7b-ppo-split.yaml")), OperatorSettings())
+    assert ptj["spec"]["nprocPerNode"] == "8"
+    assert set(ptj["spec"]["pytorchReplicaSpecs"]) == {"Master"}
+    assert _container(ptj)["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    doc = load_example("qwen2.5-7b-ppo-split.yaml")
+    doc["spec"]["nnodes"] = 2
+    ptj = builders.build_pytorchjob(job_from(doc), OperatorSettings())
+    assert ptj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    assert _container(ptj, "Worker")["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
 def _container(ptj: dict[str, Any], replica: str = "Master") -> dict[str, Any]:

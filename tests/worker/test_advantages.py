@@ -7,7 +7,7 @@ import torch
 from rljob_api.enums import AdvantageEstimator
 from rljob_worker.algorithms import broadcast_to_tokens, compute_outcome_advantages, compute_token_reward_advantages
 
-ALL_ESTIMATORS = list(AdvantageEstimator)
+ALL_ESTIMATORS = [e for e in AdvantageEstimator if e is not AdvantageEstimator.GAE]  # gae: test_gae.py
 
 
 def _adv(rewards, group_size, estimator, **kw):
@@ -148,6 +148,11 @@ def test_broadcast_to_tokens_fills_response_tokens_only():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     out = broadcast_to_tokens(torch.tensor([2.0, -1.0, 5.0]), mask)
     assert out.tolist() == [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_gae_is_not_an_outcome_estimator():
+    with pytest.raises(ValueError, match="algorithms.gae"):
+        compute_outcome_advantages(torch.tensor([1.0, 0.0]), 2, AdvantageEstimator.GAE)
 
 
 def test_reinforce_plus_plus_whitens_over_tokens_by_hand():

@@ -16,11 +16,16 @@ from pathlib import Path
 
 
 def trainer_class(spec):
-    """The trainer for ``spec.algorithm.name``: SFT for ``sft``, GRPO for every policy-gradient variant."""
+    """The trainer for ``spec.algorithm.name``: SFT for ``sft``, PPO when ``spec.critic`` is set (advantage
+    estimator gae), GRPO for every other policy-gradient variant."""
     if spec.algorithm.name == "sft":
         from rljob_worker.sft_trainer import SFTTrainer
 
         return SFTTrainer
+    if spec.critic is not None:  # PPO: algorithm.advantageEstimator gae with a value model
+        from rljob_worker.ppo_trainer import PPOTrainer
+
+        return PPOTrainer
     from rljob_worker.trainer import GRPOTrainer
 
     return GRPOTrainer

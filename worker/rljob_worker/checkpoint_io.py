@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
 
 
+class CheckpointContentError(ValueError):
+    """A committed checkpoint lacks what this job needs (a configuration error, not a bug)."""
+
+
 def _utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -107,7 +111,10 @@ class CheckpointIO:
         if self.env.rank == 0:
             self.store.check_access("spec.checkpoint.uri", write=True)
 
-    def save(self, step: int, actor, trainer_state: dict[str, Any], metrics: dict[str, float]):
+    def save(self, step: int, actor, trainer_state: dict[str, Any], metrics: dict[str, float],
+             others: dict[str, Any] | None = None):
+        """Save the actor (and ``others``, e.g. ``{"critic": critic}``, each in its own sub-folder) and the
+        trainer state into one step folder; its one COMMIT covers them all."""
         if self.lease is not None:
             self.lease.check()
         local = self.local_root / step_dirname(step)
@@ -116,6 +123,8 @@ class CheckpointIO:
         barrier()
         shield_checkpoint_writer()
         actor.save_checkpoint(local)  # collective; rank 0 writes the common metadata
+        for name, model in (others or {}).items():
+            model.save_checkpoint(local / name)
         if self.env.rank == 0:
             (local / TRAINER_STATE).write_text(json.dumps(trainer_state))
         if not self.multi_node:
@@ -176,8 +185,10 @@ class CheckpointIO:
         if removed:
             log.info("removed %d partial files left by an earlier, killed run (e.g. %s)", len(removed), removed[0])
 
-    def resume(self, actor) -> dict[str, Any] | None:
-        """Load the checkpoint the spec asks for (auto / uri / disable); returns the trainer state or None."""
+    def resume(self, actor, others: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Load the checkpoint the spec asks for (auto / uri / disable); returns the trainer state or None.
+        ``others`` (e.g. ``{"critic": critic}``) load from their sub-folders, which must be there: a step
+        saved without them (a GRPO checkpoint for a PPO job) is refused, never half-loaded."""
         ck = self.spec.checkpoint
         local = self.local_root / "restore"
         choice: dict[str, Any] = {"uri": None}
@@ -206,7 +217,14 @@ class CheckpointIO:
             shutil.rmtree(local, ignore_errors=True)
             self.manager.restore(uri, local)
         barrier()
+        for name in others or {}:
+            if not (local / name).is_dir():
+                raise CheckpointContentError(
+                    f"checkpoint {uri} has no {name} (it was saved by a job without one); resume from a step saved "
+                    f"with the {name} (spec.checkpoint.resumeFrom), or start fresh (resumeMode: disable)")
         actor.load_checkpoint(local)
+        for name, model in (others or {}).items():
+            model.load_checkpoint(local / name)
         state = json.loads((local / TRAINER_STATE).read_text())
         barrier()
         if self.env.rank == 0:

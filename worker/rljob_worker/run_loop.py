@@ -139,6 +139,10 @@ class RunLoop:
     def after_resume(self) -> None:
         """After a checkpoint was loaded (e.g. hand the weights to a rollout engine)."""
 
+    def checkpoint_models(self) -> dict[str, Any]:
+        """Models saved and resumed beside ``self.actor`` in the same step folder, by sub-folder name."""
+        return {}
+
     def summary_line(self) -> str | None:
         """Printed by rank 0 when the run ends."""
         return None
@@ -195,7 +199,7 @@ class RunLoop:
         self._stop_requested = True
 
     def _resume(self) -> None:
-        state = self.checkpoints.resume(self.actor)
+        state = self.checkpoints.resume(self.actor, self.checkpoint_models())
         if state is None:
             return
         self.load_trainer_state(state)
@@ -256,7 +260,7 @@ class RunLoop:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, metrics: dict[str, float]) -> None:
         with self.telemetry.stage("checkpoint"):
-            self.checkpoints.save(self.step, self.actor, self.trainer_state(), metrics)
+            self.checkpoints.save(self.step, self.actor, self.trainer_state(), metrics, self.checkpoint_models())
         self._poll_checkpoint()
 
     def _poll_checkpoint(self) -> None:

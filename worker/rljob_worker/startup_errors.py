@@ -7,6 +7,7 @@ class StartupError(ValueError):
 
 
 def is_configuration_error(exc: BaseException) -> bool:
+    from rljob_worker.checkpoint_io import CheckpointContentError
     from rljob_worker.data import DataError
     from rljob_worker.megatron.errors import MegatronConfigError
     from rljob_worker.model_source import ModelSourceError
@@ -14,5 +15,5 @@ def is_configuration_error(exc: BaseException) -> bool:
     from rljob_worker.rollout.every_rank import RolloutLayoutError
     from rljob_worker.storage import StorageError
 
-    return isinstance(exc, (DataError, ModelSourceError, RewardError, StorageError, MegatronConfigError,
-                            RolloutLayoutError, StartupError))
+    return isinstance(exc, (CheckpointContentError, DataError, ModelSourceError, RewardError, StorageError,
+                            MegatronConfigError, RolloutLayoutError, StartupError))

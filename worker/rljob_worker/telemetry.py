@@ -68,6 +68,8 @@ STAGES: tuple[str, ...] = (
     "reward",
     "old_logprob",
     "ref_logprob",
+    "critic_values",
+    "critic_update",
     "actor_update",
     "weight_sync",
     "actor_offload",
@@ -105,6 +107,18 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "actor/grad_norm": ("rljob_actor_grad_norm", "Gradient norm before clipping (last step)."),
     "actor/lr": ("rljob_actor_learning_rate", "Learning rate of the actor optimizer (last step)."),
     "actor/pg_loss": ("rljob_actor_pg_loss", "Policy-gradient loss (last step)."),
+    "critic/value_loss": ("rljob_critic_value_loss", "Clipped value loss of the critic (PPO, last step)."),
+    "critic/explained_variance": (
+        "rljob_critic_explained_variance",
+        "1 - Var(returns - values) / Var(returns) over the last batch's response tokens (1: perfect critic)."),
+    "critic/value_clip_fraction": (
+        "rljob_critic_value_clip_fraction", "Fraction of tokens whose clipped value error counted (last step)."),
+    "critic/vpred_mean": ("rljob_critic_vpred_mean", "Mean predicted value over response tokens (last step)."),
+    "critic/grad_norm": ("rljob_critic_grad_norm", "Critic gradient norm before clipping (last step)."),
+    "critic/lr": ("rljob_critic_learning_rate", "Learning rate of the critic optimizer (last step)."),
+    "critic/update_s": (
+        "rljob_critic_update_seconds",
+        "Wall time of the last critic update (with split placement it overlaps the actor update)."),
     "throughput/rollout_tokens_per_s": (
         "rljob_rollout_tokens_per_second", "Generated tokens per second during the last rollout stage."),
     "throughput/train_tokens_per_s": (

@@ -305,15 +305,14 @@ class GRPOTrainer(RunLoop):
             shaped = shaped + algo.overlong_penalty(lengths, spec.data.max_response_length, ob.length, ob.penalty_factor)
         batch = pad_batch([r.prompt_ids for r in prompts], out.response_ids, self.pad_id)
         batch["rollout_logprobs"] = scatter_response_values(out.response_logprobs, batch["response_mask"])
+        batch["scores"] = shaped  # (N,) the shaped outcome reward of each response (PPO's critic reads them)
         a = spec.algorithm
         adv_metrics = {}
         if self.use_ref and a.kl_placement == KLPlacement.REWARD:
             # the outcome on each response's last token; KL joins it once the reference log-probs exist
             batch["token_rewards"] = _outcome_on_last_token(shaped, batch["response_mask"])
         else:
-            advantages, adv_metrics = algo.compute_outcome_advantages(
-                shaped, n, a.advantage_estimator, norm_by_std=a.norm_adv_by_std,
-                response_lengths=batch["response_mask"].sum(-1))
+            advantages, adv_metrics = self._outcome_advantages(shaped, n, batch["response_mask"])
             batch["advantages"] = algo.broadcast_to_tokens(advantages, batch["response_mask"])
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
@@ -325,6 +324,13 @@ class GRPOTrainer(RunLoop):
             **{f"advantage/{k}": v for k, v in adv_metrics.items()},
         })
         return {"batch": batch, "metrics": metrics}
+
+    def _outcome_advantages(self, scores: torch.Tensor, group_size: int,
+                            response_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """(N,) advantages from the (N,) shaped scores, and their metrics (GRPO / RLOO / REINFORCE++)."""
+        a = self.spec.algorithm
+        return algo.compute_outcome_advantages(scores, group_size, a.advantage_estimator, norm_by_std=a.norm_adv_by_std,
+                                               response_lengths=response_mask.sum(-1))
 
     def _sample_and_score(self, num_prompts: int):
         """Draw `num_prompts` prompts, sample n responses each and score them.

@@ -63,6 +63,8 @@ def compute_outcome_advantages(
     (share of groups whose rewards are all equal: they carry no GRPO/RLOO learning signal).
     """
     estimator = AdvantageEstimator(estimator)
+    if estimator is AdvantageEstimator.GAE:
+        raise ValueError("gae needs per-token values from a critic: use rljob_worker.algorithms.gae.compute_gae")
     rewards = rewards.detach()
     if not rewards.is_floating_point():
         rewards = rewards.float()

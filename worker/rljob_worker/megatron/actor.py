@@ -254,15 +254,6 @@ class MegatronActor(MegatronEngine):
                                loss_reduction="mean" if normalise_by is None else "sum",
                                output_hidden=self.fused_head, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
 
-    def mini_batch_counts(self, mask: torch.Tensor) -> dict[str, int]:
-        """``{"num_tokens", "num_sequences"}`` of the whole mini-batch: this rank's ``mask (B, T)``
-        (tokens; rows with at least one token) summed over the data-parallel group."""
-        m = mask.bool()
-        t = torch.tensor([int(m.sum()), int(m.any(dim=-1).sum())], dtype=torch.int64, device=self.device)
-        if self.dp_size > 1:
-            dist.all_reduce(t, group=self.dp_group)
-        return {"num_tokens": int(t[0]), "num_sequences": int(t[1])}
-
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the full vocab from TP-sharded ``logits (..., V/tp)`` (fp32).

@@ -222,9 +222,17 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         trainable: bool = True,
         recompute: RecomputeConfig = DEFAULT_RECOMPUTE,
         transformer_overrides: Mapping[str, Any] | None = None,
+        hf_config_fn: Callable[[Any], Any] | None = None,
+        prepare_chunks: Callable[[list[torch.nn.Module], MegatronModelConfig], None] | None = None,
+        skip_hf_weights: Sequence[str] = (),
     ) -> dict[str, Any]:
         """The constructor arguments of an engine built from an HF checkpoint directory (config.json +
-        safetensors): ``cls(**build_from_hf(...))``; see :meth:`from_hf`."""
+        safetensors): ``cls(**build_from_hf(...))``; see :meth:`from_hf`.
+
+        For models that are not the checkpoint's LM (a critic): ``hf_config_fn`` changes the HF config
+        the model is built from (e.g. fewer layers); ``prepare_chunks(chunks, mcfg)`` changes the built
+        chunks before weights are loaded and the optimizer is made (e.g. a new output layer);
+        ``skip_hf_weights``: megatron parameter names not loaded from the checkpoint."""
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             apply_cpu_patches()
@@ -232,6 +240,8 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             parallel = replace(parallel, vpp=None)  # one chunk per stage: no interleaving
         check_parallel(parallel, on_gpu)
         hf_config = hf_weights.load_hf_config(hf_dir)
+        if hf_config_fn is not None:
+            hf_config = hf_config_fn(hf_config)
         check_layer_split(hf_config.num_hidden_layers, parallel)
         if not dist.is_initialized():
             init_distributed(dist_env_from_environ(os.environ))
@@ -268,10 +278,12 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             overrides=transformer_overrides,
         )
         chunks = build_model_chunks(mcfg)
+        if prepare_chunks is not None:
+            prepare_chunks(chunks, mcfg)
         if on_gpu:  # megatron builds linears on the GPU but torch norms on the CPU
             for chunk in chunks:
                 chunk.cuda(torch.cuda.current_device())
-        hf_weights.load_hf_weights(chunks, hf_dir, hf_config)
+        hf_weights.load_hf_weights(chunks, hf_dir, hf_config, skip=skip_hf_weights)
 
         if not trainable:
             for chunk in chunks:
@@ -396,6 +408,15 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             out["loss"] = self._dp_sum(total)
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
         return out
+
+    def mini_batch_counts(self, mask: torch.Tensor) -> dict[str, int]:
+        """``{"num_tokens", "num_sequences"}`` of the whole mini-batch: this rank's ``mask (B, T)``
+        (tokens; rows with at least one token) summed over the data-parallel group (the normalisers of ``train_step(loss_reduction="sum")``)."""
+        m = mask.bool()
+        t = torch.tensor([int(m.sum()), int(m.any(dim=-1).sum())], dtype=torch.int64, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return {"num_tokens": int(t[0]), "num_sequences": int(t[1])}
 
     def broadcast_from_last_stage(self, tensor: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of the pipeline group (returned on the CPU; with

@@ -346,11 +346,13 @@ def load_hf_config(hf_dir: str | os.PathLike):
 
 
 @torch.no_grad()
-def load_hf_weights(model, hf_dir: str | os.PathLike, hf_config=None) -> list[str]:
+def load_hf_weights(model, hf_dir: str | os.PathLike, hf_config=None, skip=()) -> list[str]:
     """Copy this rank's share of every parameter from the HF checkpoint in ``hf_dir``: its TP shard
     of the layers its model chunks hold (``model``: a GPTModel or a list of this rank's chunks).
 
-    Strict: every megatron parameter must be covered by the table and every shape must match.
+    Strict: every megatron parameter must be covered by the table and every shape must match, except
+    the megatron names in ``skip`` (global names, e.g. a critic's ``output_layer.weight``), which are
+    neither loaded nor required.
     Returns the megatron parameter names loaded (prefixed ``"<chunk>."`` with several chunks).
     """
     chunks = _chunks(model)
@@ -365,7 +367,9 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, hf_config=None) -> list[st
         geo = _Geometry(chunk, hf_config.vocab_size)
         params = dict(chunk.named_parameters())
         done: list[str] = []
-        for mname, _, hf_names, kind in _chunk_entries(chunk, table, tied):
+        for mname, global_name, hf_names, kind in _chunk_entries(chunk, table, tied):
+            if global_name in skip:
+                continue
             target = _resolve(params, mname)
             if target is None:
                 if any(h not in reader for h in hf_names):
@@ -381,7 +385,7 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, hf_config=None) -> list[st
             done.append(target)
         if moe.is_moe(hf_config):
             done += moe.load_expert_weights(chunk, reader, hf_config, _load_shard, geo)
-        missing = sorted(set(params) - set(done))
+        missing = sorted(set(params) - set(done) - set(skip))
         if missing:
             raise ValueError(f"parameters not loaded from {hf_dir}: {missing}")
         loaded += [prefix + name for name in done]

@@ -1,0 +1,236 @@
+"""PPO with a megatron-core critic: rollout -> reward -> values -> GAE -> critic update -> actor update.
+
+The GRPO trainer (:mod:`rljob_worker.trainer`) with a value model (``spec.critic``,
+``algorithm.advantageEstimator: gae``). One step, on every rank (batch tensors (n, T), n = this
+data-parallel rank's responses, T = prompt + response columns)::
+
+    rollout + reward on rank 0 (as GRPO; scores (N,) instead of group advantages), batch to all ranks
+    old / reference log-probs (n, T)           when the ratio or a KL-in-reward needs them
+    values (n, T) = critic(batch)              the value of the state before each token
+    token rewards (n, T) = score on the last response token - klCoef x KL per token (klPlacement reward)
+    advantages, returns (n, T) = GAE(gamma, lambda); advantages whitened over each mini-batch's
+                                 response tokens, across the data-parallel ranks
+    critic update: critic.ppoEpochs x mini-batches, clipped value loss aggregated like the policy loss
+    actor update (after critic.warmupSteps steps): the GRPO loss with the GAE advantages, weight sync
+
+Placement: ``shared`` runs both models on every rank, taking turns (with offload flags set, the idle
+model's memory goes to CPU while the other runs). The worker builds the critic with the actor's
+parallel layout (megatron's parallel state is one per process); ``split`` placement (the critic on
+its own ranks, overlapping the actor update) is refused at start-up for now.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rljob_api.enums import CriticPlacement, KLPlacement
+
+from rljob_worker import algorithms as algo
+from rljob_worker.algorithms import gae
+from rljob_worker.batching import slice_batch, split_batch, trim_padding
+from rljob_worker.distributed import broadcast_object
+from rljob_worker.megatron.errors import MegatronConfigError
+from rljob_worker.trainer import GRPOTrainer, _mean_dicts
+
+log = logging.getLogger("rljob.ppo")
+
+_LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                  "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                  "sequence_parallel")
+
+
+def critic_layout_errors(spec) -> list[str]:
+    """What this worker cannot run of a valid spec.critic (the API accepts more): one line each. Pure."""
+    c, m = spec.critic, spec.megatron
+    errors = []
+    if c.placement == CriticPlacement.SPLIT:
+        errors.append("spec.critic.placement: split (the critic on its own GPUs, overlapping the actor update) is not "
+                      "implemented by this worker yet; use placement: shared")
+    for name in _LAYOUT_FIELDS:
+        if getattr(c.megatron, name) != getattr(m, name):
+            camel = "".join(p if i == 0 else p.capitalize() for i, p in enumerate(name.split("_")))
+            errors.append(f"spec.critic.megatron.{camel}: a shared critic runs with the actor's parallel layout in "
+                          f"this worker ({getattr(m, name)!r}, got {getattr(c.megatron, name)!r}); set it equal to "
+                          f"spec.megatron.{camel}")
+    return errors
+
+
+class PPOTrainer(GRPOTrainer):
+    """GRPO's trainer plus a critic; see the module docstring."""
+
+    progress_name = "ppo"
+
+    # ------------------------------------------------------------------ set-up
+    def build_model(self) -> None:
+        spec = self.spec
+        problems = critic_layout_errors(spec)
+        if problems:
+            raise MegatronConfigError("; ".join(problems))
+        from rljob_worker.megatron.actor import OptimConfig, ParallelConfig, RecomputeConfig
+        from rljob_worker.megatron.critic import MegatronCritic
+
+        c = spec.critic
+        critic_dir = self.model_dir
+        if c.model.path and c.model.path != spec.model.path:
+            from rljob_worker.model_source import resolve_model_dir
+
+            critic_dir = resolve_model_dir(spec.model_copy(update={"model": spec.model.model_copy(
+                update={"path": c.model.path})}), self.ctx.workdir / "critic-model", local_rank=self.env.local_rank)
+        # The critic first: a MoE model sizes megatron's aux-loss tracker by the last model built (the actor).
+        self.critic = MegatronCritic.from_hf(
+            critic_dir, parallel=ParallelConfig.from_spec(c.megatron),
+            optim=OptimConfig(lr=c.lr, weight_decay=c.weight_decay, grad_clip=c.grad_clip,
+                              lr_warmup_steps=c.lr_warmup_steps),
+            dtype=self.dtype, seed=spec.training.seed, recompute=RecomputeConfig.from_spec(c.megatron),
+            transformer_overrides=c.megatron.override_transformer_config, output_layer_index=c.output_layer_index)
+        super().build_model()
+        cm = c.megatron
+        flags = {"params": cm.param_offload, "grads": cm.grad_offload, "optimizer": cm.optimizer_offload}
+        if any(flags.values()):
+            self._offload_plan.append((self.critic, flags))
+
+    def checkpoint_models(self) -> dict[str, Any]:
+        return {"critic": self.critic}
+
+    def save_checkpoint(self, metrics: dict[str, float]) -> None:
+        self._on_gpu(self.actor, self.ref, self.critic)  # a model's state is saved from where it trains
+        super().save_checkpoint(metrics)
+
+    def _outcome_advantages(self, scores: torch.Tensor, group_size: int, response_mask: torch.Tensor):
+        """PPO's advantages come from the critic later in the step: none here (the scores travel)."""
+        return torch.zeros_like(scores), {}
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self) -> dict[str, float]:
+        spec, a, c = self.spec, self.spec.algorithm, self.spec.critic
+        metrics: dict[str, float] = {}
+
+        # 1. rollout + reward on rank 0 (every model offloaded when its flags say so), batch to all ranks
+        self._on_gpu()
+        samples_here = self.is_main or self.engine_everywhere
+        payload = self._rollout_and_score(metrics) if samples_here else None  # stages: rollout, reward
+        payload = broadcast_object(payload)
+        batch = payload["batch"]
+        metrics.update(payload["metrics"])
+        metrics["batch/tokens"] = float(batch["attention_mask"].sum())  # prompt + response tokens of the step
+
+        # 2. this data-parallel rank's rows (the critic shares the actor's layout): (n, T)
+        per_rank = batch["input_ids"].shape[0] // self.dp_size
+        lo = self.dp_rank * per_rank
+        local = slice_batch(batch, lo, lo + per_rank)
+        local.pop("token_rewards", None)  # GRPO's KL-in-reward input; PPO builds its token rewards below
+        mini_batches_per_step = self.prompts_per_step // (spec.training.ppo_mini_batch_size_per_node * spec.nnodes)
+        kl_in_reward = self.use_ref and a.kl_placement == KLPlacement.REWARD
+        single_update = mini_batches_per_step == 1 and spec.training.ppo_epochs == 1 and not kl_in_reward
+        lp_micro = spec.rollout.log_prob_micro_batch_size_per_gpu
+
+        # 3. old and reference log-probs (n, T)
+        if not single_update or self.use_ref:
+            self._on_gpu(self.actor, self.ref)
+        if not single_update:
+            with self.telemetry.stage("old_logprob"):
+                local["old_logprobs"] = self.actor.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
+        if self.use_ref:
+            with self.telemetry.stage("ref_logprob"):
+                local["ref_logprobs"] = self.ref.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
+
+        # 4. values, token rewards, GAE, whitened advantages (n, T)
+        self._on_gpu(self.critic)
+        with self.telemetry.stage("critic_values"):
+            local["old_values"] = self.critic.compute_values(local, micro_batch_size=c.micro_batch_size_per_gpu)
+        mask = local["response_mask"]
+        kl = algo.kl_penalty(local["old_logprobs"], local["ref_logprobs"], a.kl_estimator) if kl_in_reward else None
+        rewards = gae.token_level_rewards(local["scores"], mask, kl, a.kl_coef)
+        if kl is not None:  # what the KL took off each response's reward, mean over the batch
+            penalty = (a.kl_coef * algo.masked_zero(kl, mask)).sum(-1)  # (n,)
+            totals = self._dp_sum(torch.stack([penalty.sum().double(), torch.tensor(float(len(penalty)))]))
+            metrics["reward/kl_penalty_mean"] = float(totals[0] / totals[1].clamp(min=1))
+        advantages, local["returns"] = gae.compute_gae(rewards, local["old_values"], mask, a.gamma, a.gae_lambda)
+        minis = split_batch({**local, "advantages": advantages}, mini_batches_per_step)
+        for mini in minis:  # whitened over the mini-batch's response tokens on all data-parallel ranks
+            moments = self._dp_sum(gae.masked_moments(mini["advantages"], mini["response_mask"]))
+            mini["advantages"] = gae.whiten(mini["advantages"], mini["response_mask"], moments)
+        minis = [trim_padding(mini) for mini in minis]
+        ev = gae.explained_variance_from_moments(
+            self._dp_sum(gae.explained_variance_moments(local["old_values"], local["returns"], mask)))
+        metrics.update({"critic/explained_variance": ev,
+                        "critic/returns_mean": float(algo.masked_mean(local["returns"], mask)),
+                        "critic/values_mean": float(algo.masked_mean(local["old_values"], mask))})
+
+        # 5. critic update: critic.ppoEpochs x mini-batches
+        start = time.perf_counter()
+        with self.telemetry.stage("critic_update"):
+            # the value loss is normalised by the mini-batch's response tokens / sequences over all DP ranks
+            critic_metrics = [self.critic.update(mini, self._value_loss_fn(), micro_batch_size=c.micro_batch_size_per_gpu,
+                                                 normalise_by="response_mask")
+                              for _ in range(c.ppo_epochs) for mini in minis]
+        for key, value in _mean_dicts(critic_metrics).items():
+            metrics[key if key.startswith("critic/") else f"critic/{key}"] = value
+        # the engine's loss is the mini-batch's (whatever the micro-batches), not a micro-batch's share
+        metrics["critic/value_loss"] = metrics.pop("critic/loss")
+        metrics["critic/update_s"] = time.perf_counter() - start
+
+        # 6. actor update (after the critic's warm-up) and weight sync
+        if self.step > c.warmup_steps:
+            self._on_gpu(self.actor)
+            start = time.perf_counter()
+            with self.telemetry.stage("actor_update"):
+                actor_metrics = [self.actor.update(mini, self._loss_fn(single_update),
+                                                   micro_batch_size=spec.training.micro_batch_size_per_gpu,
+                                                   with_entropy=a.entropy_coeff > 0, normalise_by="response_mask")
+                                 for _ in range(spec.training.ppo_epochs) for mini in minis]
+            for key, value in _mean_dicts(actor_metrics).items():
+                metrics[key if key.startswith("rollout/") else f"actor/{key}"] = value
+            metrics.update(self._training_throughput(trim_padding(local), time.perf_counter() - start))
+            with self.telemetry.stage("weight_sync"):
+                self._sync_weights()
+        return metrics
+
+    def _value_loss_fn(self):
+        c, a = self.spec.critic, self.spec.algorithm
+        norm_length = self.spec.data.max_response_length
+
+        def loss_fn(values: torch.Tensor, micro: dict[str, torch.Tensor], num_tokens: float | None = None,
+                    num_sequences: float | None = None):
+            return gae.value_loss(values, micro["old_values"], micro["returns"], micro["response_mask"],
+                                  c.cliprange_value, a.loss_aggregation, norm_length,
+                                  num_tokens=num_tokens, num_sequences=num_sequences)
+
+        return loss_fn
+
+    def _on_gpu(self, *wanted) -> None:
+        """Shared placement taking turns: the models of ``wanted`` onloaded, every other model with
+        offload flags offloaded (nothing happens for models without flags)."""
+        moves = [(m, f) for m, f in self._offload_plan if (m in wanted) == m.is_offloaded]
+        if not moves:
+            return
+        with self.telemetry.stage("actor_offload"):
+            for model, flags in moves:  # offload first: the memory it frees is what the onload takes
+                if not model.is_offloaded:
+                    model.offload(**flags)
+            for model, _ in moves:
+                if model.is_offloaded and model in wanted:
+                    model.onload()
+
+    def _sync_weights(self) -> None:
+        self._on_gpu(self.actor)
+        super()._sync_weights()
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dp_size == 1:
+            return t
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        t = t.to(device)
+        dist.all_reduce(t, group=self.actor.dp_group)
+        return t.cpu()
+
+    # ------------------------------------------------------------------ the loop's hooks
+    def progress_line(self, metrics: dict[str, float], eta_s: float) -> str:
+        critic = (f" | value_loss {metrics.get('critic/value_loss', float('nan')):.4f} | "
+                  f"ev {metrics.get('critic/explained_variance', float('nan')):.2f}")
+        line = super().progress_line(metrics, eta_s)
+        head, sep, tail = line.partition(" | grad_norm")
+        return head + critic + sep + tail
