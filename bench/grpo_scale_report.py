@@ -19,6 +19,8 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from results import make_record  # bench/ is on the path (bench/gpu_all.sh; python bench/...)
+
 NEMO_RL_TOK_S_GPU = 1581.0
 STAGES = ("rollout", "reward", "actor_offload", "old_logprob", "ref_logprob", "actor_update", "weight_sync")
 
@@ -101,13 +103,14 @@ def main() -> int:
     for base_label, base in baselines or [(None, None)]:
         for metric, unit, key in (("tokens_per_s_per_gpu", "tok/s/GPU", "tok_s_gpu"), ("step_seconds", "s", "step_s")):
             value, base_value = subject[key], (base or {}).get(key)
-            ratio = value / base_value if value and base_value else None
+            if base_value is None:
+                base_label = None
             shape = f"{a.shape}, {subject['tokens'] or 0:.0f} tokens/step"
-            records.append({"date": today, "card": gpu_card, "work": f"grpo {label}", "shape": shape, "metric": metric,
-                            "value": value, "unit": unit, "baseline": base_label, "baseline_value": base_value,
-                            "ratio": ratio, "same_run": base is not None, "command": a.command, "commit": sha})
-            if ratio is not None:
-                print(f"RATIO {label} vs {base_label}: {metric} {ratio:.2f}x")
+            rec = make_record(f"grpo {label}", shape, metric, value, unit, baseline=base_label, baseline_value=base_value,
+                              card=gpu_card, command=a.command, commit=sha, date=today)
+            records.append(rec)
+            if rec["ratio"] is not None:
+                print(f"RATIO {label} vs {base_label}: {metric} {rec['ratio']:.2f}x (> 1 = better)")
     out = Path(os.environ.get("OUT", ".")) / "results.jsonl"
     with open(out, "a") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in records)
