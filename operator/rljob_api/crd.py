@@ -22,8 +22,8 @@ from rljob_api.models import (
     SHORT_NAMES,
     SINGULAR,
     VERSION,
-    CheckpointSpec,
     AlgorithmSpec,
+    CheckpointSpec,
     MegatronSpec,
     RLJob,
     RLJobSpec,
@@ -124,9 +124,9 @@ def _default(model: type, field: str) -> Any:
 
 
 def spec_cel_rules() -> list[dict[str, str]]:
-    spec_default = lambda f: _default(RLJobSpec, f)  # noqa: E731
-    meg = lambda f: _default(MegatronSpec, f)  # noqa: E731
-    alg = lambda f: _default(AlgorithmSpec, f)  # noqa: E731
+    spec_default = lambda f: _default(RLJobSpec, f)
+    meg = lambda f: _default(MegatronSpec, f)
+    alg = lambda f: _default(AlgorithmSpec, f)
     nnodes = _get("nnodes", spec_default("nnodes"))
     gpus = _get("gpusPerNode", spec_default("gpus_per_node"))
     tp = _get("megatron.tensorModelParallelSize", meg("tensor_model_parallel_size"))

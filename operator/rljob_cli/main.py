@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
+
 from rljob_cli.yaml_load import load_all
 
 

@@ -19,7 +19,7 @@ _FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)
                     |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
                     |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
                     |[-+]?\.(?:inf|Inf|INF)
-                    |\.(?:nan|NaN|NAN))$""", re.X)
+                    |\.(?:nan|NaN|NAN))$""", re.VERBOSE)
 
 
 class ManifestLoader(yaml.SafeLoader):

@@ -15,13 +15,13 @@ from rljob_api.models import RLJob
 from rljob_api.validation import (
     FieldError,
     RLJobValidationError,
-    cross_field_errors,
     critic_data_parallel_size,
+    cross_field_errors,
     data_parallel_size,
     name_errors,
-    pool_ranks,
     parse_rljob,
     parse_spec,
+    pool_ranks,
 )
 
 

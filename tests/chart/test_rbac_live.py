@@ -55,10 +55,9 @@ def live_requests(chart_docs: list[dict[str, Any]], tmp_path_factory: pytest.Tem
                   ) -> Iterator[list[tuple[str, str]]]:
     from apiserver import ApiServerThread
     from cluster import PYTORCHJOBS, RLJOBS, KubeClient, OperatorProcess, free_port, wait_until
+    from kube_rbac import User
     from opschema import pytorchjob_crd
     from rljob_operator.progress import ANNOTATION, encode_progress
-
-    from kube_rbac import User
 
     tmp = tmp_path_factory.mktemp("rbac-live")
     account = one(chart_docs, "ServiceAccount")["metadata"]

@@ -1078,8 +1078,8 @@ def jsonpath_values(obj: Any, path: str) -> list[Any]:
 
 def _age(timestamp: str) -> str:
     """A date cell as the API server prints it: the age, e.g. 42s, 5m, 3h, 2d."""
-    then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
-    seconds = int((datetime.datetime.now(datetime.timezone.utc) - then).total_seconds())
+    then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    seconds = int((datetime.datetime.now(datetime.UTC) - then).total_seconds())
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds // size}{unit}"

@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import jsonschema

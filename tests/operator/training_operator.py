@@ -32,7 +32,7 @@ from cluster import CONFIGMAPS, PYTORCHJOBS, SECRETS, ApiError, KubeClient, free
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass

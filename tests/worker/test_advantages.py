@@ -5,7 +5,11 @@ import math
 import pytest
 import torch
 from rljob_api.enums import AdvantageEstimator
-from rljob_worker.algorithms import broadcast_to_tokens, compute_outcome_advantages, compute_token_reward_advantages
+from rljob_worker.algorithms import (
+    broadcast_to_tokens,
+    compute_outcome_advantages,
+    compute_token_reward_advantages,
+)
 
 ALL_ESTIMATORS = [e for e in AdvantageEstimator if e is not AdvantageEstimator.GAE]  # gae: test_gae.py
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from megatron_helpers import free_port, make_tiny_hf_model  # noqa: E402
+from megatron_helpers import free_port, make_tiny_hf_model
 
 SCRIPT = Path(__file__).with_name("loss_layouts.py")
 TOL = 1e-5

@@ -321,7 +321,7 @@ def test_four_gpu_layouts_equal_one_gpu_bf16(tmp_path):
         H.make_tiny_hf_model(model, root / model, seed=3)
     H.run_torchrun("gpu4", root, tmp_path, nproc=4, timeout=400)
     got = torch.load(tmp_path / "gpu4.pt", map_location="cpu")
-    ref = {m: H.run_parallel_steps(root / m, ParallelConfig(), torch.bfloat16) for m in {"qwen2", "qwen3_moe"}}
+    ref = {m: H.run_parallel_steps(root / m, ParallelConfig(), torch.bfloat16) for m in ("qwen2", "qwen3_moe")}
 
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max())

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_learning import quickstart_spec, rewards, run_trainer  # noqa: E402
-from test_resume import finish, start, wait_for_step  # noqa: E402
+from test_learning import quickstart_spec, rewards, run_trainer
+from test_resume import finish, start, wait_for_step
 
 REPO = Path(__file__).resolve().parents[2]
 

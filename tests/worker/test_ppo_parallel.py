@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_parallel_training import job, run_job  # noqa: E402
+from test_parallel_training import job, run_job
 
 CRITIC = {"lr": 3.0e-3, "microBatchSizePerGpu": 16}
 

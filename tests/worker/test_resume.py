@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_learning import HARNESS, quickstart_spec, read_metrics  # noqa: E402
+from test_learning import HARNESS, quickstart_spec, read_metrics
 
 EXIT_PREEMPTED = 143
 

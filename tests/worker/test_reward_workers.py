@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_learning import HARNESS, quickstart_spec, rewards, run_trainer  # noqa: E402
+from test_learning import HARNESS, quickstart_spec, rewards, run_trainer
 
 
 def spec_with(tmp_path: Path, reward: str, **reward_fields) -> dict:

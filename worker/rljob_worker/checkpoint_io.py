@@ -10,11 +10,17 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rljob_worker.checkpointing import CheckpointError, CheckpointManager, restore_for_resume, spec_hash, step_dirname
+from rljob_worker.checkpointing import (
+    CheckpointError,
+    CheckpointManager,
+    restore_for_resume,
+    spec_hash,
+    step_dirname,
+)
 from rljob_worker.distributed import barrier, broadcast_object
 from rljob_worker.storage import LocalStore, StorageError, open_store, remove_temp_files
 
@@ -28,7 +34,7 @@ class CheckpointContentError(ValueError):
 
 
 def _utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # Settings a resume must not change: what the weights were trained from and on, the algorithm, and

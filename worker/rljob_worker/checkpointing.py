@@ -664,5 +664,20 @@ def restore_for_resume(manager: CheckpointManager, mode: Any, resume_from: str |
 
 
 __all__ = [
-    "COMMIT", "META", "QUARANTINE", "SUPERSEDED", "CheckpointCorrupt", "CheckpointError", "SpecChanged", "changed_spec_fields", "restore_for_resume", "CheckpointManager", "CheckpointRef", "RetentionPlan", "SaveHandle", "resolve_resume", "spec_hash", "step_dirname",
+    "COMMIT",
+    "META",
+    "QUARANTINE",
+    "SUPERSEDED",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointRef",
+    "RetentionPlan",
+    "SaveHandle",
+    "SpecChanged",
+    "changed_spec_fields",
+    "resolve_resume",
+    "restore_for_resume",
+    "spec_hash",
+    "step_dirname",
 ]

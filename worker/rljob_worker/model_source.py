@@ -20,9 +20,7 @@ def resolve_model_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Pa
     """A local folder with config.json, tokenizer and safetensors. Collective when distributed."""
     path = spec.model.path
     if path.startswith("builtin://"):
-        from rljob_worker.builtin_models import materialize_builtin
-
-        from rljob_worker.builtin_models import BUILTIN_MODELS
+        from rljob_worker.builtin_models import BUILTIN_MODELS, materialize_builtin
 
         name = path[len("builtin://"):]
         if name not in BUILTIN_MODELS:
@@ -49,7 +47,7 @@ def resolve_model_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Pa
         barrier()
         local = target
     else:
-        local = Path(path[len("file://"):] if path.startswith("file://") else path)
+        local = Path(path.removeprefix("file://"))
     if not (local / "config.json").is_file():
         raise ModelSourceError(f"spec.model.path {path}: no config.json at {local} (expected a Hugging Face "
                                "checkpoint folder with config.json, tokenizer files and *.safetensors)")
@@ -102,7 +100,7 @@ def resolve_tokenizer_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -
             (target / ".complete").touch()
         barrier()
         return target
-    local = Path(path[len("file://"):] if path.startswith("file://") else path)
+    local = Path(path.removeprefix("file://"))
     if not local.is_dir():
         raise ModelSourceError(f"spec.model.tokenizerPath {path}: no such folder")
     return local

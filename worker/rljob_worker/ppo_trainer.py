@@ -130,12 +130,7 @@ class PPOTrainer(GRPOTrainer):
         # 3. old and reference log-probs (n, T)
         if not single_update or self.use_ref:
             self._on_gpu(self.actor, self.ref)
-        if not single_update:
-            with self.telemetry.stage("old_logprob"):
-                local["old_logprobs"] = self.actor.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
-        if self.use_ref:
-            with self.telemetry.stage("ref_logprob"):
-                local["ref_logprobs"] = self.ref.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
+        self._old_and_ref_logprobs(local, old=not single_update, micro_batch_size=lp_micro)
 
         # 4. values, token rewards, GAE, whitened advantages (n, T)
         self._on_gpu(self.critic)

@@ -61,7 +61,6 @@ from rljob_worker.data import EpochSampler, load_datasets
 from rljob_worker.distributed import all_gather_rows, broadcast_object
 from rljob_worker.flops import active_parameters
 from rljob_worker.rewards import resolve_reward, score_all
-from rljob_worker.run_health import sanitize_rewards
 from rljob_worker.rollout import RolloutOutput, SamplingParams
 from rljob_worker.rollout.every_rank import (
     check_hf_engine_layout,
@@ -70,6 +69,7 @@ from rljob_worker.rollout.every_rank import (
 )
 from rljob_worker.rollout.factory import make_engine, resolve_engine_name
 from rljob_worker.rollout.weight_sync import plan_rollout_layout
+from rljob_worker.run_health import sanitize_rewards
 from rljob_worker.run_loop import RunLoop
 from rljob_worker.token_budget import balanced_dp_order
 
@@ -241,12 +241,7 @@ class GRPOTrainer(RunLoop):
         lp_micro = spec.rollout.log_prob_micro_batch_size_per_gpu
 
         # 3. old and reference log-probs (N/dp, T), from the megatron model
-        if not single_update:
-            with self.telemetry.stage("old_logprob"):
-                local["old_logprobs"] = self.actor.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
-        if self.use_ref:
-            with self.telemetry.stage("ref_logprob"):
-                local["ref_logprobs"] = self.ref.compute_logprobs(local, micro_batch_size=lp_micro)["logprobs"]
+        self._old_and_ref_logprobs(local, old=not single_update, micro_batch_size=lp_micro)
         if kl_in_reward:  # the KL-shaped rewards feed the advantage estimator
             local["advantages"] = self._kl_in_reward_advantages(batch, local, lo, metrics)
         local.pop("token_rewards", None)
@@ -452,6 +447,16 @@ class GRPOTrainer(RunLoop):
             return loss, metrics
 
         return loss_fn
+
+    def _old_and_ref_logprobs(self, local: dict, *, old: bool, micro_batch_size: int) -> None:
+        """local["old_logprobs"] (when the batch gets more than one update) and local["ref_logprobs"] (with a
+        reference model), (N/dp, T) each, from the megatron models."""
+        if old:
+            with self.telemetry.stage("old_logprob"):
+                local["old_logprobs"] = self.actor.compute_logprobs(local, micro_batch_size=micro_batch_size)["logprobs"]
+        if self.use_ref:
+            with self.telemetry.stage("ref_logprob"):
+                local["ref_logprobs"] = self.ref.compute_logprobs(local, micro_batch_size=micro_batch_size)["logprobs"]
 
     def _kl_in_reward_advantages(self, batch: dict[str, torch.Tensor], local: dict[str, torch.Tensor], lo: int,
                                  metrics: dict[str, float]) -> torch.Tensor:

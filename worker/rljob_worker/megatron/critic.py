@@ -26,7 +26,14 @@ import torch
 
 from .context_parallel import gather_from_cp
 from .engine import HeadInput, MegatronEngine
-from .engine_config import DEFAULT_OPTIM, DEFAULT_PARALLEL, DEFAULT_RECOMPUTE, OptimConfig, ParallelConfig, RecomputeConfig
+from .engine_config import (
+    DEFAULT_OPTIM,
+    DEFAULT_PARALLEL,
+    DEFAULT_RECOMPUTE,
+    OptimConfig,
+    ParallelConfig,
+    RecomputeConfig,
+)
 from .errors import MegatronConfigError
 from .packing import unpack
 
