@@ -15,6 +15,8 @@ Types
     Admitted   only for a job in a Kueue queue (label kueue.x-k8s.io/queue-name): True once Kueue
                admitted (un-suspended) its PyTorchJob; False with reason Queued while it waits for
                admission or after Kueue preempted it.
+    RewardsHealthy  only once the worker reports non-finite rewards: False with reason
+               NonFiniteRewards (those samples are scored 0; the message names the count).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
 ADMITTED = "Admitted"
+REWARDS_HEALTHY = "RewardsHealthy"
 CONDITION_TYPES = (ACCEPTED, RUNNING, SUCCEEDED, FAILED, SUSPENDED)  # always written; ADMITTED only with a queue
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
@@ -63,6 +66,9 @@ REASON_RESUMED = "Resumed"  # False: was suspended, resumed
 # Admitted (and Running False while queued)
 REASON_QUEUED = "Queued"  # False: the PyTorchJob waits for Kueue's admission (or was preempted by Kueue)
 REASON_ADMITTED = "Admitted"  # True: Kueue admitted (un-suspended) the PyTorchJob
+
+# RewardsHealthy
+REASON_NONFINITE_REWARDS = "NonFiniteRewards"  # False: the reward function returned nan/inf (scored 0)
 
 # ---------------------------------------------------------------------------- event reasons
 # Events reuse condition reasons where one fits; these are the extra ones.
