@@ -438,8 +438,8 @@ def _rewards_condition(trainer: Mapping[str, Any] | None) -> tuple[str, str, str
     if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
         return None
     return (c.FALSE, c.REASON_NONFINITE_REWARDS,
-            f"The reward function returned {count} non-finite (nan/inf) reward(s) so far; they were scored 0. "
-            "Check the reward function for divisions by zero or unbounded values (metric rljob_reward_nonfinite).")
+            (f"The reward function returned {count} non-finite (nan/inf) reward(s) so far; they were scored 0. "
+             "Check the reward function for divisions by zero or unbounded values (metric rljob_reward_nonfinite)."))
 
 
 def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: bool, failed: bool, invalid: bool,
