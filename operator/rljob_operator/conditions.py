@@ -80,6 +80,7 @@ EVENT_SUCCEEDED = "Succeeded"
 EVENT_FAILED = "Failed"
 EVENT_API_ERROR = "ApiError"
 EVENT_PREEMPTED = "Preempted"  # Kueue suspended an admitted PyTorchJob
+EVENT_CHECKPOINT_QUARANTINED = "CheckpointQuarantined"  # a corrupt checkpoint step was moved to quarantine/
 
 _CAMEL_WORD = re.compile(r"^[A-Z][A-Za-z0-9]{0,63}$")
 

@@ -363,6 +363,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
             status["trainer"] = decode_progress(annotation)
         except ProgressError as exc:
             notes.append(f"ignoring the {PROGRESS_ANNOTATION} annotation: {exc}")
+    events.extend(_quarantine_events(old_status.get("trainer"), status.get("trainer")))
     rewards_cond = _rewards_condition(status.get("trainer"))
     if rewards_cond is not None:
         put(c.REWARDS_HEALTHY, *rewards_cond)
@@ -430,6 +431,21 @@ def _admitted_condition(queue: str | None, queued: bool, suspend: bool, finished
                 f"PyTorchJob {ptj_name} waits in Kueue LocalQueue {queue} for admission; it stays suspended "
                 "until Kueue admits it.")
     return c.TRUE, c.REASON_ADMITTED, f"Kueue admitted PyTorchJob {ptj_name} from LocalQueue {queue}."
+
+
+def _quarantine_events(old_trainer: Mapping[str, Any] | None,
+                       new_trainer: Mapping[str, Any] | None) -> list[Event]:
+    """One Warning per quarantined step the status did not list yet (so not again on every reconcile)."""
+    seen = {(q.get("step"), q.get("uri")) for q in (old_trainer or {}).get("quarantinedCheckpoints") or ()}
+    out = []
+    for q in (new_trainer or {}).get("quarantinedCheckpoints") or ():
+        if (q["step"], q["uri"]) in seen:
+            continue
+        why = f" ({q['reason']})" if q.get("reason") else ""
+        out.append(Event("Warning", c.EVENT_CHECKPOINT_QUARANTINED, _clip(
+            f"Checkpoint step {q['step']} failed its checksums{why}; moved to {q['uri']} for inspection and "
+            "training resumed from the previous committed step.")))
+    return out
 
 
 def _rewards_condition(trainer: Mapping[str, Any] | None) -> tuple[str, str, str] | None:

@@ -548,6 +548,24 @@ def test_nonfinite_rewards_set_rewards_healthy_false_and_warn_once() -> None:
     assert not [e for e in plan.events if e.reason == c.REASON_NONFINITE_REWARDS]  # not again on a later report
 
 
+def test_quarantined_checkpoint_warns_once_per_step() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    moved = {"step": 40, "uri": "s3://b/ns/quickstart/quarantine/step_000040-20261126T100500Z",
+             "reason": "checkpoint step 40 is corrupt"}
+    body["metadata"]["annotations"] = {ANNOTATION: encode_progress(30, quarantined=[moved], time=T1)}
+    plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    [event] = [e for e in plan.events if e.reason == c.EVENT_CHECKPOINT_QUARANTINED]
+    assert event.type == "Warning" and "step 40" in event.message and moved["uri"] in event.message
+    assert plan.status["trainer"]["quarantinedCheckpoints"] == [moved]
+    assert_valid_status(plan.status)
+    body = step(body, plan)
+    assert reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS).events == ()
+    body["metadata"]["annotations"] = {ANNOTATION: encode_progress(31, quarantined=[moved], time=T2)}
+    plan = reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert plan.status["trainer"]["step"] == 31 and not plan.events  # a later report: no second event
+
+
 def test_apply_failed_status_marks_only_jobs_not_yet_created() -> None:
     body = stored()
     plan = reconcile(body, Observed(now=T0), SETTINGS)
