@@ -619,6 +619,12 @@ class CheckpointRefStatus(ApiModel):
     time: str | None = _f(None, "When it was committed (RFC 3339).")
 
 
+class QuarantinedCheckpointStatus(ApiModel):
+    step: int = _f(description="Training step whose checkpoint failed its checksums.")
+    uri: str = _f(description="Where it was moved (under quarantine/), kept for inspection.")
+    reason: str | None = _f(None, "What failed.")
+
+
 class TrainerStatus(ApiModel):
     step: int = _f(0, "Last finished training step.")
     total_steps: int | None = _f(None, "Steps the run will take.")
@@ -628,6 +634,8 @@ class TrainerStatus(ApiModel):
     nonfinite_rewards: int | None = _f(
         None, "Samples whose reward came back NaN or +-Inf so far (scored 0); above 0 the reward function has a bug.")
     last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")
+    quarantined_checkpoints: list[QuarantinedCheckpointStatus] | None = _f(
+        None, "Corrupt checkpoint steps moved to quarantine/ at start-up; the previous committed step loaded.")
     last_updated_time: str | None = _f(None, "When the worker last reported (RFC 3339).")
 
 

@@ -15,6 +15,8 @@ Types
     Admitted   only for a job in a Kueue queue (label kueue.x-k8s.io/queue-name): True once Kueue
                admitted (un-suspended) its PyTorchJob; False with reason Queued while it waits for
                admission or after Kueue preempted it.
+    RewardsHealthy  only once the worker reports non-finite rewards: False with reason
+               NonFiniteRewards (those samples are scored 0; the message names the count).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
 ADMITTED = "Admitted"
+REWARDS_HEALTHY = "RewardsHealthy"
 CONDITION_TYPES = (ACCEPTED, RUNNING, SUCCEEDED, FAILED, SUSPENDED)  # always written; ADMITTED only with a queue
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
@@ -64,6 +67,9 @@ REASON_RESUMED = "Resumed"  # False: was suspended, resumed
 REASON_QUEUED = "Queued"  # False: the PyTorchJob waits for Kueue's admission (or was preempted by Kueue)
 REASON_ADMITTED = "Admitted"  # True: Kueue admitted (un-suspended) the PyTorchJob
 
+# RewardsHealthy
+REASON_NONFINITE_REWARDS = "NonFiniteRewards"  # False: the reward function returned nan/inf (scored 0)
+
 # ---------------------------------------------------------------------------- event reasons
 # Events reuse condition reasons where one fits; these are the extra ones.
 EVENT_CREATED = "Created"  # a child object was created
@@ -74,6 +80,7 @@ EVENT_SUCCEEDED = "Succeeded"
 EVENT_FAILED = "Failed"
 EVENT_API_ERROR = "ApiError"
 EVENT_PREEMPTED = "Preempted"  # Kueue suspended an admitted PyTorchJob
+EVENT_CHECKPOINT_QUARANTINED = "CheckpointQuarantined"  # a corrupt checkpoint step was moved to quarantine/
 
 _CAMEL_WORD = re.compile(r"^[A-Z][A-Za-z0-9]{0,63}$")
 

@@ -72,6 +72,7 @@ def encode_progress(
     last_checkpoint: Mapping[str, Any] | None = None,
     time: str | None = None,
     nonfinite_rewards: int | None = None,
+    quarantined: Any = None,
 ) -> str:
     """The annotation value (compact JSON). `last_checkpoint` is {"step", "uri", "time"?}.
 
@@ -92,6 +93,8 @@ def encode_progress(
         doc["nonfiniteRewards"] = _count(nonfinite_rewards, "nonfiniteRewards")
     if last_checkpoint is not None:
         doc["lastCheckpoint"] = _checkpoint(last_checkpoint)
+    if quarantined:
+        doc["quarantinedCheckpoints"] = _quarantined(quarantined)
     doc["time"] = time or utc_now()
     text = json.dumps(doc, separators=(",", ":"), sort_keys=False)
     if len(text.encode()) > MAX_VALUE_BYTES:
@@ -118,6 +121,25 @@ def _checkpoint(raw: Any) -> dict[str, Any]:
         if not isinstance(raw["time"], str):
             raise ProgressError("lastCheckpoint.time must be an RFC 3339 string")
         out["time"] = raw["time"]
+    return out
+
+
+MAX_QUARANTINED = 8  # newest kept; keeps the annotation small
+
+
+def _quarantined(raw: Any) -> list[dict[str, Any]]:
+    """Checkpoint steps the worker moved to quarantine/: [{"step", "uri", "reason"?}], newest last."""
+    if not isinstance(raw, (list, tuple)):
+        raise ProgressError(f"quarantinedCheckpoints must be a list, got {type(raw).__name__}")
+    out = []
+    for item in list(raw)[-MAX_QUARANTINED:]:
+        entry = _checkpoint({"step": item.get("step"), "uri": item.get("uri")} if isinstance(item, Mapping) else item)
+        reason = item.get("reason")
+        if reason:
+            if not isinstance(reason, str):
+                raise ProgressError("quarantinedCheckpoints[].reason must be a string")
+            entry["reason"] = reason[:200]
+        out.append(entry)
     return out
 
 
@@ -156,6 +178,8 @@ def decode_progress(value: str) -> dict[str, Any]:
         trainer["nonfiniteRewards"] = _count(doc["nonfiniteRewards"], "nonfiniteRewards")
     if doc.get("lastCheckpoint") is not None:
         trainer["lastCheckpoint"] = _checkpoint(doc["lastCheckpoint"])
+    if doc.get("quarantinedCheckpoints"):
+        trainer["quarantinedCheckpoints"] = _quarantined(doc["quarantinedCheckpoints"])
     trainer["lastUpdatedTime"] = time
     return trainer
 

@@ -363,6 +363,11 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
             status["trainer"] = decode_progress(annotation)
         except ProgressError as exc:
             notes.append(f"ignoring the {PROGRESS_ANNOTATION} annotation: {exc}")
+    events.extend(_quarantine_events(old_status.get("trainer"), status.get("trainer")))
+    rewards_cond = _rewards_condition(status.get("trainer"))
+    if rewards_cond is not None:
+        put(c.REWARDS_HEALTHY, *rewards_cond)
+        status["conditions"] = conds
 
     # ------------------------------------------------------------------ events from transitions
     events.extend(_transition_events(old_conds, conds))
@@ -426,6 +431,31 @@ def _admitted_condition(queue: str | None, queued: bool, suspend: bool, finished
                 f"PyTorchJob {ptj_name} waits in Kueue LocalQueue {queue} for admission; it stays suspended "
                 "until Kueue admits it.")
     return c.TRUE, c.REASON_ADMITTED, f"Kueue admitted PyTorchJob {ptj_name} from LocalQueue {queue}."
+
+
+def _quarantine_events(old_trainer: Mapping[str, Any] | None,
+                       new_trainer: Mapping[str, Any] | None) -> list[Event]:
+    """One Warning per quarantined step the status did not list yet (so not again on every reconcile)."""
+    seen = {(q.get("step"), q.get("uri")) for q in (old_trainer or {}).get("quarantinedCheckpoints") or ()}
+    out = []
+    for q in (new_trainer or {}).get("quarantinedCheckpoints") or ():
+        if (q["step"], q["uri"]) in seen:
+            continue
+        why = f" ({q['reason']})" if q.get("reason") else ""
+        out.append(Event("Warning", c.EVENT_CHECKPOINT_QUARANTINED, _clip(
+            f"Checkpoint step {q['step']} failed its checksums{why}; moved to {q['uri']} for inspection and "
+            "training resumed from the previous committed step.")))
+    return out
+
+
+def _rewards_condition(trainer: Mapping[str, Any] | None) -> tuple[str, str, str] | None:
+    """RewardsHealthy False once the worker has counted non-finite rewards; None while it has not."""
+    count = (trainer or {}).get("nonfiniteRewards")
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        return None
+    return (c.FALSE, c.REASON_NONFINITE_REWARDS,
+            (f"The reward function returned {count} non-finite (nan/inf) reward(s) so far; they were scored 0. "
+             "Check the reward function for divisions by zero or unbounded values (metric rljob_reward_nonfinite)."))
 
 
 def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: bool, failed: bool, invalid: bool,
@@ -507,6 +537,8 @@ def _transition_events(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]
                     "Kueue suspended the admitted PyTorchJob (preemption or eviction): its pods get SIGTERM and "
                     "save a checkpoint, as on spec.suspend; training resumes from it when Kueue admits the job "
                     "again.")))
+        elif t == c.REWARDS_HEALTHY and status == c.FALSE and b_status != c.FALSE:
+            out.append(Event("Warning", reason, message))  # once, when the first non-finite reward is reported
         elif t == c.SUCCEEDED and status == c.TRUE and b_status != c.TRUE:
             out.append(Event("Normal", c.EVENT_SUCCEEDED, message))
         elif t == c.FAILED and status == c.TRUE and b_status != c.TRUE:

@@ -414,6 +414,12 @@ def test_bit_flipped_newest_step_is_quarantined_and_the_previous_one_loads(store
     assert any(k.endswith("/__0_0.distcp") and "/step_000002-" in k for k in kept), kept
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "corrupt" in said and f"{QUARANTINE}/step_000002-" in said and "previous committed step" in said
+    # the progress report carries the record, which the operator turns into a CheckpointQuarantined event
+    from rljob_operator.progress import decode_progress, encode_progress
+    trainer = decode_progress(encode_progress(1, quarantined=manager.quarantined, time="2026-11-26T10:00:00Z"))
+    [record] = trainer["quarantinedCheckpoints"]
+    assert record["step"] == 2 and f"/{QUARANTINE}/step_000002-" in record["uri"]
+    assert "corrupt" in record["reason"]
     # a seed from another job is never moved: its corruption is an error
     other = CheckpointManager(store, "ns/other")
     seed = _save(other, tmp_path / "o", helpers, 7)

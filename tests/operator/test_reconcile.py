@@ -523,6 +523,49 @@ def test_progress_annotation_is_folded_into_trainer_status() -> None:
     assert plan.status is None and plan.notes and "step must be" in plan.notes[0]
 
 
+def test_nonfinite_rewards_set_rewards_healthy_false_and_warn_once() -> None:
+    T3 = "2026-11-26T11:30:00Z"
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    body["metadata"]["annotations"] = {ANNOTATION: encode_progress(5, total_steps=90, time=T1)}
+    plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert c.get_condition(plan.status["conditions"], c.REWARDS_HEALTHY) is None  # none while all rewards are finite
+    body = step(body, plan)
+    body["metadata"]["annotations"] = {ANNOTATION: encode_progress(6, total_steps=90, nonfinite_rewards=3, time=T2)}
+    plan = reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    rewards = cond(plan.status, c.REWARDS_HEALTHY)
+    assert (rewards["status"], rewards["reason"]) == (c.FALSE, c.REASON_NONFINITE_REWARDS)
+    assert "3 non-finite" in rewards["message"] and "reward function" in rewards["message"]
+    assert rewards["observedGeneration"] == body["metadata"]["generation"]
+    warnings = [e for e in plan.events if e.reason == c.REASON_NONFINITE_REWARDS]
+    assert len(warnings) == 1 and warnings[0].type == "Warning"
+    assert_valid_status(plan.status)
+    body = step(body, plan)
+    body["metadata"]["annotations"] = {ANNOTATION: encode_progress(7, total_steps=90, nonfinite_rewards=5, time=T3)}
+    plan = reconcile(body, Observed(now=T3, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    rewards = cond(plan.status, c.REWARDS_HEALTHY)
+    assert "5 non-finite" in rewards["message"] and rewards["lastTransitionTime"] == T2
+    assert not [e for e in plan.events if e.reason == c.REASON_NONFINITE_REWARDS]  # not again on a later report
+
+
+def test_quarantined_checkpoint_warns_once_per_step() -> None:
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    moved = {"step": 40, "uri": "s3://b/ns/quickstart/quarantine/step_000040-20261126T100500Z",
+             "reason": "checkpoint step 40 is corrupt"}
+    body["metadata"]["annotations"] = {ANNOTATION: encode_progress(30, quarantined=[moved], time=T1)}
+    plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    [event] = [e for e in plan.events if e.reason == c.EVENT_CHECKPOINT_QUARANTINED]
+    assert event.type == "Warning" and "step 40" in event.message and moved["uri"] in event.message
+    assert plan.status["trainer"]["quarantinedCheckpoints"] == [moved]
+    assert_valid_status(plan.status)
+    body = step(body, plan)
+    assert reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS).events == ()
+    body["metadata"]["annotations"] = {ANNOTATION: encode_progress(31, quarantined=[moved], time=T2)}
+    plan = reconcile(body, Observed(now=T2, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
+    assert plan.status["trainer"]["step"] == 31 and not plan.events  # a later report: no second event
+
+
 def test_apply_failed_status_marks_only_jobs_not_yet_created() -> None:
     body = stored()
     plan = reconcile(body, Observed(now=T0), SETTINGS)

@@ -202,6 +202,7 @@ class CheckpointManager:
         self._pending: SaveHandle | None = None
         self._lock = threading.Lock()  # one save at a time
         self._retention_lock = threading.Lock()
+        self.quarantined: list[dict[str, Any]] = []  # {"step", "uri", "reason"} per step quarantined by this process
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.base_uri!r}, max_to_keep={self.max_to_keep})"
@@ -517,10 +518,14 @@ class CheckpointManager:
         self._delete_step(step)
         return self.store.uri_for(dest_key)
 
-    def quarantine(self, step: int) -> str:
-        """Move a corrupt committed step to ``<base>/quarantine/step_NNNNNN-<time>/``; returns its new URI."""
+    def quarantine(self, step: int, reason: str = "") -> str:
+        """Move a corrupt committed step to ``<base>/quarantine/step_NNNNNN-<time>/``; returns its new URI.
+
+        Recorded in ``self.quarantined`` so the progress report can tell the operator (a Warning event)."""
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        return self._move_step(step, self._key(QUARANTINE, f"{step_dirname(step)}-{stamp}"))
+        uri = self._move_step(step, self._key(QUARANTINE, f"{step_dirname(step)}-{stamp}"))
+        self.quarantined.append({"step": step, "uri": uri, "reason": reason[:200]})
+        return uri
 
     def set_aside_committed(self) -> tuple[list[int], str | None]:
         """Move every committed step to ``<base>/superseded/<time>/`` (``resumeMode: disable`` on a
@@ -657,7 +662,7 @@ def restore_for_resume(manager: CheckpointManager, mode: Any, resume_from: str |
         except CheckpointCorrupt as e:
             if not own:
                 raise
-            where = manager.quarantine(ref.step)
+            where = manager.quarantine(ref.step, str(e))
             log.warning("%s; moved step %d to %s for inspection and falling back to the previous committed step",
                         e, ref.step, where)
             shutil.rmtree(local_dir, ignore_errors=True)

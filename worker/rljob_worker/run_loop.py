@@ -324,6 +324,7 @@ class RunLoop:
         self._status_reporter.report(step=self.step, total_steps=self.total_steps,
                                      last_checkpoint=self.checkpoints.last_committed, force=force,
                                      nonfinite_rewards=health.nonfinite_rewards if health else None,
+                                     quarantined=getattr(getattr(self.checkpoints, "manager", None), "quarantined", None),
                                      **self.status_values(metrics))
 
 
