@@ -8,7 +8,8 @@
 #             with vLLM installed (bench/vllm_carry.sh install first): vllmtests (the real-vLLM GPU tests),
 #             grpovllm1 (digit-sum GRPO, engine: vllm, 1 GPU), grpovllmtp2 (same at rollout TP2, 2 GPUs),
 #             grpovllm (GRPO step: static engine vs vLLM [+ TRL: GRPOVLLM_VARIANTS]), rolloutvllm (rollout
-#             bench incl. vLLM rows and its sleep / wake / sync timings), grpo15vllm (the same at 1.5B)
+#             bench incl. vLLM rows and its sleep / wake / sync timings), grpo15vllm (the same at 1.5B),
+#             rolloutscale (rollout alone, static vs compiled static vs vLLM at 1.5B and 7B, random weights: `auto`)
 #             q7bprep, then q7bevery q7brank0 q7breport (4 GPUs, issue 23: Qwen2.5-7B-shape GRPO, TP2 x DP2, hf
 #             engine on every GPU vs on rank 0, same call; 16 prompts x 8 by default so both fit one call:
 #             Q7B_PROMPTS, Q7B_STEPS (3), Q7B_LIMIT) | q7bpp2 (TP2 x PP2, 32 prompts x 8)
@@ -84,6 +85,7 @@ for s in $SECTIONS; do
     grpovllm) section grpovllm ${GRPOVLLM_LIMIT:-240} python3 bench/grpo_step.py --variants ${GRPOVLLM_VARIANTS:-rljob-static:32,rljob-vllm:32} --timeout-each 150 --tag _vllm ;;
     grpo15vllm) section grpo15vllm 330 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16,rljob-vllm:16 --timeout-each 160 --tag _1.5b_vllm ;;
     rolloutvllm) section rolloutvllm ${ROLLOUTVLLM_LIMIT:-200} python3 bench/rollout.py --vllm ${ROLLOUT_ARGS:-} ;;
+    rolloutscale) section rolloutscale ${ROLLOUTSCALE_LIMIT:-560} python3 bench/rollout_scale.py --models ${ROLLOUTSCALE_MODELS:-1.5b,7b} ;;
     q7bprep) section q7bprep 300 python3 bench/gpu_7b_prepare.py ;;
     q7bevery) section q7bevery ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 every-rank ;;
     q7brank0) section q7brank0 ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 rank0 ;;
