@@ -306,8 +306,9 @@ class RolloutSpec(ApiModel):
     engine: RolloutEngine = _f(
         RolloutEngine.AUTO, "Rollout engine: vllm (vLLM 0.26, colocated, sleeps while the actor trains), hf (transformers; on a GPU a "
         "static KV cache and a CUDA-graphed decode step), or auto, which picks by measurement: hf without a GPU or "
-        "without vLLM; vllm for rollout TP > 1, more than one GPU process, or a model above 1B active parameters; "
-        "else hf (at 0.5B the static hf engine is 1.2x vLLM per GRPO step, bench/NOTES.md)."
+        "without vLLM; vllm for rollout TP > 1, more than one GPU process, or a model above 3B active parameters; "
+        "else hf (rollout alone on an H100: the static hf engine is 1.7x vLLM at 0.5B and 1.2x at 1.5B, vLLM is "
+        "1.7x the static engine at 7B; bench/NOTES.md)."
     )
     # Not `n`: YAML 1.1 parsers (kubectl's among them) read a bare `n` key as the boolean false.
     ranks: RolloutRanks = _f(

@@ -9,12 +9,14 @@ import os
 import torch
 from rljob_api.enums import RolloutEngine as EngineName
 
-# `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Measured on
-# one H100 (bench/NOTES.md, 2026-11-26), Qwen2.5-0.5B shape, 32 prompts x 8, 128 + 256 tokens: whole GRPO step
-# static engine 3.18 s vs vLLM 0.26 3.90 s (same call); rollout alone 41.4k vs 29.2k tok/s (compiled static 75.2k).
-# 0.5B is the largest size measured with both engines; above 1B vLLM (paged KV cache, CUDA graphs per batch size,
-# rollout TP) is the default until a measurement says otherwise (bench/gpu_all.sh sections grpo15vllm, grpovllm).
-AUTO_STATIC_MAX_PARAMS = 1_000_000_000
+# `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Rollout alone,
+# one H100, Qwen2.5 shapes, 32 prompts x 8, 128 + 256 tokens, bf16 (bench/rollout_scale.py, bench/NOTES.md,
+# 2026-11-26, one call): static / compiled static / vLLM 0.26 tok/s = 41.6k / 74.9k / 24.9k at 0.5B,
+# 27.9k / 45.5k / 23.6k at 1.5B, 13.4k / 17.7k / 23.0k at 7B. vLLM's throughput is nearly flat in model size
+# (bound by its per-step host work) while the static engine's falls with it; interpolating in log-size the
+# curves cross near 2.2B (uncompiled) and 4.6B (compiled). 3B sits between, where either engine is within
+# about 15% of the other. Whole GRPO step at 0.5B: static 3.01 s vs vLLM 3.41 s (same call).
+AUTO_STATIC_MAX_PARAMS = 3_000_000_000
 
 
 def resolve_engine_name(name: EngineName, device: torch.device, *, world_size: int = 1, rollout_tp: int = 1,
