@@ -320,7 +320,9 @@ class RolloutSpec(ApiModel):
     )
     samples_per_prompt: int = _f(
         8, "Samples per prompt, i.e. the GRPO group size. (verl: actor_rollout_ref.rollout.n)", ge=2, le=1024)
-    temperature: float = _f(1.0, "Sampling temperature. (verl: rollout.temperature)", ge=0, le=10)
+    temperature: float = _f(1.0, "Sampling temperature. The trainer's log-probs and entropy are of the same tempered "
+                            "distribution, softmax(logits / temperature), as verl's (0 samples greedily and trains on "
+                            "the raw distribution). (verl: rollout.temperature)", ge=0, le=10)
     top_p: float = _f(1.0, "Nucleus sampling probability mass. (verl: rollout.top_p)", gt=0, le=1)
     top_k: int = _f(-1, "Top-k sampling; -1 disables. (verl: rollout.top_k)", ge=-1)
     tensor_model_parallel_size: int = _f(

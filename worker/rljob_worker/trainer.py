@@ -125,6 +125,11 @@ class GRPOTrainer(RunLoop):
         self.ref = (MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed,
                                             trainable=False, transformer_overrides=m.override_transformer_config)
                     if self.use_ref else None)
+        # log-probs of the distribution the rollout sampled (temperature 0, greedy, has no such distribution: raw)
+        temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
+        for model in (self.actor, self.ref):
+            if model is not None:
+                model.logit_temperature = temperature
         # megatron.*Offload: free the actor's (and the reference model's) GPU memory during rollout
         flags = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload}
         ref_flags = {"params": m.param_offload, "grads": False, "optimizer": False}
