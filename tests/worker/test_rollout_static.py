@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rljob_api.enums import RolloutCompile
 from rljob_api.enums import RolloutEngine as EngineName
 from rljob_worker.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer, materialize_builtin
 from rljob_worker.rollout import SamplingParams, make_engine
+from rljob_worker.rollout.compile_config import compile_cache_env, compile_enabled
 from rljob_worker.rollout.hf_engine import HFEngine
-from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+from rljob_worker.rollout.hf_static_engine import HFStaticEngine, bucket_for, dynamo_compiles, kv_buckets
 
 TOK = build_char_tokenizer()
 PROMPTS = [TOK(s, add_special_tokens=False)["input_ids"] for s in ["12+3=", "9=", "4444 8=", "0", "77+1=2 #"]]
@@ -129,40 +131,122 @@ def test_sliding_window_models_are_refused(sharp_model_dir, monkeypatch):
                        pad_token_id=PAD_ID)
 
 
-def test_compiled_decode_step_equals_hf_engine(sharp_model_dir):
-    """torch.compile of the decode step (the GPU option RLJOB_HF_STATIC_COMPILE=1) changes no
-    token: compiled here with inductor on the CPU, greedy continuations equal HFEngine's, including
-    after a change of shape (which recompiles)."""
+def _rescored(model_dir, prompts, out, temperature):
+    """Each pick's log-prob under the HF model's own forward (teacher-forced), at the sampling temperature."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rows = []
+    for prompt, ids in zip(prompts, out.response_ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1] / temperature
+        rows.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist())
+    return rows
+
+
+def test_compiled_decode_step_equals_the_uncompiled_one(sharp_model_dir):
+    """torch.compile of the decode step with its in-step sampler (the GPU default) changes no token: compiled
+    here with inductor on the CPU against the same engine uncompiled (same in-step sampler, same noise for the
+    same seed): greedy and temperature sampling give identical tokens and log-probs within 1e-5, greedy equals
+    the HF engine, and a sampled token's log-prob is the one the HF model's own forward gives it."""
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     ref = HFEngine(str(sharp_model_dir), **kw)
+    eager = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, **kw)
     compiled = HFStaticEngine(str(sharp_model_dir), compile_decode=True, **kw)
-    assert compiled.compile_decode
-    params = SamplingParams(n=1, temperature=0, max_new_tokens=8)
-    for prompts in (PROMPTS, PROMPTS[:2]):
-        want, got = ref.generate(prompts, params), compiled.generate(prompts, params)
-        assert got.response_ids == want.response_ids
-        for a, b in zip(got.response_logprobs, want.response_logprobs):
-            assert a == pytest.approx(b, abs=1e-4)
-    # plain temperature sampling takes the compiled race sampler: seeded runs repeat, and each pick's
-    # log-prob is the one the HF engine's forward gives that token (teacher-forced re-scoring below)
-    hot = SamplingParams(n=1, temperature=1.5, max_new_tokens=6, seed=7)
-    first, again = compiled.generate(PROMPTS, hot), compiled.generate(PROMPTS, hot)
-    assert first.response_ids == again.response_ids
+    assert compiled.compile_decode and compiled.sample_in_step and not eager.compile_decode
+    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=8)
+    want, got, same = ref.generate(PROMPTS, greedy), compiled.generate(PROMPTS, greedy), eager.generate(PROMPTS, greedy)
+    assert got.response_ids == want.response_ids == same.response_ids
+    for a, b in zip(got.response_logprobs, same.response_logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    hot = SamplingParams(n=2, temperature=1.5, max_new_tokens=6, seed=7)
+    first, again, plain = compiled.generate(PROMPTS, hot), compiled.generate(PROMPTS, hot), eager.generate(PROMPTS, hot)
+    assert first.response_ids == again.response_ids == plain.response_ids
+    for a, b in zip(first.response_logprobs, plain.response_logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    for lps, want in zip(first.response_logprobs, _rescored(sharp_model_dir, prompts, first, 1.5)):
+        assert lps == pytest.approx(want, abs=1e-4)
+
+
+def test_in_step_top_p_sampling_draws_from_the_nucleus(sharp_model_dir):
+    """top-p inside the step (eager here; the same code is what the GPU graph captures): every pick lies in the
+    nucleus of the HF model's distribution, its log-prob is the renormalised nucleus log-prob, and a fixed seed
+    repeats."""
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
+    eng = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, **kw)
+    params = SamplingParams(n=8, temperature=1.0, top_p=0.5, max_new_tokens=5, seed=3)
+    out = eng.generate(PROMPTS[:2], params)
+    assert out.response_ids == eng.generate(PROMPTS[:2], params).response_ids
+    from rljob_worker.rollout.sampling import filter_logits
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(sharp_model_dir), dtype=torch.float32)
-    for prompt, ids, lps in zip(PROMPTS, first.response_ids, first.response_logprobs):
-        seq = torch.tensor([prompt + ids])
+    for i, (ids, lps) in enumerate(zip(out.response_ids, out.response_logprobs)):
+        prompt = PROMPTS[i // 8]
         with torch.no_grad():
-            logits = model(seq).logits[0, len(prompt) - 1 : -1] / 1.5
-        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-        assert lps == pytest.approx(want.tolist(), abs=1e-4)
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        logp = torch.log_softmax(filter_logits(logits, 1.0, -1, 0.5), -1).gather(-1, torch.tensor(ids)[:, None])
+        assert torch.isfinite(logp).all()  # never outside the nucleus
+        assert lps == pytest.approx(logp.squeeze(-1).tolist(), abs=1e-4)
+    assert len({tuple(r) for r in out.response_ids}) > 1  # it samples
 
 
-def test_compile_is_opt_in_on_cuda_only(sharp_model_dir, monkeypatch):
+def test_new_prompt_widths_do_not_recompile(sharp_model_dir):
+    """The prompt width is state, not a shape the compiled step sees: after the first call (and at most one
+    recompile with symbolic sizes when a later key bucket is reached), 8 more prompt widths compile nothing.
+    Counted with dynamo's own counter; backend "eager" traces exactly as inductor would, without codegen."""
+    torch._dynamo.reset()
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
+    eng = HFStaticEngine(str(sharp_model_dir), compile_decode=True, compile_backend="eager", max_graphs=4,
+                         length_multiple=256, **kw)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=0)
+    base = dynamo_compiles()
+    eng.generate([[5] * 3, [6] * 20], params)  # width 32, cache 256: buckets 64, 128, ...; steps reach slot 71
+    first = dynamo_compiles() - base
+    assert 1 <= first <= 2, first
+    widths = [5, 17, 40, 9, 33, 60, 25, 49]
+    for i, w in enumerate(widths):  # 8 widths (rounded: 16, 32, 48, 64): same session, other key buckets
+        out = eng.generate([[7] * w, [8] * (i + 1)], params)
+        assert all(len(r) == 40 for r in out.response_ids)
+    assert dynamo_compiles() - base <= 2, dynamo_compiles() - base
+    assert {b for b in kv_buckets(256, 4)} == {64, 128, 192, 256}
+
+
+def test_kv_buckets_cover_the_cache_in_at_most_max_graphs_steps():
+    assert kv_buckets(384) == [64, 128, 192, 256, 320, 384]
+    assert kv_buckets(3072) == [384 * i for i in range(1, 9)]
+    assert kv_buckets(100, multiple=64) == [64, 100]
+    assert bucket_for(127, [64, 128, 192]) == 128 and bucket_for(128, [64, 128, 192]) == 192
+    with pytest.raises(ValueError, match="beyond"):
+        bucket_for(192, [64, 128, 192])
+
+
+def test_compile_follows_the_spec_and_the_env_overrides_it():
+    gpu = torch.device("cuda")
+    assert compile_enabled(RolloutCompile.AUTO, gpu, {}) and not compile_enabled(RolloutCompile.AUTO, CPU, {})
+    assert compile_enabled("enabled", CPU, {}) and not compile_enabled("disabled", gpu, {})
+    assert not compile_enabled(RolloutCompile.AUTO, gpu, {"RLJOB_HF_STATIC_COMPILE": "0"})
+    assert compile_enabled(RolloutCompile.DISABLED, CPU, {"RLJOB_HF_STATIC_COMPILE": "1"})
+    with pytest.raises(ValueError, match="RLJOB_HF_STATIC_COMPILE='yes'.*1.*0"):
+        compile_enabled(RolloutCompile.AUTO, gpu, {"RLJOB_HF_STATIC_COMPILE": "yes"})
+
+
+def test_cpu_default_is_uncompiled_with_the_hf_engines_sampler(sharp_model_dir, monkeypatch):
+    monkeypatch.delenv("RLJOB_HF_STATIC_COMPILE", raising=False)
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-    monkeypatch.setenv("RLJOB_HF_STATIC_COMPILE", "1")
-    assert not HFStaticEngine(str(sharp_model_dir), **kw).compile_decode  # the env acts on CUDA only
+    eng = HFStaticEngine(str(sharp_model_dir), **kw)
+    assert not eng.compile_decode and not eng.sample_in_step and not eng.use_cuda_graph
+    with pytest.raises(ValueError, match="sample_in_step"):
+        HFStaticEngine(str(sharp_model_dir), compile_decode=True, sample_in_step=False, **kw)
+
+
+def test_compile_cache_env_points_under_the_workdir_unless_set(tmp_path):
+    env = compile_cache_env(tmp_path, {})
+    assert env == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile-cache" / "inductor"),
+                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    assert compile_cache_env(tmp_path, {"TORCHINDUCTOR_CACHE_DIR": "/cache", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}) == {
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
 def test_prefill_in_row_chunks_changes_nothing(sharp_model_dir, pair):
