@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from rljob_api.enums import RolloutCompile
+
+if TYPE_CHECKING:  # no torch import here: the worker sets the cache variables before torch reads its config
+    import torch
 
 COMPILE_ENV = "RLJOB_HF_STATIC_COMPILE"  # 1 / 0: overrides spec.rollout.compile (e.g. for a whole cluster via podTemplate.env)
 CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
