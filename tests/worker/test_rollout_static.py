@@ -320,3 +320,22 @@ def test_gpu_graph_replays_draw_fresh_noise_as_the_eager_steps_do(sharp_model_di
         assert graphed.generate(PROMPTS, params).response_ids == a.response_ids
         other = SamplingParams(**{**params.__dict__, "seed": 6})
         assert graphed.generate(PROMPTS, other).response_ids != a.response_ids
+
+
+@pytest.mark.gpu
+def test_gpu_compile_cache_is_reused_by_a_second_process(tmp_path):
+    """The worker's cache variables (compile_cache_env): a second process compiling the same function loads it
+    from the first one's FX graph cache. (On a 2-core CPU the first compile alone takes minutes: GPU only.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, torch\nfrom torch._dynamo.utils import counters\n"
+            "f = torch.compile(lambda x: (x.sin() * 2 + 1).sum(-1))\nf(torch.randn(8, 16, device='cuda'))\n"
+            "print(json.dumps(dict(counters['inductor'])))")
+    env = {**os.environ, **compile_cache_env(tmp_path, {})}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0].get("fxgraph_cache_miss", 0) >= 1 and runs[1].get("fxgraph_cache_hit", 0) >= 1, runs
+    assert (tmp_path / "compile-cache" / "inductor").is_dir()
