@@ -5,6 +5,7 @@
 #             rolloutbase (rollout: HF generate static-cache+compile baseline, static engine uncompiled and compiled
 #             [the GPU default] at batch 64 and 256, fp32 greedy checks, first-call compile s cold / warm cache,
 #             recompiles over 8 prompt widths; ~8 min) | rollouttests (static engine tests incl. the GPU ones)
+#             | rolloutbuckets (compiled engine reading the filled cache slots vs the whole cache, batch 256)
 #             | sft [jobs] | gputests
 #             ppo (digit-sum PPO with a shared critic vs GRPO, one GPU) | grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2) | grpocompiled (static vs compiled engine)
 #             grpotp2pp2 + gpu4tests (4 GPUs: TP2 x PP2 GRPO learning; mixed layouts vs one GPU)
@@ -73,6 +74,7 @@ for s in $SECTIONS; do
     grpombs) section grpombs 200 python3 bench/grpo_step.py --variants rljob-static:32,rljob-static:64 --timeout-each 95 --tag _mbs ;;
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
     rolloutbase) section rolloutbase ${ROLLOUTBASE_LIMIT:-560} python3 bench/rollout.py --hf-generate-baseline --compiled --compile-probe --skip-plain-hf ${ROLLOUT_ARGS:-} ;;
+    rolloutbuckets) section rolloutbuckets 300 python3 bench/rollout.py --compiled --whole-cache-row --skip-plain-hf --batches 256 ${ROLLOUT_ARGS:-} ;;
     rollouttests) section rollouttests 300 python3 -m pytest tests/worker/test_rollout_static.py -v -p no:cacheprovider -rs ;;
     sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
     gputests) section gputests ${GPUTESTS_LIMIT:-420} python3 -m pytest -m gpu tests -v -p no:cacheprovider -rs ;;

@@ -41,6 +41,7 @@ import grpo_step
 HF_GENERATE = "HF generate (static cache + torch.compile)"
 COMPILED = "hf-static compiled (default on GPUs)"
 UNCOMPILED = "hf-static uncompiled (CUDA graphs)"
+WHOLE_CACHE = "hf-static compiled, attention over the whole cache"
 PROBE_WIDTHS = [128, 96, 112, 80, 144, 64, 120, 100]  # the sweep's longest prompt per call (rows vary below it)
 
 
@@ -133,6 +134,9 @@ def main() -> int:
                     help="first-call compile seconds, cold and warm cache (two fresh processes), and recompiles over "
                          f"{len(PROBE_WIDTHS)} prompt widths")
     ap.add_argument("--probe-batch", type=int, default=64)
+    ap.add_argument("--whole-cache-row", action="store_true",
+                    help="with --compiled: also the compiled engine with one key bucket (every step reads the whole "
+                         "cache), the baseline of reading only the filled slots")
     ap.add_argument("--probe-child", default=None, help=argparse.SUPPRESS)  # internal: model dir of the probe process
     ap.add_argument("--probe-sweep", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -200,6 +204,10 @@ def main() -> int:
         try:
             stc = HFStaticEngine(paths["model_dir"], dtype=torch.bfloat16, compile_decode=True, **kw)
             throughput(stc, COMPILED)
+            if a.whole_cache_row:  # the same engine reading the whole cache every step (one key bucket)
+                stc.max_graphs = 1
+                stc.release_cache()
+                throughput(stc, WHOLE_CACHE)
             del stc
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
@@ -334,6 +342,11 @@ def record_results(card: str, a, rows: list[dict], weight_sync: dict | None, sta
         if r["engine"] != HF_GENERATE and r["batch"] in base:
             kw = {"baseline": f"{HF_GENERATE} batch {r['batch']}", "baseline_value": base[r["batch"]], "same_run": True}
         bench_results.record(f"rollout {r['engine']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card, **kw)
+        whole = {x["batch"]: x["tokens_per_s"] for x in ok if x["engine"] == WHOLE_CACHE}
+        if r["engine"] == COMPILED and r["batch"] in whole:
+            bench_results.record(f"rollout {r['engine']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card,
+                                 baseline=f"{WHOLE_CACHE} batch {r['batch']}", baseline_value=whole[r["batch"]],
+                                 same_run=True)
         if r["engine"] == COMPILED and r["batch"] in uncompiled:
             bench_results.record(f"rollout {r['engine']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card,
                                  baseline=f"{UNCOMPILED} batch {r['batch']}", baseline_value=uncompiled[r["batch"]],

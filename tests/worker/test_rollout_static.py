@@ -94,6 +94,11 @@ def test_sessions_are_reused_and_rebuilt_by_shape(pair):
     assert static.generate(PROMPTS, p).response_ids == first.response_ids and static._session is s
     alone = static.generate(PROMPTS[:1], p)  # another batch size: a new session, same continuation
     assert static._session is not s and alone.response_ids[0] == first.response_ids[0]
+    static.generate(PROMPTS, SamplingParams(n=1, temperature=0, max_new_tokens=60))  # a longer cache: rebuilt
+    longer = static._session
+    assert longer.length == 128 and longer.batch == len(PROMPTS)
+    # a shorter rollout keeps the longer cache (and its graphs), with the same tokens as on a cache of its own
+    assert static.generate(PROMPTS, p).response_ids == first.response_ids and static._session is longer
 
 
 def test_weight_sync_reaches_the_static_forward(sharp_model_dir):

@@ -5,9 +5,10 @@ hundred small kernels from Python, grows the cache by concatenation and rebuilds
 so at batch 256 a 0.5B model spends ~10x its arithmetic time on overhead. This engine keeps the
 same interface and weights, and changes the decode loop:
 
-- the KV cache is preallocated once per (batch, cache length) shape, ``(B, kv_heads, L, head_dim)`` per
-  layer, and written in place at the step's slot (``index_copy_``); the prompt width is state (which
-  slots hold the prompt), not a shape, so prompts of another width reuse the session and its graphs;
+- the KV cache is preallocated per batch size, ``(B, kv_heads, L, head_dim)`` per layer (L: prompt width +
+  new tokens, rounded up; a longer cache from an earlier call is kept), and written in place at the step's
+  slot (``index_copy_``); the prompt width is state (which slots hold the prompt), not a shape, so prompts
+  of another width reuse the session and its graphs;
 - attention over the cache is two batched matmuls with a boolean key mask kept on the device; a decode
   step reads only the filled slots, rounded up to one of at most 8 key buckets (`kv_buckets`), not the
   whole cache;
@@ -326,8 +327,11 @@ class HFStaticEngine(HFEngine):
         self.graph_captures += 1
 
     def _session_for(self, batch: int, length: int) -> _Session:
+        """The session of this batch size with a cache of at least ``length`` slots: a longer one is kept (its
+        graphs stay valid and the key buckets bound what a step reads), so prompt widths that alternate around a
+        length boundary do not re-allocate and re-capture every rollout."""
         s = self._session
-        if s is None or (s.batch, s.length) != (batch, length):
+        if s is None or s.batch != batch or s.length < length:
             self._session = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -358,7 +362,7 @@ class HFStaticEngine(HFEngine):
         width = _round_up(max(len(p) for p in prompts), 16)
         length = _round_up(width + steps, self.length_multiple)
         s = self._session_for(batch, length)
-        buckets = kv_buckets(length, self.max_graphs)
+        buckets = kv_buckets(s.length, self.max_graphs)
         mode, top_k, top_p = self._mode(params, self.vocab)
         with torch.no_grad():
             if self.use_cuda_graph:  # decode forwards run at slots width .. width + steps - 2
