@@ -100,4 +100,4 @@ for s in $SECTIONS; do
   esac
 done
 echo; echo "################ SUMMARY ($(nvidia-smi --query-gpu=name --format=csv,noheader))"
-grep -h -E "^(## |\| |card |fp32 greedy|vllm|RESULT|RATIO|[0-9]+ (passed|failed)|.*(passed|failed).* in )" "$LOG"
+grep -h -E "^(## |\| |card |fp32 greedy|compile probe|probe sweep|vllm|RESULT|RATIO|[0-9]+ (passed|failed)|.*(passed|failed).* in )" "$LOG"
