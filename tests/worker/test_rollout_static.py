@@ -282,6 +282,73 @@ def test_release_cache_frees_the_session_and_the_next_rollout_rebuilds_it(pair):
     assert static.generate(PROMPTS, params).response_ids == first.response_ids
 
 
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on a CPU: "capture" records the decode step the engine runs inside
+    ``torch.cuda.graph(...)`` and a replay runs it again (what a real replay does, minus the speed)."""
+
+    active = None
+
+    def __init__(self):
+        self.body, self.generators = None, []
+
+    def register_generator_state(self, generator):
+        self.generators.append(generator)
+
+    def replay(self):
+        self.body()
+
+
+@pytest.mark.parametrize("noise_in_graph", [True, False])
+def test_graph_bookkeeping_replays_decode_as_the_eager_steps(sharp_model_dir, monkeypatch, noise_in_graph):
+    """The CUDA-graph control flow, run on a CPU with a stand-in graph: captures happen before the prefill (one
+    per key bucket the rollout reaches), their warm-ups leave no trace in the output, a replay draws its noise
+    (inside the graph, or just before it without register_generator_state) and advances the step counters, so
+    seeded sampling and greedy through the graphs equal the same engine stepping eagerly."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        _FakeGraph.active = g
+        try:
+            yield
+        finally:
+            _FakeGraph.active = None
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    for name, value in {"CUDAGraph": _FakeGraph, "graph": graph, "Stream": Stream,
+                        "stream": lambda st: contextlib.nullcontext(), "synchronize": lambda device=None: None,
+                        "current_stream": lambda device=None: Stream(),
+                        "graph_pool_handle": lambda: None, "empty_cache": lambda: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
+    graphed = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, max_graphs=8, **kw)
+    graphed.use_cuda_graph, graphed.noise_in_graph = True, noise_in_graph
+    eager = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, max_graphs=8, **kw)
+    real_step = graphed._run_step
+
+    def run_step(*args, **kwargs):  # inside a capture: remember the step as the graph's body
+        if _FakeGraph.active is not None:
+            _FakeGraph.active.body = lambda: real_step(*args, **kwargs)
+        real_step(*args, **kwargs)
+
+    monkeypatch.setattr(graphed, "_run_step", run_step)
+    for params in (SamplingParams(n=3, temperature=1.0, max_new_tokens=100, seed=4),
+                   SamplingParams(n=3, temperature=0.9, top_p=0.8, max_new_tokens=100, seed=4),
+                   SamplingParams(n=1, temperature=0, max_new_tokens=100)):
+        a, b = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+        assert a.response_ids == b.response_ids and a.response_logprobs == b.response_logprobs
+        assert all(len(r) == 100 for r in a.response_ids)
+    graphs = graphed._session.graphs
+    assert sorted({k[-1] for k in graphs}) == [64, 128] and graphed.graph_captures == 6  # 2 buckets x 3 samplers
+    assert all((len(g.generators) == 1) == (noise_in_graph and k[0] != "greedy") for k, g in graphs.items())
+
+
 # --------------------------------------------------------------------------- on a GPU (bench/gpu_all.sh rollouttests)
 
 
