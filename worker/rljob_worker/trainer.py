@@ -158,10 +158,11 @@ class GRPOTrainer(RunLoop):
                                       gpu_memory_utilization=r.gpu_memory_utilization,
                                       max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
                                       enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
-                                      seed=t.seed)
+                                      seed=t.seed, compile=r.compile)
         if self.engine is not None and self.is_main:
-            log.info("rollout engine: %s on %s (rollout.engine: %s; %s)", type(self.engine).__name__, self.device,
-                     r.engine.value, "every rank samples a share" if self.engine_everywhere else "rank 0 samples")
+            log.info("rollout engine: %s on %s (rollout.engine: %s; %s%s)", type(self.engine).__name__, self.device,
+                     r.engine.value, "every rank samples a share" if self.engine_everywhere else "rank 0 samples",
+                     "; decode step compiled" if getattr(self.engine, "compile_decode", False) else "")
 
     def _plan_rollout(self) -> None:
         """Which engine, which ranks sample (spec.rollout.ranks), and whether an hf engine can serve the

@@ -7,6 +7,7 @@ import logging
 import os
 
 import torch
+from rljob_api.enums import RolloutCompile
 from rljob_api.enums import RolloutEngine as EngineName
 
 # `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Rollout alone,
@@ -42,8 +43,9 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
                 pad_token_id: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
                 max_model_len: int | None = None, enforce_eager: bool = False,
                 max_num_batched_tokens: int | None = None, seed: int = 0, world_size: int = 1,
-                num_params: int | None = None):
-    """Build the configured engine (see resolve_engine_name for `auto`)."""
+                num_params: int | None = None, compile: RolloutCompile | str = RolloutCompile.AUTO):
+    """Build the configured engine (see resolve_engine_name for `auto`; ``compile``: spec.rollout.compile, see
+    compile_config.compile_enabled)."""
     vllm_available = importlib.util.find_spec("vllm") is not None
     name = resolve_engine_name(name, device, world_size=world_size, rollout_tp=tensor_parallel_size,
                                num_params=num_params)
@@ -63,11 +65,13 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
         # On a GPU the HF engine runs with a static KV cache and a CUDA-graphed decode step
         # (3.3x the dynamic-cache engine per GRPO step on an H200, bench/NOTES.md); RLJOB_HF_STATIC=0
         # falls back to the plain engine, as do models the static engine does not support.
+        from rljob_worker.rollout.compile_config import compile_enabled
         from rljob_worker.rollout.hf_static_engine import HFStaticEngine
 
+        compile_decode = compile_enabled(compile, device)  # before the model loads: a bad env value fails fast
         try:
             return HFStaticEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
-                                  pad_token_id=pad_token_id)
+                                  pad_token_id=pad_token_id, compile_decode=compile_decode)
         except ValueError as exc:
             logging.getLogger(__name__).warning("static-cache engine unavailable (%s); using the HF engine", exc)
     return HFEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
