@@ -48,6 +48,7 @@ def run_job(spec, ctx) -> int:
             from rljob_worker.critic_pool import CriticPool
 
             return CriticPool(spec, pools).run()
+        os.environ.update(pools.actor_torchrun_environ())
         return run(trainer_class(spec)(spec, ctx, pools=pools))
     return run(trainer_class(spec)(spec, ctx))
 

@@ -129,6 +129,13 @@ class Pools:
     def is_critic(self) -> bool:
         return self.role == CRITIC
 
+    def actor_torchrun_environ(self) -> dict[str, str]:
+        """torchrun's variables as the actor pool's world (an actor rank's LOCAL_RANK is already its pool
+        local rank), for what reads them after start-up: vLLM's external launcher builds its groups from
+        RANK / WORLD_SIZE over the default process group, which is the pool's."""
+        e = self.env
+        return {"RANK": str(e.rank), "WORLD_SIZE": str(e.world_size), "LOCAL_WORLD_SIZE": str(e.nproc_per_node)}
+
 
 def _rendezvous_store(env: DistEnv, timeout: datetime.timedelta):
     """The job's store: under torchrun the agent hosts it (TORCHELASTIC_USE_AGENT_STORE) and the workers

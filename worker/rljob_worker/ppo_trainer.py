@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rljob_api.enums import CriticPlacement, KLPlacement, RolloutEngine
+from rljob_api.enums import KLPlacement
+from rljob_api.worker_support import critic_layout_errors
 
 from rljob_worker import algorithms as algo
 from rljob_worker.algorithms import gae
@@ -43,30 +44,6 @@ from rljob_worker.run_loop import Preempted
 from rljob_worker.trainer import GRPOTrainer, _mean_dicts
 
 log = logging.getLogger("rljob.ppo")
-
-_LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                  "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-                  "sequence_parallel")
-
-
-def critic_layout_errors(spec) -> list[str]:
-    """What this worker cannot run of a valid spec.critic (the API accepts more): one line each. Pure."""
-    c, m = spec.critic, spec.megatron
-    if c.placement == CriticPlacement.SPLIT:
-        if spec.rollout.engine == RolloutEngine.VLLM:
-            return ["spec.rollout.engine: vllm with spec.critic.placement: split is not supported by this worker yet "
-                    "(vLLM's process groups span the whole torchrun world); use rollout.engine hf, or placement: "
-                    "shared"]
-        return []  # each pool is its own megatron world: the critic's sizes are its own
-    errors = []
-    for name in _LAYOUT_FIELDS:
-        if getattr(c.megatron, name) != getattr(m, name):
-            camel = "".join(p if i == 0 else p.capitalize() for i, p in enumerate(name.split("_")))
-            errors.append(f"spec.critic.megatron.{camel}: a shared critic runs with the actor's parallel layout in "
-                          f"this worker ({getattr(m, name)!r}, got {getattr(c.megatron, name)!r}); set it equal to "
-                          f"spec.megatron.{camel}, or use placement: split")
-    return errors
-
 
 class PPOTrainer(GRPOTrainer):
     """GRPO's trainer plus a critic; see the module docstring. ``pools``: split placement's process groups
@@ -109,13 +86,6 @@ class PPOTrainer(GRPOTrainer):
         flags = {"params": cm.param_offload, "grads": cm.grad_offload, "optimizer": cm.optimizer_offload}
         if any(flags.values()):
             self._offload_plan.append((self.critic, flags))
-
-    def _plan_rollout(self) -> None:
-        super()._plan_rollout()
-        if self.split and self.engine_is_vllm:
-            raise MegatronConfigError(
-                "spec.rollout.engine resolved to vllm, which spec.critic.placement: split does not support in this "
-                "worker yet; set spec.rollout.engine: hf, or use placement: shared")
 
     def checkpoint_models(self) -> dict[str, Any]:
         return {"critic": self.critic}
