@@ -3,7 +3,7 @@ actor pool (2 processes) and the critic pool (2 processes) of one 4-process worl
 as shared placement on 2 processes (same rewards, value losses, explained variance). A SIGKILLed split run
 whose critic pool has its own megatron sizes (critic TP2 beside actor TP1) resumes onto that same trajectory,
 and never from a step folder holding the actor's part without the critic's and without COMMIT. A SIGTERMed
-split run saves both pools' parts of the step and resumes from it."""
+split run saves both pools' parts of the step."""
 from __future__ import annotations
 
 import json
@@ -135,9 +135,10 @@ def test_killed_split_run_with_its_own_critic_sizes_resumes_onto_the_same_trajec
     assert_same_trajectory(shared_run, resumed)
 
 
-def test_sigterm_saves_both_pools_parts_of_the_step_and_resumes_from_it(tmp_path, shared_run):
-    """SIGTERM to the run (kubelet's preemption): every rank gets it; the critic ranks keep serving, the actor
-    side finishes the step, saves it with the critic's part and exits 143; the next run resumes from it."""
+def test_sigterm_saves_both_pools_parts_of_the_step(tmp_path):
+    """SIGTERM to the run (kubelet's preemption): every rank gets it; the critic ranks note it and keep
+    serving, the actor side finishes the step, has the critic pool write its part, commits the step and
+    exits 143 (retryable). Resuming from such a step is the SIGKILL test's second half."""
     layout = {"gpusPerNode": 2, "critic": {**CRITIC, "placement": "split", "gpus": 1}}  # actor 1 + critic 1
     doc = ppo_doc("ppo-split-term", layout)
     doc["spec"]["checkpoint"]["saveFreq"] = 10  # only the preemption save
@@ -146,11 +147,7 @@ def test_sigterm_saves_both_pools_parts_of_the_step_and_resumes_from_it(tmp_path
     os.kill(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 143, out[-3000:]
+    assert "critic pool: signal 15 noted" in out and "Traceback" not in out, out[-3000:]
     commits = sorted((tmp_path / "ckpt" / "default" / "ppo-split-term").glob("step_*/COMMIT"))
     assert len(commits) == 1 and any((commits[0].parent / "critic").iterdir()), out[-3000:]
-    saved = int(commits[0].parent.name.split("_")[1])
-    assert 1 <= saved < STEPS
-    proc, work = launch(doc, tmp_path)
-    out = finish(proc, work)
-    assert f"resumed from step {saved}" in out, out[-3000:]
-    assert_same_trajectory(shared_run, by_step(work))
+    assert 1 <= int(commits[0].parent.name.split("_")[1]) < STEPS

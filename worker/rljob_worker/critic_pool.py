@@ -130,7 +130,12 @@ class CriticPool:
         handlers = {"build": self._build, "values": self._values, "update": self._update, "save": self._save,
                     "load": self._load}
         while True:
-            command = self.cross.broadcast_object(None, src=0)
+            try:
+                command = self.cross.broadcast_object(None, src=0)
+            except RuntimeError as exc:  # gloo: a peer is gone; the rank that failed reports why, not this one
+                log.warning("critic pool: the job stopped without a stop command (%s); exiting",
+                            str(exc).split("] ", 1)[-1][:60])
+                return 0
             if command["op"] == "stop":
                 return 0
             handlers[command["op"]](command)

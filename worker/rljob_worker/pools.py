@@ -76,8 +76,11 @@ class PoolLayout:
         """``env`` (the torchrun world) seen from inside this process's pool: a world of the pool's ranks,
         with its own local rank, so ``env.rank`` is the pool rank. The CUDA device stays ``env.local_rank``."""
         if env.nproc_per_node != self.per_node or env.nnodes != self.nnodes:
-            raise ValueError(f"torchrun runs {env.nnodes} x {env.nproc_per_node} processes; the split layout needs "
-                             f"{self.nnodes} x {self.per_node} (gpusPerNode)")
+            from rljob_worker.startup_errors import StartupError
+
+            raise StartupError(f"spec.critic.placement: split needs torchrun to run nnodes x gpusPerNode = {self.nnodes} x "
+                               f"{self.per_node} processes (one per GPU), this process is one of {env.nnodes} x "
+                               f"{env.nproc_per_node}; start it with `rljob run` or the operator's PyTorchJob")
         if self.role(env.rank) == ACTOR:
             return dataclasses.replace(env, nproc_per_node=self.actor_per_node)
         return dataclasses.replace(env, nproc_per_node=self.critic_per_node,
