@@ -52,6 +52,7 @@ class CriticPoolClient:
         self.cross, self.leader = pools.cross, pools.layout.critic_leader
         self.is_offloaded = False  # never in the actor pool's offload plan
         self._stopped = False
+        self._saving: str | None = None  # the path of a save started by start_checkpoint_save
 
     def _send(self, command: dict[str, Any]) -> None:
         self.cross.broadcast_object(command, src=0)
@@ -92,8 +93,17 @@ class CriticPoolClient:
     def update_metrics(self) -> dict[str, float]:
         return self._receive()["metrics"]
 
+    def start_checkpoint_save(self, path: Path) -> None:
+        """The critic pool starts writing its part into ``path`` (the actor side writes its own meanwhile)."""
+        self._send({"op": "save", "path": str(path)})
+        self._saving = str(path)
+
     def save_checkpoint(self, path: Path) -> None:
-        self._ask({"op": "save", "path": str(path)})
+        """Returns once the critic pool's part is written into ``path`` (started here unless already started)."""
+        if self._saving != str(path):
+            self._send({"op": "save", "path": str(path)})
+        self._saving = None
+        self._check(self._receive())
 
     def load_checkpoint(self, path: Path) -> None:
         self._ask({"op": "load", "path": str(path)})
