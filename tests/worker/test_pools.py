@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 from rljob_api.validation import parse_spec, pool_ranks
-
 from rljob_worker.distributed import DistEnv
 from rljob_worker.pools import ACTOR, CRITIC, PoolLayout
 
@@ -59,7 +58,6 @@ def test_a_torchrun_world_of_another_shape_is_refused():
 def _member(local_rank: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
-
     from rljob_worker.pools import init_pools
 
     env = DistEnv(nnodes=1, node_rank=0, nproc_per_node=3, local_rank=local_rank, master_port=port)

@@ -70,8 +70,8 @@ def breakdown(records: dict[int, dict], label: str) -> str:
 
 def assert_same_trajectory(ref: dict[int, dict], got: dict[int, dict]) -> None:
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    for step in ref:
-        a, b = ref[step], got[step]
+    for step, a in ref.items():
+        b = got[step]
         assert b["reward/mean"] == pytest.approx(a["reward/mean"], abs=1e-6), step
         assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=1e-4, abs=1e-6), step
         assert b["critic/explained_variance"] == pytest.approx(a["critic/explained_variance"], abs=1e-4), step
