@@ -1,5 +1,6 @@
 """Summarise a GRPO run's metrics.jsonl: reward over the first and last 50 steps, median step time and
-the per-stage time breakdown.   python bench/summarize_grpo.py WORKDIR/metrics.jsonl [label]"""
+the per-stage time breakdown (PPO: the critic's explained variance and value loss; a split critic: how much
+of the critic pool's time overlapped the actor's).   python bench/summarize_grpo.py WORKDIR/metrics.jsonl [label]"""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,13 @@ def main(path: str, label: str) -> None:
               f"{statistics.mean(ev[-50:]):.2f}, value loss first 50 "
               f"{statistics.mean(r['critic/value_loss'] for r in rows[:50]):.4f} -> last 50 "
               f"{statistics.mean(r['critic/value_loss'] for r in rows[-50:]):.4f}")
+    if any("timing/critic_wait_s" in r for r in rows):  # split critic: how much of its time the actor did not wait for
+        steady = [r for r in rows[5:] or rows if "timing/critic_wait_s" in r]
+        critic = statistics.median(r.get("timing/critic_values_s", 0.0) + r.get("timing/critic_update_s", 0.0)
+                                   for r in steady)
+        wait = statistics.median(r["timing/critic_wait_s"] for r in steady)
+        print(f"RESULT {label} overlap: critic pool {critic * 1e3:.1f} ms per step (values + update), the actor pool "
+              f"waited {wait * 1e3:.1f} ms for it: {max(critic - wait, 0.0) * 1e3:.1f} ms hidden behind the actor's work")
 
 
 if __name__ == "__main__":

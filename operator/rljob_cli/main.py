@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
+from rljob_api.worker_support import worker_refusals
 
 from rljob_cli.yaml_load import load_all
 
@@ -100,6 +101,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     print(f"  {err.path}: {err.message}")
                 continue
             print(f"OK {label}: {summarize(job)}")
+            for refusal in worker_refusals(job.spec):  # valid, but this worker release refuses it at start-up
+                print(f"  NOT RUNNABLE by this worker release: {refusal}")
     return 1 if failed else 0
 
 

@@ -32,9 +32,24 @@ def trainer_class(spec):
 
 
 def run_job(spec, ctx) -> int:
-    """Run the spec's trainer on the shared loop; returns the process exit code."""
+    """Run the spec's trainer on the shared loop; returns the process exit code. A split critic
+    (spec.critic.placement split): the processes first split into the actor pool, which runs the PPO
+    trainer, and the critic pool, which serves it (:mod:`rljob_worker.pools`)."""
+    from rljob_api.enums import CriticPlacement
+
     from rljob_worker.run_loop import run
 
+    if spec.critic is not None and spec.critic.placement == CriticPlacement.SPLIT:
+        from rljob_worker.distributed import dist_env_from_environ
+        from rljob_worker.pools import PoolLayout, init_pools
+
+        pools = init_pools(dist_env_from_environ(os.environ), PoolLayout.from_spec(spec))
+        if pools.is_critic:
+            from rljob_worker.critic_pool import CriticPool
+
+            return CriticPool(spec, pools).run()
+        os.environ.update(pools.actor_torchrun_environ())
+        return run(trainer_class(spec)(spec, ctx, pools=pools))
     return run(trainer_class(spec)(spec, ctx))
 
 

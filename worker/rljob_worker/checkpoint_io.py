@@ -128,8 +128,11 @@ class CheckpointIO:
             shutil.rmtree(local)
         barrier()
         shield_checkpoint_writer()
+        for name, model in (others or {}).items():  # a model saved by other ranks (a split critic) writes meanwhile
+            if hasattr(model, "start_checkpoint_save"):
+                model.start_checkpoint_save(local / name)
         actor.save_checkpoint(local)  # collective; rank 0 writes the common metadata
-        for name, model in (others or {}).items():
+        for name, model in (others or {}).items():  # (a split critic: waits until its part is written)
             model.save_checkpoint(local / name)
         if self.env.rank == 0:
             (local / TRAINER_STATE).write_text(json.dumps(trainer_state))

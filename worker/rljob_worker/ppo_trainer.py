@@ -14,9 +14,15 @@ data-parallel rank's responses, T = prompt + response columns)::
     actor update (after critic.warmupSteps steps): the GRPO loss with the GAE advantages, weight sync
 
 Placement: ``shared`` runs both models on every rank, taking turns (with offload flags set, the idle
-model's memory goes to CPU while the other runs). The worker builds the critic with the actor's
-parallel layout (megatron's parallel state is one per process); ``split`` placement (the critic on
-its own ranks, overlapping the actor update) is refused at start-up for now.
+model's memory goes to CPU while the other runs); the worker builds the critic with the actor's parallel
+layout (megatron's parallel state is one per process). ``split`` runs the critic on its own ranks
+(critic.gpus of every node, :mod:`rljob_worker.pools`), each pool its own torch.distributed world, so
+the critic's megatron sizes may differ from the actor's. The actor pool runs the step above; the critic
+pool (:mod:`rljob_worker.critic_pool`) computes the values while the actor computes its log-probs, and
+its update runs at the same time as the actor update and weight sync; GAE, token rewards and whitening
+stay on the actor side, so the trajectory is the shared one's. The critic's metrics of a step reach
+the actor leader at the end of that step. The critic's offload flags do nothing there (its GPUs hold
+nothing else).
 """
 from __future__ import annotations
 
@@ -26,42 +32,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rljob_api.enums import CriticPlacement, KLPlacement
+from rljob_api.enums import KLPlacement
+from rljob_api.worker_support import critic_layout_errors
 
 from rljob_worker import algorithms as algo
 from rljob_worker.algorithms import gae
 from rljob_worker.batching import slice_batch, split_batch, trim_padding
-from rljob_worker.distributed import broadcast_object
+from rljob_worker.critic_step import update_critic
+from rljob_worker.distributed import all_gather_rows, broadcast_object
 from rljob_worker.megatron.errors import MegatronConfigError
+from rljob_worker.run_loop import Preempted
 from rljob_worker.trainer import GRPOTrainer, _mean_dicts
 
 log = logging.getLogger("rljob.ppo")
 
-_LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                  "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-                  "sequence_parallel")
-
-
-def critic_layout_errors(spec) -> list[str]:
-    """What this worker cannot run of a valid spec.critic (the API accepts more): one line each. Pure."""
-    c, m = spec.critic, spec.megatron
-    errors = []
-    if c.placement == CriticPlacement.SPLIT:
-        errors.append("spec.critic.placement: split (the critic on its own GPUs, overlapping the actor update) is not "
-                      "implemented by this worker yet; use placement: shared")
-    for name in _LAYOUT_FIELDS:
-        if getattr(c.megatron, name) != getattr(m, name):
-            camel = "".join(p if i == 0 else p.capitalize() for i, p in enumerate(name.split("_")))
-            errors.append(f"spec.critic.megatron.{camel}: a shared critic runs with the actor's parallel layout in "
-                          f"this worker ({getattr(m, name)!r}, got {getattr(c.megatron, name)!r}); set it equal to "
-                          f"spec.megatron.{camel}")
-    return errors
-
 
 class PPOTrainer(GRPOTrainer):
-    """GRPO's trainer plus a critic; see the module docstring."""
+    """GRPO's trainer plus a critic; see the module docstring. ``pools``: split placement's process groups
+    (:func:`rljob_worker.pools.init_pools`), set up before; this trainer is then the actor pool's."""
 
     progress_name = "ppo"
+
+    def __init__(self, spec, ctx, env=None, pools=None):
+        super().__init__(spec, ctx, env=pools.env if pools is not None else env)
+        self.pools = pools
+        self.split = pools is not None
 
     # ------------------------------------------------------------------ set-up
     def build_model(self) -> None:
@@ -69,8 +64,7 @@ class PPOTrainer(GRPOTrainer):
         problems = critic_layout_errors(spec)
         if problems:
             raise MegatronConfigError("; ".join(problems))
-        from rljob_worker.megatron.actor import OptimConfig, ParallelConfig, RecomputeConfig
-        from rljob_worker.megatron.critic import MegatronCritic
+        from rljob_worker.critic_step import build_critic
 
         c = spec.critic
         critic_dir = self.model_dir
@@ -79,13 +73,16 @@ class PPOTrainer(GRPOTrainer):
 
             critic_dir = resolve_model_dir(spec.model_copy(update={"model": spec.model.model_copy(
                 update={"path": c.model.path})}), self.ctx.workdir / "critic-model", local_rank=self.env.local_rank)
+        if self.split:  # the critic pool builds its critic while this pool builds the actor
+            from rljob_worker.critic_pool import CriticPoolClient
+
+            self.critic = CriticPoolClient(self.pools)
+            self.critic.request_build(critic_dir)
+            super().build_model()
+            self.critic.wait_built()
+            return
         # The critic first: a MoE model sizes megatron's aux-loss tracker by the last model built (the actor).
-        self.critic = MegatronCritic.from_hf(
-            critic_dir, parallel=ParallelConfig.from_spec(c.megatron),
-            optim=OptimConfig(lr=c.lr, weight_decay=c.weight_decay, grad_clip=c.grad_clip,
-                              lr_warmup_steps=c.lr_warmup_steps),
-            dtype=self.dtype, seed=spec.training.seed, recompute=RecomputeConfig.from_spec(c.megatron),
-            transformer_overrides=c.megatron.override_transformer_config, output_layer_index=c.output_layer_index)
+        self.critic = build_critic(spec, critic_dir, self.dtype)
         super().build_model()
         cm = c.megatron
         flags = {"params": cm.param_offload, "grads": cm.grad_offload, "optimizer": cm.optimizer_offload}
@@ -98,6 +95,18 @@ class PPOTrainer(GRPOTrainer):
     def save_checkpoint(self, metrics: dict[str, float]) -> None:
         self._on_gpu(self.actor, self.ref, self.critic)  # a model's state is saved from where it trains
         super().save_checkpoint(metrics)
+
+    def fit(self):
+        """Split placement: the critic pool stops when this pool does (finished or preempted, after the save)."""
+        if not self.split:
+            return super().fit()
+        try:
+            history = super().fit()
+        except Preempted:
+            self.critic.stop()
+            raise
+        self.critic.stop()
+        return history
 
     def _outcome_advantages(self, scores: torch.Tensor, group_size: int, response_mask: torch.Tensor):
         """PPO's advantages come from the critic later in the step: none here (the scores travel)."""
@@ -116,8 +125,10 @@ class PPOTrainer(GRPOTrainer):
         batch = payload["batch"]
         metrics.update(payload["metrics"])
         metrics["batch/tokens"] = float(batch["attention_mask"].sum())  # prompt + response tokens of the step
+        if self.split:  # the critic pool computes the values while this pool computes its log-probs
+            self.critic.request_values(batch)
 
-        # 2. this data-parallel rank's rows (the critic shares the actor's layout): (n, T)
+        # 2. this data-parallel rank's rows (shared: the critic shares the actor's layout): (n, T)
         per_rank = batch["input_ids"].shape[0] // self.dp_size
         lo = self.dp_rank * per_rank
         local = slice_batch(batch, lo, lo + per_rank)
@@ -133,9 +144,17 @@ class PPOTrainer(GRPOTrainer):
         self._old_and_ref_logprobs(local, old=not single_update, micro_batch_size=lp_micro)
 
         # 4. values, token rewards, GAE, whitened advantages (n, T)
-        self._on_gpu(self.critic)
-        with self.telemetry.stage("critic_values"):
-            local["old_values"] = self.critic.compute_values(local, micro_batch_size=c.micro_batch_size_per_gpu)
+        critic_wait = 0.0
+        if self.split:
+            start = time.perf_counter()
+            values, seconds = self.critic.values()  # (N, T)
+            critic_wait += time.perf_counter() - start
+            local["old_values"] = values[lo:lo + per_rank]
+            self.telemetry.record_stage("critic_values", seconds)
+        else:
+            self._on_gpu(self.critic)
+            with self.telemetry.stage("critic_values"):
+                local["old_values"] = self.critic.compute_values(local, micro_batch_size=c.micro_batch_size_per_gpu)
         mask = local["response_mask"]
         kl = algo.kl_penalty(local["old_logprobs"], local["ref_logprobs"], a.kl_estimator) if kl_in_reward else None
         rewards = gae.token_level_rewards(local["scores"], mask, kl, a.kl_coef)
@@ -144,6 +163,9 @@ class PPOTrainer(GRPOTrainer):
             totals = self._dp_sum(torch.stack([penalty.sum().double(), torch.tensor(float(len(penalty)))]))
             metrics["reward/kl_penalty_mean"] = float(totals[0] / totals[1].clamp(min=1))
         advantages, local["returns"] = gae.compute_gae(rewards, local["old_values"], mask, a.gamma, a.gae_lambda)
+        if self.split:  # the critic pool trains on the returns of every row, while this pool updates the actor
+            self.critic.request_update(all_gather_rows(local["returns"], self.actor.dp_group, self.device),
+                                       mini_batches_per_step)
         minis = split_batch({**local, "advantages": advantages}, mini_batches_per_step)
         for mini in minis:  # whitened over the mini-batch's response tokens on all data-parallel ranks
             moments = self._dp_sum(gae.masked_moments(mini["advantages"], mini["response_mask"]))
@@ -155,18 +177,10 @@ class PPOTrainer(GRPOTrainer):
                         "critic/returns_mean": float(algo.masked_mean(local["returns"], mask)),
                         "critic/values_mean": float(algo.masked_mean(local["old_values"], mask))})
 
-        # 5. critic update: critic.ppoEpochs x mini-batches
-        start = time.perf_counter()
-        with self.telemetry.stage("critic_update"):
-            # the value loss is normalised by the mini-batch's response tokens / sequences over all DP ranks
-            critic_metrics = [self.critic.update(mini, self._value_loss_fn(), micro_batch_size=c.micro_batch_size_per_gpu,
-                                                 normalise_by="response_mask")
-                              for _ in range(c.ppo_epochs) for mini in minis]
-        for key, value in _mean_dicts(critic_metrics).items():
-            metrics[key if key.startswith("critic/") else f"critic/{key}"] = value
-        # the engine's loss is the mini-batch's (whatever the micro-batches), not a micro-batch's share
-        metrics["critic/value_loss"] = metrics.pop("critic/loss")
-        metrics["critic/update_s"] = time.perf_counter() - start
+        # 5. critic update: critic.ppoEpochs x mini-batches (split: on the critic pool, at the same time as 6.)
+        if not self.split:
+            with self.telemetry.stage("critic_update"):
+                metrics.update(update_critic(self.critic, minis, spec))
 
         # 6. actor update (after the critic's warm-up) and weight sync
         if self.step > c.warmup_steps:
@@ -182,19 +196,13 @@ class PPOTrainer(GRPOTrainer):
             metrics.update(self._training_throughput(trim_padding(local), time.perf_counter() - start))
             with self.telemetry.stage("weight_sync"):
                 self._sync_weights()
+        if self.split:  # the critic update's metrics, once it is done
+            start = time.perf_counter()
+            metrics.update(self.critic.update_metrics())
+            critic_wait += time.perf_counter() - start
+            self.telemetry.record_stage("critic_update", metrics["critic/update_s"])
+            metrics["timing/critic_wait_s"] = critic_wait  # the actor pool idle, waiting for the critic pool
         return metrics
-
-    def _value_loss_fn(self):
-        c, a = self.spec.critic, self.spec.algorithm
-        norm_length = self.spec.data.max_response_length
-
-        def loss_fn(values: torch.Tensor, micro: dict[str, torch.Tensor], num_tokens: float | None = None,
-                    num_sequences: float | None = None):
-            return gae.value_loss(values, micro["old_values"], micro["returns"], micro["response_mask"],
-                                  c.cliprange_value, a.loss_aggregation, norm_length,
-                                  num_tokens=num_tokens, num_sequences=num_sequences)
-
-        return loss_fn
 
     def _on_gpu(self, *wanted) -> None:
         """Shared placement taking turns: the models of ``wanted`` onloaded, every other model with

@@ -370,6 +370,15 @@ class TrainerTelemetry:
                 self._pending_stage_seconds[name] += seconds
             self.heartbeat()
 
+    def record_stage(self, name: str, seconds: float) -> None:
+        """A stage timed elsewhere (the critic pool of a split placement) recorded as if timed here."""
+        self._check_stage_name(name)
+        labels = {**self._base, "stage": name}
+        self._stage_hist.labels(**labels).observe(float(seconds))
+        self._stage_last.labels(**labels).set(float(seconds))
+        with self._lock:
+            self._pending_stage_seconds[name] += float(seconds)
+
     def pending_stage_peak_bytes(self) -> dict[str, int]:
         """Peak GPU memory allocated (bytes) per stage since the last :meth:`record_step`; {} without CUDA."""
         if self._stage_peaks is None:

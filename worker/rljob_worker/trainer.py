@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from rljob_api.enums import KLPlacement
 from rljob_api.enums import RolloutEngine as RolloutEngineName
+from rljob_api.validation import actor_gpus_per_node
 
 from rljob_worker import algorithms as algo
 from rljob_worker.batching import (
@@ -147,7 +148,7 @@ class GRPOTrainer(RunLoop):
         # groups) or on global rank 0 only. vLLM lives on every rank (its process groups span the torchrun
         # world): each rollout-TP group is one replica that samples a slice of the prompts.
         r, world = spec.rollout, dist.get_world_size() if dist.is_initialized() else 1
-        self.rollout_layout = (plan_rollout_layout(world, spec.gpus_per_node, m.tensor_model_parallel_size,
+        self.rollout_layout = (plan_rollout_layout(world, actor_gpus_per_node(spec), m.tensor_model_parallel_size,
                                                    r.tensor_model_parallel_size)
                                if self.engine_everywhere and self.engine_is_vllm else None)
         self.engine = None
@@ -179,7 +180,7 @@ class GRPOTrainer(RunLoop):
         self.engine_everywhere = samples_on_every_rank(r.ranks, engine_is_vllm=self.engine_is_vllm,
                                                        on_gpu=self.device.type == "cuda", world_size=world)
         if not self.engine_is_vllm:
-            check_hf_engine_layout(rollout_tp=r.tensor_model_parallel_size, gpus_per_node=spec.gpus_per_node,
+            check_hf_engine_layout(rollout_tp=r.tensor_model_parallel_size, gpus_per_node=actor_gpus_per_node(spec),
                                    gpu_memory_utilization=r.gpu_memory_utilization, dtype_name=str(self.dtype)[6:],
                                    **self._engine_memory(hf_config))
 

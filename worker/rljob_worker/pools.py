@@ -1,0 +1,172 @@
+"""Split placement: the actor pool and the critic pool as two torch.distributed worlds in one torchrun job.
+
+torchrun starts one world of ``nnodes x gpusPerNode`` processes. With ``spec.critic.placement: split``,
+on every node the local ranks ``[0, gpusPerNode - critic.gpus)`` are the actor pool (actor, reference
+model, rollout engine) and the rest the critic pool. megatron-core keeps one parallel state per process,
+built over the default process group, so each pool gets its **own default group** (over a PrefixStore of
+the job's rendezvous store, with the pool rank and size) and megatron initialises per pool: the critic's
+TP/PP/CP may differ from the actor's. One extra gloo group over all ranks (:class:`CrossPool`) carries
+the commands and the small (N, T) tensors between the pools, on CPU.
+
+Rank mapping (global rank g = node x gpusPerNode + local rank l; a = actor GPUs per node, c = critic GPUs
+per node)::
+
+    actor pool:  l < a,   pool rank = node x a + l
+    critic pool: l >= a,  pool rank = node x c + (l - a)
+
+Global rank 0 is the actor leader (pool rank 0), global rank ``a`` (node 0, local rank a) the critic leader.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rljob_worker.distributed import DistEnv
+
+log = logging.getLogger(__name__)
+
+ACTOR, CRITIC = "actor", "critic"
+# The critic pool waits on the cross-pool group for its next command through the actor's rollouts,
+# validation and checkpoint uploads; a dead peer fails the job through torchrun, not through this timeout.
+CROSS_POOL_TIMEOUT_S = 6 * 3600.0
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where the two pools sit in the job (pure): ``actor_per_node`` + ``critic_per_node`` = GPUs per node."""
+
+    nnodes: int
+    actor_per_node: int
+    critic_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or self.actor_per_node < 1 or self.critic_per_node < 1:
+            raise ValueError(f"a split layout needs >= 1 node and >= 1 GPU per pool and node, got {self}")
+
+    @classmethod
+    def from_spec(cls, spec) -> PoolLayout:
+        from rljob_api.validation import actor_gpus_per_node, critic_gpus_per_node
+
+        return cls(spec.nnodes, actor_gpus_per_node(spec), critic_gpus_per_node(spec))
+
+    @property
+    def per_node(self) -> int:
+        return self.actor_per_node + self.critic_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.per_node
+
+    @property
+    def critic_leader(self) -> int:
+        """Global rank of the critic pool's rank 0."""
+        return self.actor_per_node
+
+    def role(self, global_rank: int) -> str:
+        return ACTOR if global_rank % self.per_node < self.actor_per_node else CRITIC
+
+    def pool_env(self, env: DistEnv) -> DistEnv:
+        """``env`` (the torchrun world) seen from inside this process's pool: a world of the pool's ranks,
+        with its own local rank, so ``env.rank`` is the pool rank. The CUDA device stays ``env.local_rank``."""
+        if env.nproc_per_node != self.per_node or env.nnodes != self.nnodes:
+            from rljob_worker.startup_errors import StartupError
+
+            raise StartupError(f"spec.critic.placement: split needs torchrun to run nnodes x gpusPerNode = {self.nnodes} x "
+                               f"{self.per_node} processes (one per GPU), this process is one of {env.nnodes} x "
+                               f"{env.nproc_per_node}; start it with `rljob run` or the operator's PyTorchJob")
+        if self.role(env.rank) == ACTOR:
+            return dataclasses.replace(env, nproc_per_node=self.actor_per_node)
+        return dataclasses.replace(env, nproc_per_node=self.critic_per_node,
+                                   local_rank=env.local_rank - self.actor_per_node)
+
+    def global_ranks(self, role: str) -> list[int]:
+        return [g for g in range(self.world_size) if self.role(g) == role]
+
+
+class CrossPool:
+    """The gloo group over every rank of the job: objects (commands, CPU tensors) broadcast from one rank
+    (global rank numbers) to all. Every rank must make the same calls in the same order."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.group.broadcast([tensor], opts).wait()
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """``src``'s ``obj`` on every rank (pickled; tensors travel on the CPU)."""
+        if self.rank == src:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(size, src)
+        if self.rank != src:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast(data, src)
+        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
+
+
+@dataclass
+class Pools:
+    """This process's pool: its role, the pool-local env (``pool_env.rank`` = pool rank), the layout and
+    the cross-pool group."""
+
+    role: str
+    env: DistEnv
+    world_env: DistEnv
+    layout: PoolLayout
+    cross: CrossPool
+
+    @property
+    def is_critic(self) -> bool:
+        return self.role == CRITIC
+
+    def actor_torchrun_environ(self) -> dict[str, str]:
+        """torchrun's variables as the actor pool's world (an actor rank's LOCAL_RANK is already its pool
+        local rank), for what reads them after start-up: vLLM's external launcher builds its groups from
+        RANK / WORLD_SIZE over the default process group, which is the pool's."""
+        e = self.env
+        return {"RANK": str(e.rank), "WORLD_SIZE": str(e.world_size), "LOCAL_WORLD_SIZE": str(e.nproc_per_node)}
+
+
+def _rendezvous_store(env: DistEnv, timeout: datetime.timedelta):
+    """The job's store: under torchrun the agent hosts it (TORCHELASTIC_USE_AGENT_STORE) and the workers
+    connect as clients; without torchrun global rank 0 hosts it. torch's tcp:// rendezvous does both."""
+    url = f"tcp://{env.master_addr}:{env.master_port}"
+    store, _, _ = next(dist.rendezvous(url, rank=env.rank, world_size=env.world_size, timeout=timeout))
+    return store
+
+
+def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
+               timeout_s: float = CROSS_POOL_TIMEOUT_S) -> Pools:
+    """Default process group = this process's pool (over a PrefixStore per pool), plus the cross-pool gloo
+    group over all ``layout.world_size`` ranks. On GPU the CUDA device is the torchrun local rank."""
+    from rljob_worker.distributed import DEFAULT_TIMEOUT_S, default_backend
+
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised: the pools must be set up first")
+    backend = backend or default_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    pool_env = layout.pool_env(env)
+    role = layout.role(env.rank)
+    store = _rendezvous_store(env, datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"rljob_pool_{role}", store), rank=pool_env.rank,
+                            world_size=pool_env.world_size, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("rljob_xpool", store), env.rank, layout.world_size,
+                                  datetime.timedelta(seconds=timeout_s))
+    cross = CrossPool(group, env.rank, layout.world_size)
+    log.info("split placement: global rank %d is %s pool rank %d of %d", env.rank, role, pool_env.rank,
+             pool_env.world_size)
+    return Pools(role=role, env=pool_env, world_env=env, layout=layout, cross=cross)
