@@ -43,6 +43,13 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert diff <= TOL * max(1.0, b.abs().max().item()), f"{what}: max |diff| {diff:.3g}"
 
 
+def _graphs() -> int:
+    """Graphs dynamo has compiled so far in this process (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _values_and_grads(fn, *inputs, upstream):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
@@ -86,6 +93,7 @@ def test_model_config_wiring(monkeypatch):
 def test_rms_norm_fused_equals_eager(compiled):
     # the tiny qwen3's widths (hidden 64, head_dim 32), so the engine test below reuses these graphs
     g = torch.Generator().manual_seed(0)
+    graphs = {}
     for shape in [(7, 3, 64), (11, 2, 64), (5, 3, 4, 32)]:  # a new length; q/k-norm shape (s, b, heads, d)
         h = shape[-1]
         weight = torch.randn(h, generator=g)
@@ -93,11 +101,14 @@ def test_rms_norm_fused_equals_eager(compiled):
         if len(shape) == 4:  # q/k norms see a strided view of the fused qkv projection
             x = torch.randn(*shape[:3], 2 * h, generator=g)[..., :h]
         up = torch.randn(shape, generator=g)
-        eager_out, eager_grads = _values_and_grads(lambda a, w: F.rms_norm(a, (h,), w, 1e-6), x, weight, upstream=up)
+        eager_out, eager_grads = _values_and_grads(lambda a, w: F.rms_norm(a, a.shape[-1:], w, 1e-6), x, weight,
+                                                   upstream=up)
         fused_out, fused_grads = _values_and_grads(lambda a, w: fe.fused_rms_norm(a, w, 1e-6), x, weight, upstream=up)
         _close(fused_out, eager_out, f"rms_norm {shape} value")
         for name, a, b in zip(("x", "weight"), fused_grads, eager_grads):
             _close(a, b, f"rms_norm {shape} grad {name}")
+        graphs[shape] = _graphs()
+    assert graphs[(11, 2, 64)] == graphs[(7, 3, 64)], "a new micro-batch length recompiled the norm"
 
 
 def test_fused_rms_norm_module_is_torch_rmsnorm(compiled):
@@ -123,19 +134,22 @@ def test_rope_fused_equals_megatron(compiled):
     from megatron.core.transformer import TransformerConfig
 
     fe.install_rope_fusion()
-    base = dict(num_layers=1, hidden_size=32, num_attention_heads=4)
+    base = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4}
     fused_cfg = TransformerConfig(**base, apply_rope_fusion=True)
     eager_cfg = TransformerConfig(**base)
     g = torch.Generator().manual_seed(1)
     cp_group = object()  # only read by the THD (packed-sequence) path, which is not used
-    for s, b, heads in [(9, 2, 4), (13, 1, 2), (5, 3, 4)]:
+    graphs = []
+    for s, b, heads in [(9, 2, 4), (13, 3, 2), (5, 2, 4)]:  # new lengths, rows and head counts
         d = 32  # the tiny qwen3's head_dim
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
         angles = torch.outer(torch.arange(s).float(), inv)  # (s, d/2)
         freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # megatron's (s, 1, 1, d) layout
         t = torch.randn(s, b, heads, d, generator=g)
         up = torch.randn(s, b, heads, d, generator=g)
-        run = lambda cfg: lambda x: apply_rotary_pos_emb(x, freqs, config=cfg, cp_group=cp_group)  # noqa: E731
+        def run(cfg, freqs=freqs):
+            return lambda x: apply_rotary_pos_emb(x, freqs, config=cfg, cp_group=cp_group)
+
         eager_out, (eager_grad,) = _values_and_grads(run(eager_cfg), t, upstream=up)
         fused_out, (fused_grad,) = _values_and_grads(run(fused_cfg), t, upstream=up)
         _close(fused_out, eager_out, f"rope {(s, b, heads)} value")
@@ -144,6 +158,8 @@ def test_rope_fused_equals_megatron(compiled):
         x1, x2 = t[..., : d // 2], t[..., d // 2 :]
         cos, sin = angles.cos()[:, None, None, :], angles.sin()[:, None, None, :]
         _close(eager_out, torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1), "rope by hand")
+        graphs.append(_graphs())
+    assert graphs[0] == graphs[-1], f"new shapes recompiled the RoPE kernel: {graphs}"
 
 
 def test_swiglu_fused_equals_eager(compiled):
@@ -222,3 +238,53 @@ def test_engine_fused_equals_unfused(compiled, tmp_path, monkeypatch):
     for name, grad in unfused["grads"].items():
         _close(fused["grads"][name], grad, f"grad {name}")
     assert (fused["after"]["logprobs"] - fused["before"]["logprobs"]).abs().max() > 1e-4
+
+
+def _rope_with(fn, freqs, t):
+    return fn(t, freqs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton kernels)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_on_gpu(dtype):
+    """The Triton kernels against the eager ops on a GPU (fp32: 1e-5; bf16: a bf16 rounding step),
+    over three micro-batch lengths without a recompile after the first."""
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    tol = TOL if dtype == torch.float32 else 2e-2
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    weight = torch.randn(896, generator=g, device=dev, dtype=dtype)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=dev).float() / 64))
+    seen = []
+    for s, b in [(1024, 4), (1536, 2), (2048, 3)]:
+        x = torch.randn(s, b, 896, generator=g, device=dev, dtype=dtype)
+        up = torch.randn_like(x)
+        e_out, e_grads = _values_and_grads(lambda a, w: F.rms_norm(a, (896,), w, 1e-6), x, weight, upstream=up)
+        f_out, f_grads = _values_and_grads(lambda a, w: fe.fused_rms_norm(a, w, 1e-6), x, weight, upstream=up)
+        for a, c, what in [(f_out, e_out, "value"), *zip(f_grads, e_grads, ("grad x", "grad weight"))]:
+            diff = ((a.float() - c.float()).abs().max() / c.float().abs().max().clamp(min=1)).item()
+            assert diff <= tol, f"rms_norm {dtype} {what}: {diff:.3g}"
+        angles = torch.outer(torch.arange(s, device=dev).float(), inv)
+        freqs = torch.cat([angles, angles], -1)[:, None, None, :]
+        t = torch.randn(s, b, 14, 64, generator=g, device=dev, dtype=dtype)
+        up = torch.randn_like(t)
+        e_out, (e_grad,) = _values_and_grads(functools.partial(_rope_with, _apply_rotary_pos_emb_bshd, freqs), t,
+                                             upstream=up)
+        f_out, (f_grad,) = _values_and_grads(functools.partial(_rope_with, fe.fused_apply_rotary_pos_emb, freqs), t,
+                                             upstream=up)
+        for a, c, what in [(f_out, e_out, "value"), (f_grad, e_grad, "grad")]:
+            diff = ((a.float() - c.float()).abs().max() / c.float().abs().max().clamp(min=1)).item()
+            assert diff <= tol, f"rope {dtype} {what}: {diff:.3g}"
+        y = torch.randn(s, b, 2 * 4864, generator=g, device=dev, dtype=dtype)
+        up = torch.randn(s, b, 4864, generator=g, device=dev, dtype=dtype)
+        e_out, (e_grad,) = _values_and_grads(lambda a: F.silu(a.chunk(2, -1)[0]) * a.chunk(2, -1)[1], y, upstream=up)
+        f_out, (f_grad,) = _values_and_grads(lambda a: bias_swiglu_impl(a, None), y, upstream=up)
+        for a, c, what in [(f_out, e_out, "value"), (f_grad, e_grad, "grad")]:
+            diff = ((a.float() - c.float()).abs().max() / c.float().abs().max().clamp(min=1)).item()
+            assert diff <= tol, f"swiglu {dtype} {what}: {diff:.3g}"
+        seen.append(_graphs())
+    # megatron's SwiGLU compiles static first and dynamic on the second length; nothing after that
+    assert seen[2] == seen[1], f"the third length recompiled: graphs {seen}"

@@ -11,7 +11,9 @@ is present, the TE spec (fused norm+linear, TE attention) is used instead. With 
 the local spec's norms (megatron's torch norm wrapper refuses SP) become
 :class:`.sequence_parallel.SequenceParallelRMSNorm`, the final norm of the block included
 (``MegatronModelConfig.final_layernorm``). Context parallelism (``cp``) is handled by
-:class:`SDPAttention` (see :mod:`.context_parallel`).
+:class:`SDPAttention` (see :mod:`.context_parallel`). With ``fused_elementwise`` (default on a GPU)
+the local spec's norms are :class:`.fused_elementwise.FusedRMSNorm` and megatron's SwiGLU and RoPE
+fusion flags are on (:mod:`.fused_elementwise`).
 
 Vocabulary: megatron splits the vocab evenly across TP ranks, so a vocab size TP does not divide
 is padded to the next multiple of TP (extra rows are zero and their logits are masked out by the
