@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -48,10 +49,23 @@ def fused_elementwise_enabled(on_gpu: bool) -> bool:
     raise MegatronConfigError(f"{ENV}={value!r}: use 1 (on) or 0 (off); unset means on with a GPU, off on CPU")
 
 
-def _compiled(name: str, fn: Callable) -> Callable:
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn)
-    return _COMPILED[name]
+def _compiled(fn: Callable, t: torch.Tensor, *more: torch.Tensor) -> Callable:
+    """``torch.compile(fn)`` for the kind of call made with ``t`` (and ``more`` tensors): its rank,
+    whether it is contiguous, the grad mode and which tensors require grad; each kind is a copy of
+    ``fn`` with its own code object. Dynamo keeps compiled graphs and its recompile limit (8) per
+    code object, and q (contiguous) vs k (a strided view of the QKV output) norms, training, no-grad
+    log-prob passes, frozen reference models and recompute would otherwise share one cache and run
+    past the limit (after which dynamo runs the function eagerly)."""
+    grads = "".join("g" if x.requires_grad else "n" for x in (t, *more))
+    mode = "grad" if torch.is_grad_enabled() else "nograd"
+    kind = f"{t.dim()}d_{'contiguous' if t.is_contiguous() else 'strided'}_{mode}_{grads}"
+    key = f"{fn.__module__}.{fn.__name__}__{kind}"
+    if key not in _COMPILED:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}__{kind}")
+        copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        _COMPILED[key] = torch.compile(copy)
+    return _COMPILED[key]
 
 
 def _feature_dim_static(t: torch.Tensor) -> None:
@@ -74,7 +88,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`rms_norm` compiled (one kernel forward and backward): ``x (s, b, ..., H)``."""
     _feature_dim_static(x)
-    return _compiled("rms_norm", rms_norm)(x, weight, eps)
+    return _compiled(rms_norm, x, weight)(x, weight, eps)
 
 
 class FusedRMSNorm(SequenceParallelRMSNorm):
@@ -103,7 +117,7 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved
 
     _feature_dim_static(t)
     _feature_dim_static(freqs)
-    return _compiled("rope", _apply_rotary_pos_emb_bshd)(t, freqs, rotary_interleaved=interleaved)
+    return _compiled(_apply_rotary_pos_emb_bshd, t)(t, freqs, rotary_interleaved=interleaved)
 
 
 def install_rope_fusion() -> None:
