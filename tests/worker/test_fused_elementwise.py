@@ -121,7 +121,7 @@ def test_fused_rms_norm_module_is_torch_rmsnorm(compiled):
         norm.weight.copy_(torch.linspace(0.5, 1.5, 64))
     ref = torch.nn.RMSNorm(64, eps=1e-6)
     ref.load_state_dict(norm.state_dict())
-    x = torch.randn(6, 2, 64)
+    x = torch.randn(6, 2, 64, requires_grad=True)  # the kind of call the test above compiled
     _close(norm(x), ref(x), "FusedRMSNorm")
     norm.fused = False
     _close(norm(x), ref(x), "FusedRMSNorm (eager)")

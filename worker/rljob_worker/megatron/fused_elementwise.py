@@ -16,12 +16,12 @@ All three act per token and per TP / CP shard, so they run unchanged under TP, S
 
 On by default with a GPU and off on CPU; ``RLJOB_FUSED_ELEMENTWISE=0`` turns them off (``1`` turns
 them on on CPU too). Shapes: the token dims (sequence, rows, heads) are compiled dynamic and the
-feature dim static, so a new micro-batch length does not recompile.
+feature dim static, so a new micro-batch length does not recompile; each kind of call (training,
+no-grad passes, a frozen reference model, q vs k norms) compiles its own copy (:func:`_compiled`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import types
 from collections.abc import Callable, Iterable
@@ -32,8 +32,6 @@ import torch.nn.functional as F
 
 from .errors import MegatronConfigError
 from .sequence_parallel import SequenceParallelRMSNorm
-
-log = logging.getLogger(__name__)
 
 ENV = "RLJOB_FUSED_ELEMENTWISE"
 _COMPILED: dict[str, Callable] = {}
