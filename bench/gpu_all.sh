@@ -2,13 +2,18 @@
 # The one script the device runs (issues 5, 6, 13): every benchmark in one call, results under $OUT.
 #   bash bench/gpu_all.sh [sections...]
 #   sections: actor05 grpo actor15 rollout grpombs | grpokl grpo816 actor05w grpo15 grpo15trl trlnockpt
-#             rolloutbase (rollout incl. HF generate static-cache+compile baseline) | sft [jobs] | gputests
+#             rolloutbase (rollout: HF generate static-cache+compile baseline, static engine uncompiled and compiled
+#             [the GPU default] at batch 64 and 256, fp32 greedy checks, first-call compile s cold / warm cache,
+#             recompiles over 8 prompt widths; ~8 min) | rollouttests (static engine tests incl. the GPU ones)
+#             | rolloutbuckets (compiled engine reading the filled cache slots vs the whole cache, batch 256)
+#             | sft [jobs] | gputests
 #             ppo (digit-sum PPO with a shared critic vs GRPO, one GPU) | grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2) | grpocompiled (static vs compiled engine)
 #             grpotp2pp2 + gpu4tests (4 GPUs: TP2 x PP2 GRPO learning; mixed layouts vs one GPU)
 #             with vLLM installed (bench/vllm_carry.sh install first): vllmtests (the real-vLLM GPU tests),
 #             grpovllm1 (digit-sum GRPO, engine: vllm, 1 GPU), grpovllmtp2 (same at rollout TP2, 2 GPUs),
 #             grpovllm (GRPO step: static engine vs vLLM [+ TRL: GRPOVLLM_VARIANTS]), rolloutvllm (rollout
-#             bench incl. vLLM rows and its sleep / wake / sync timings), grpo15vllm (the same at 1.5B)
+#             bench incl. vLLM rows and its sleep / wake / sync timings), grpo15vllm (the same at 1.5B),
+#             rolloutscale (rollout alone, static vs compiled static vs vLLM at 1.5B and 7B, random weights: `auto`)
 #             q7bprep, then q7bevery q7brank0 q7breport (4 GPUs, issue 23: Qwen2.5-7B-shape GRPO, TP2 x DP2, hf
 #             engine on every GPU vs on rank 0, same call; 16 prompts x 8 by default so both fit one call:
 #             Q7B_PROMPTS, Q7B_STEPS (3), Q7B_LIMIT) | q7bpp2 (TP2 x PP2, 32 prompts x 8)
@@ -73,7 +78,9 @@ for s in $SECTIONS; do
     actor05w) section actor05w 110 python3 bench/actor_update.py --model 0.5b --mbs 4,8 --warmup 2 --systems hf-padded,hf-packed,megatron ;;
     grpombs) section grpombs 200 python3 bench/grpo_step.py --variants rljob-static:32,rljob-static:64 --timeout-each 95 --tag _mbs ;;
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
-    rolloutbase) section rolloutbase 420 python3 bench/rollout.py --hf-generate-baseline --compiled ${ROLLOUT_ARGS:-} ;;
+    rolloutbase) section rolloutbase ${ROLLOUTBASE_LIMIT:-560} python3 bench/rollout.py --hf-generate-baseline --compiled --compile-probe --skip-plain-hf ${ROLLOUT_ARGS:-} ;;
+    rolloutbuckets) section rolloutbuckets 300 python3 bench/rollout.py --compiled --whole-cache-row --skip-plain-hf --batches 256 ${ROLLOUT_ARGS:-} ;;
+    rollouttests) section rollouttests 300 python3 -m pytest tests/worker/test_rollout_static.py -v -p no:cacheprovider -rs ;;
     sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
     gputests) section gputests ${GPUTESTS_LIMIT:-420} python3 -m pytest -m gpu tests -v -p no:cacheprovider -rs ;;
     ppo) section ppo 300 bash -c "for c in gpu_digit_sum gpu_digit_sum_ppo; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done" ;;
@@ -88,6 +95,7 @@ for s in $SECTIONS; do
     grpovllm) section grpovllm ${GRPOVLLM_LIMIT:-240} python3 bench/grpo_step.py --variants ${GRPOVLLM_VARIANTS:-rljob-static:32,rljob-vllm:32} --timeout-each 150 --tag _vllm ;;
     grpo15vllm) section grpo15vllm 330 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16,rljob-vllm:16 --timeout-each 160 --tag _1.5b_vllm ;;
     rolloutvllm) section rolloutvllm ${ROLLOUTVLLM_LIMIT:-200} python3 bench/rollout.py --vllm ${ROLLOUT_ARGS:-} ;;
+    rolloutscale) section rolloutscale ${ROLLOUTSCALE_LIMIT:-560} python3 bench/rollout_scale.py --models ${ROLLOUTSCALE_MODELS:-1.5b,7b} ;;
     q7bprep) section q7bprep 300 python3 bench/gpu_7b_prepare.py ;;
     q7bevery) section q7bevery ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 every-rank ;;
     q7brank0) section q7brank0 ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 rank0 ;;
@@ -98,4 +106,4 @@ for s in $SECTIONS; do
   esac
 done
 echo; echo "################ SUMMARY ($(nvidia-smi --query-gpu=name --format=csv,noheader))"
-grep -h -E "^(## |\| |card |fp32 greedy|vllm|RESULT|RATIO|[0-9]+ (passed|failed)|.*(passed|failed).* in )" "$LOG"
+grep -h -E "^(## |\| |card |fp32 greedy|compile probe|probe sweep|vllm|RESULT|RATIO|[0-9]+ (passed|failed)|.*(passed|failed).* in )" "$LOG"

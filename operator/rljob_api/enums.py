@@ -75,6 +75,14 @@ class RolloutRanks(StrEnum):
     EVERY_RANK = "every-rank"  # each rank holds the whole model and samples its share of the prompt groups
 
 
+class RolloutCompile(StrEnum):
+    """Whether the static hf engine compiles its decode step (not on/off: YAML 1.1 reads those as booleans)."""
+
+    AUTO = "auto"  # on CUDA, not on CPU
+    ENABLED = "enabled"
+    DISABLED = "disabled"
+
+
 class ResumeMode(StrEnum):
     AUTO = "auto"
     DISABLE = "disable"

@@ -42,6 +42,14 @@ PYTORCH_PORT_NAME = "pytorchjob-port"  # ... and the rendezvous port by this one
 METRICS_PORT_NAME = "metrics"
 SPEC_VOLUME = "rljob-spec"
 SHM_VOLUME = "dshm"
+# torch.compile's on-disk caches (inductor FX graphs, AOT autograd graphs, Triton kernels): an emptyDir outlives
+# container restarts in the pod, so a restarted worker loads the rollout engine's compiled decode step instead of
+# compiling it again (~30-60 s). GPU pods only; the worker uses <workdir>/compile-cache when these are unset.
+COMPILE_CACHE_VOLUME = "compile-cache"
+COMPILE_CACHE_MOUNT = "/var/cache/rljob/compile"
+COMPILE_CACHE_SIZE = "10Gi"
+COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": f"{COMPILE_CACHE_MOUNT}/inductor",
+                     "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 GPU_RESOURCE = "nvidia.com/gpu"
 
 COMPONENT_TRAINER = "trainer"
@@ -166,6 +174,8 @@ def _env(job: RLJob) -> list[dict[str, Any]]:
     ]
     if spec.s3.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL", "value": spec.s3.endpoint})
+    if spec.device == "gpu":
+        env.extend({"name": k, "value": v} for k, v in COMPILE_CACHE_ENV.items())
     ref = spec.s3.credentials_secret_ref
     if ref is not None:
         env.append({"name": "AWS_ACCESS_KEY_ID",
@@ -210,6 +220,7 @@ def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
         "volumeMounts": [
             {"name": SPEC_VOLUME, "mountPath": settings.spec_mount_path, "readOnly": True},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+            *([{"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_MOUNT}] if spec.device == "gpu" else []),
             *copy.deepcopy(pt.volume_mounts),
         ],
     }
@@ -221,6 +232,7 @@ def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
         "volumes": [
             {"name": SPEC_VOLUME, "configMap": {"name": spec_configmap_name(name)}},
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": pt.shm_size}},
+            *([{"name": COMPILE_CACHE_VOLUME, "emptyDir": {"sizeLimit": COMPILE_CACHE_SIZE}}] if spec.device == "gpu" else []),
             *copy.deepcopy(pt.volumes),
         ],
         "terminationGracePeriodSeconds": pt.termination_grace_period_seconds,

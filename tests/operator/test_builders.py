@@ -348,3 +348,27 @@ def test_the_round_trip_check_finds_a_misspelt_field() -> None:
     assert opschema.dropped_fields(ptj) == [
         "spec.pytorchReplicaSpecs.Master.template.spec.containers[0].imagePullpolicy", "spec.runPolicy.suspended"]
     assert opschema.dropped_fields(role) == ["rules[0].resourceName"]
+
+
+def test_gpu_pods_get_a_compile_cache_that_outlives_container_restarts() -> None:
+    """Every GPU pod (Master and Workers) mounts an emptyDir for torch.compile's caches and points inductor at
+    it; a user env entry of the same name wins; CPU jobs get neither."""
+    doc = multinode_doc()
+    doc["spec"]["podTemplate"]["env"] = [{"name": "TORCHINDUCTOR_FX_GRAPH_CACHE", "value": "0"}]
+    ptj = builders.build_pytorchjob(job_from(doc), OperatorSettings())
+    assert set(ptj["spec"]["pytorchReplicaSpecs"]) == {"Master", "Worker"}
+    for replica in ptj["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        (container,) = pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["compile-cache"] == {"name": "compile-cache", "emptyDir": {"sizeLimit": "10Gi"}}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(mounts["compile-cache"] + "/")
+        assert env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
+        assert env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "0"  # the user's entry, once
+        assert [e["name"] for e in container["env"]].count("TORCHINDUCTOR_FX_GRAPH_CACHE") == 1
+    cpu = builders.build_pytorchjob(job_from(load_example("quickstart.yaml")), OperatorSettings())
+    pod = cpu["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert "compile-cache" not in {v["name"] for v in pod["volumes"]}
+    assert not any(e["name"].startswith("TORCHINDUCTOR") for e in pod["containers"][0]["env"])

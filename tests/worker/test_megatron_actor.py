@@ -154,3 +154,22 @@ def test_save_hf_checkpoint_loads_in_transformers(hf_dirs, tmp_path):
     hf = H.load_hf_model(tmp_path / "export")
     lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, 4)["logprobs"]
     torch.testing.assert_close(lp, H.hf_logprobs(hf, ids, mask), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "unfused-head"])
+def test_logprobs_and_entropy_at_a_sampling_temperature(hf_dirs, fused):
+    """logit_temperature T: log-probs and entropy of softmax(logits / T), as HF's logits divided by T."""
+    hf = H.load_hf_model(hf_dirs["qwen2"])
+    actor = MegatronActor.from_hf(hf_dirs["qwen2"], ParallelConfig(), OptimConfig(lr=1e-3), seed=1, fused_head=fused)
+    actor.logit_temperature = 0.7
+    ids, mask = H.sample_batch()
+    m = mask.bool()
+    valid = m & (m.long().cumsum(1) > 1)
+    logp = torch.log_softmax(H.hf_logits(hf, ids, mask).float() / 0.7, -1)[:, :-1]
+    want_lp = torch.nn.functional.pad(logp.gather(-1, ids[:, 1:, None])[..., 0], (1, 0)) * valid
+    want_ent = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0)) * valid
+    got = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=3, with_entropy=True)
+    torch.testing.assert_close(got["logprobs"], want_lp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(got["entropy"], want_ent, rtol=0, atol=2e-6)
+    at_one = H.hf_logprobs(hf, ids, mask)
+    assert (got["logprobs"] - at_one).abs().max() > 1e-2  # the temperature changed them

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rljob_api.enums import RolloutCompile
 from rljob_api.enums import RolloutEngine as EngineName
 from rljob_worker.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer, materialize_builtin
 from rljob_worker.rollout import SamplingParams, make_engine
+from rljob_worker.rollout.compile_config import compile_cache_env, compile_enabled
 from rljob_worker.rollout.hf_engine import HFEngine
-from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+from rljob_worker.rollout.hf_static_engine import HFStaticEngine, bucket_for, dynamo_compiles, kv_buckets
 
 TOK = build_char_tokenizer()
 PROMPTS = [TOK(s, add_special_tokens=False)["input_ids"] for s in ["12+3=", "9=", "4444 8=", "0", "77+1=2 #"]]
@@ -92,6 +94,11 @@ def test_sessions_are_reused_and_rebuilt_by_shape(pair):
     assert static.generate(PROMPTS, p).response_ids == first.response_ids and static._session is s
     alone = static.generate(PROMPTS[:1], p)  # another batch size: a new session, same continuation
     assert static._session is not s and alone.response_ids[0] == first.response_ids[0]
+    static.generate(PROMPTS, SamplingParams(n=1, temperature=0, max_new_tokens=60))  # a longer cache: rebuilt
+    longer = static._session
+    assert longer.length == 128 and longer.batch == len(PROMPTS)
+    # a shorter rollout keeps the longer cache (and its graphs), with the same tokens as on a cache of its own
+    assert static.generate(PROMPTS, p).response_ids == first.response_ids and static._session is longer
 
 
 def test_weight_sync_reaches_the_static_forward(sharp_model_dir):
@@ -129,40 +136,122 @@ def test_sliding_window_models_are_refused(sharp_model_dir, monkeypatch):
                        pad_token_id=PAD_ID)
 
 
-def test_compiled_decode_step_equals_hf_engine(sharp_model_dir):
-    """torch.compile of the decode step (the GPU option RLJOB_HF_STATIC_COMPILE=1) changes no
-    token: compiled here with inductor on the CPU, greedy continuations equal HFEngine's, including
-    after a change of shape (which recompiles)."""
+def _rescored(model_dir, prompts, out, temperature):
+    """Each pick's log-prob under the HF model's own forward (teacher-forced), at the sampling temperature."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rows = []
+    for prompt, ids in zip(prompts, out.response_ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1] / temperature
+        rows.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist())
+    return rows
+
+
+def test_compiled_decode_step_equals_the_uncompiled_one(sharp_model_dir):
+    """torch.compile of the decode step with its in-step sampler (the GPU default) changes no token: compiled
+    here with inductor on the CPU against the same engine uncompiled (same in-step sampler, same noise for the
+    same seed): greedy and temperature sampling give identical tokens and log-probs within 1e-5, greedy equals
+    the HF engine, and a sampled token's log-prob is the one the HF model's own forward gives it."""
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     ref = HFEngine(str(sharp_model_dir), **kw)
+    eager = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, **kw)
     compiled = HFStaticEngine(str(sharp_model_dir), compile_decode=True, **kw)
-    assert compiled.compile_decode
-    params = SamplingParams(n=1, temperature=0, max_new_tokens=8)
-    for prompts in (PROMPTS, PROMPTS[:2]):
-        want, got = ref.generate(prompts, params), compiled.generate(prompts, params)
-        assert got.response_ids == want.response_ids
-        for a, b in zip(got.response_logprobs, want.response_logprobs):
-            assert a == pytest.approx(b, abs=1e-4)
-    # plain temperature sampling takes the compiled race sampler: seeded runs repeat, and each pick's
-    # log-prob is the one the HF engine's forward gives that token (teacher-forced re-scoring below)
-    hot = SamplingParams(n=1, temperature=1.5, max_new_tokens=6, seed=7)
-    first, again = compiled.generate(PROMPTS, hot), compiled.generate(PROMPTS, hot)
-    assert first.response_ids == again.response_ids
+    assert compiled.compile_decode and compiled.sample_in_step and not eager.compile_decode
+    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=8)
+    want, got, same = ref.generate(PROMPTS, greedy), compiled.generate(PROMPTS, greedy), eager.generate(PROMPTS, greedy)
+    assert got.response_ids == want.response_ids == same.response_ids
+    for a, b in zip(got.response_logprobs, same.response_logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    hot = SamplingParams(n=2, temperature=1.5, max_new_tokens=6, seed=7)
+    first, again, plain = compiled.generate(PROMPTS, hot), compiled.generate(PROMPTS, hot), eager.generate(PROMPTS, hot)
+    assert first.response_ids == again.response_ids == plain.response_ids
+    for a, b in zip(first.response_logprobs, plain.response_logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    for lps, want in zip(first.response_logprobs, _rescored(sharp_model_dir, prompts, first, 1.5)):
+        assert lps == pytest.approx(want, abs=1e-4)
+
+
+def test_in_step_top_p_sampling_draws_from_the_nucleus(sharp_model_dir):
+    """top-p inside the step (eager here; the same code is what the GPU graph captures): every pick lies in the
+    nucleus of the HF model's distribution, its log-prob is the renormalised nucleus log-prob, and a fixed seed
+    repeats."""
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
+    eng = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, **kw)
+    params = SamplingParams(n=8, temperature=1.0, top_p=0.5, max_new_tokens=5, seed=3)
+    out = eng.generate(PROMPTS[:2], params)
+    assert out.response_ids == eng.generate(PROMPTS[:2], params).response_ids
+    from rljob_worker.rollout.sampling import filter_logits
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(sharp_model_dir), dtype=torch.float32)
-    for prompt, ids, lps in zip(PROMPTS, first.response_ids, first.response_logprobs):
-        seq = torch.tensor([prompt + ids])
+    for i, (ids, lps) in enumerate(zip(out.response_ids, out.response_logprobs)):
+        prompt = PROMPTS[i // 8]
         with torch.no_grad():
-            logits = model(seq).logits[0, len(prompt) - 1 : -1] / 1.5
-        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-        assert lps == pytest.approx(want.tolist(), abs=1e-4)
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        logp = torch.log_softmax(filter_logits(logits, 1.0, -1, 0.5), -1).gather(-1, torch.tensor(ids)[:, None])
+        assert torch.isfinite(logp).all()  # never outside the nucleus
+        assert lps == pytest.approx(logp.squeeze(-1).tolist(), abs=1e-4)
+    assert len({tuple(r) for r in out.response_ids}) > 1  # it samples
 
 
-def test_compile_is_opt_in_on_cuda_only(sharp_model_dir, monkeypatch):
+def test_new_prompt_widths_do_not_recompile(sharp_model_dir):
+    """The prompt width is state, not a shape the compiled step sees: after the first call (and at most one
+    recompile with symbolic sizes when a later key bucket is reached), 8 more prompt widths compile nothing.
+    Counted with dynamo's own counter; backend "eager" traces exactly as inductor would, without codegen."""
+    torch._dynamo.reset()
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
+    eng = HFStaticEngine(str(sharp_model_dir), compile_decode=True, compile_backend="eager", max_graphs=4,
+                         length_multiple=256, **kw)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=0)
+    base = dynamo_compiles()
+    eng.generate([[5] * 3, [6] * 20], params)  # width 32, cache 256: buckets 64, 128, ...; steps reach slot 71
+    first = dynamo_compiles() - base
+    assert 1 <= first <= 2, first
+    widths = [5, 17, 40, 9, 33, 60, 25, 49]
+    for i, w in enumerate(widths):  # 8 widths (rounded: 16, 32, 48, 64): same session, other key buckets
+        out = eng.generate([[7] * w, [8] * (i + 1)], params)
+        assert all(len(r) == 40 for r in out.response_ids)
+    assert dynamo_compiles() - base <= 2, dynamo_compiles() - base
+    assert {b for b in kv_buckets(256, 4)} == {64, 128, 192, 256}
+
+
+def test_kv_buckets_cover_the_cache_in_at_most_max_graphs_steps():
+    assert kv_buckets(384) == [64, 128, 192, 256, 320, 384]
+    assert kv_buckets(3072) == [384 * i for i in range(1, 9)]
+    assert kv_buckets(100, multiple=64) == [64, 100]
+    assert bucket_for(127, [64, 128, 192]) == 128 and bucket_for(128, [64, 128, 192]) == 192
+    with pytest.raises(ValueError, match="beyond"):
+        bucket_for(192, [64, 128, 192])
+
+
+def test_compile_follows_the_spec_and_the_env_overrides_it():
+    gpu = torch.device("cuda")
+    assert compile_enabled(RolloutCompile.AUTO, gpu, {}) and not compile_enabled(RolloutCompile.AUTO, CPU, {})
+    assert compile_enabled("enabled", CPU, {}) and not compile_enabled("disabled", gpu, {})
+    assert not compile_enabled(RolloutCompile.AUTO, gpu, {"RLJOB_HF_STATIC_COMPILE": "0"})
+    assert compile_enabled(RolloutCompile.DISABLED, CPU, {"RLJOB_HF_STATIC_COMPILE": "1"})
+    with pytest.raises(ValueError, match="RLJOB_HF_STATIC_COMPILE='yes'.*1.*0"):
+        compile_enabled(RolloutCompile.AUTO, gpu, {"RLJOB_HF_STATIC_COMPILE": "yes"})
+
+
+def test_cpu_default_is_uncompiled_with_the_hf_engines_sampler(sharp_model_dir, monkeypatch):
+    monkeypatch.delenv("RLJOB_HF_STATIC_COMPILE", raising=False)
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-    monkeypatch.setenv("RLJOB_HF_STATIC_COMPILE", "1")
-    assert not HFStaticEngine(str(sharp_model_dir), **kw).compile_decode  # the env acts on CUDA only
+    eng = HFStaticEngine(str(sharp_model_dir), **kw)
+    assert not eng.compile_decode and not eng.sample_in_step and not eng.use_cuda_graph
+    with pytest.raises(ValueError, match="sample_in_step"):
+        HFStaticEngine(str(sharp_model_dir), compile_decode=True, sample_in_step=False, **kw)
+
+
+def test_compile_cache_env_points_under_the_workdir_unless_set(tmp_path):
+    env = compile_cache_env(tmp_path, {})
+    assert env == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile-cache" / "inductor"),
+                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    assert compile_cache_env(tmp_path, {"TORCHINDUCTOR_CACHE_DIR": "/cache", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}) == {
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
 def test_prefill_in_row_chunks_changes_nothing(sharp_model_dir, pair):
@@ -191,3 +280,134 @@ def test_release_cache_frees_the_session_and_the_next_rollout_rebuilds_it(pair):
     static.release_cache()
     assert static._session is None
     assert static.generate(PROMPTS, params).response_ids == first.response_ids
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on a CPU: "capture" records the decode step the engine runs inside
+    ``torch.cuda.graph(...)`` and a replay runs it again (what a real replay does, minus the speed)."""
+
+    active = None
+
+    def __init__(self):
+        self.body, self.generators = None, []
+
+    def register_generator_state(self, generator):
+        self.generators.append(generator)
+
+    def replay(self):
+        self.body()
+
+
+@pytest.mark.parametrize("noise_in_graph", [True, False])
+def test_graph_bookkeeping_replays_decode_as_the_eager_steps(sharp_model_dir, monkeypatch, noise_in_graph):
+    """The CUDA-graph control flow, run on a CPU with a stand-in graph: captures happen before the prefill (one
+    per key bucket the rollout reaches), their warm-ups leave no trace in the output, a replay draws its noise
+    (inside the graph, or just before it without register_generator_state) and advances the step counters, so
+    seeded sampling and greedy through the graphs equal the same engine stepping eagerly."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        _FakeGraph.active = g
+        try:
+            yield
+        finally:
+            _FakeGraph.active = None
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    for name, value in {"CUDAGraph": _FakeGraph, "graph": graph, "Stream": Stream,
+                        "stream": lambda st: contextlib.nullcontext(), "synchronize": lambda device=None: None,
+                        "current_stream": lambda device=None: Stream(),
+                        "graph_pool_handle": lambda: None, "empty_cache": lambda: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
+    graphed = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, max_graphs=8, **kw)
+    graphed.use_cuda_graph, graphed.noise_in_graph = True, noise_in_graph
+    eager = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, max_graphs=8, **kw)
+    real_step = graphed._run_step
+
+    def run_step(*args, **kwargs):  # inside a capture: remember the step as the graph's body
+        if _FakeGraph.active is not None:
+            _FakeGraph.active.body = lambda: real_step(*args, **kwargs)
+        real_step(*args, **kwargs)
+
+    monkeypatch.setattr(graphed, "_run_step", run_step)
+    for params in (SamplingParams(n=3, temperature=1.0, max_new_tokens=100, seed=4),
+                   SamplingParams(n=3, temperature=0.9, top_p=0.8, max_new_tokens=100, seed=4),
+                   SamplingParams(n=1, temperature=0, max_new_tokens=100)):
+        a, b = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+        assert a.response_ids == b.response_ids and a.response_logprobs == b.response_logprobs
+        assert all(len(r) == 100 for r in a.response_ids)
+    graphs = graphed._session.graphs
+    assert sorted({k[-1] for k in graphs}) == [64, 128] and graphed.graph_captures == 6  # 2 buckets x 3 samplers
+    assert all((len(g.generators) == 1) == (noise_in_graph and k[0] != "greedy") for k, g in graphs.items())
+
+
+# --------------------------------------------------------------------------- on a GPU (bench/gpu_all.sh rollouttests)
+
+
+def _cuda_engines(model_dir, **static_kw):
+    kw = {"dtype": torch.float32, "device": torch.device("cuda"), "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
+    return HFEngine(str(model_dir), **kw), HFStaticEngine(str(model_dir), **kw, **static_kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_graphs_greedy_equal_the_hf_engine_across_key_buckets(sharp_model_dir, compiled):
+    """fp32 greedy through the CUDA graphs (one per key bucket: 100 tokens after 16-token prompts cross the
+    64-slot buckets of a 128-slot cache), compiled or not: the HF engine's tokens, log-probs to 1e-4."""
+    ref, static = _cuda_engines(sharp_model_dir, compile_decode=compiled, max_graphs=8)
+    assert static.use_cuda_graph and static.sample_in_step and static.compile_decode == compiled
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=100)
+    want, got = ref.generate(PROMPTS, params), static.generate(PROMPTS, params)
+    assert static.graph_captures == 2  # keys 64 and 128
+    assert got.response_ids == want.response_ids
+    for a, b in zip(got.response_logprobs, want.response_logprobs):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert static.generate([p[:2] for p in PROMPTS], params).response_ids == ref.generate(
+        [p[:2] for p in PROMPTS], params).response_ids  # another prompt width: same session and graphs
+    assert static.graph_captures == 2
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_draw_fresh_noise_as_the_eager_steps_do(sharp_model_dir):
+    """Sampling inside the graph: a replay advances the engine's generator exactly as the eager step does, so a
+    seeded run through the graphs equals the same engine stepping eagerly (a graph that froze its noise would
+    repeat one draw every step and differ), repeats for the same seed and differs for another."""
+    _, graphed = _cuda_engines(sharp_model_dir, compile_decode=False)
+    _, eager = _cuda_engines(sharp_model_dir, compile_decode=False, use_cuda_graph=False, sample_in_step=True)
+    assert graphed.use_cuda_graph and graphed.noise_in_graph and not eager.use_cuda_graph
+    for params in (SamplingParams(n=4, temperature=1.0, max_new_tokens=40, seed=5),
+                   SamplingParams(n=4, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=40, seed=5)):
+        a, b = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+        assert a.response_ids == b.response_ids
+        for x, y in zip(a.response_logprobs, b.response_logprobs):
+            assert x == pytest.approx(y, abs=1e-4)
+        assert graphed.generate(PROMPTS, params).response_ids == a.response_ids
+        other = SamplingParams(**{**params.__dict__, "seed": 6})
+        assert graphed.generate(PROMPTS, other).response_ids != a.response_ids
+
+
+@pytest.mark.gpu
+def test_gpu_compile_cache_is_reused_by_a_second_process(tmp_path):
+    """The worker's cache variables (compile_cache_env): a second process compiling the same function loads it
+    from the first one's FX graph cache. (On a 2-core CPU the first compile alone takes minutes: GPU only.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, torch\nfrom torch._dynamo.utils import counters\n"
+            "f = torch.compile(lambda x: (x.sin() * 2 + 1).sum(-1))\nf(torch.randn(8, 16, device='cuda'))\n"
+            "print(json.dumps(dict(counters['inductor'])))")
+    env = {**os.environ, **compile_cache_env(tmp_path, {})}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0].get("fxgraph_cache_miss", 0) >= 1 and runs[1].get("fxgraph_cache_hit", 0) >= 1, runs
+    assert (tmp_path / "compile-cache" / "inductor").is_dir()

@@ -219,13 +219,14 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 @pytest.mark.parametrize(("device", "kw", "want"), [
     (CPU, {"num_params": 10**8}, EngineName.HF),  # no GPU: hf
-    (CUDA, {"num_params": 494_000_000}, EngineName.HF),  # 0.5B on one GPU: the static engine won (1.2x)
-    (CUDA, {"num_params": 1_000_000_000}, EngineName.HF),  # the threshold itself
-    (CUDA, {"num_params": 1_000_000_001}, EngineName.VLLM),  # larger: vLLM
+    (CUDA, {"num_params": 494_000_000}, EngineName.HF),  # 0.5B on one GPU: the static engine won (1.7x)
+    (CUDA, {"num_params": 1_540_000_000}, EngineName.HF),  # 1.5B: the static engine won (1.2x)
+    (CUDA, {"num_params": 3_000_000_000}, EngineName.HF),  # the threshold itself
+    (CUDA, {"num_params": 7_620_000_000}, EngineName.VLLM),  # 7B: vLLM won (1.7x)
     (CUDA, {"num_params": None}, EngineName.VLLM),  # unknown size: vLLM
     (CUDA, {"num_params": 10**8, "world_size": 2}, EngineName.VLLM),  # hf samples on rank 0 only
     (CUDA, {"num_params": 10**8, "rollout_tp": 2}, EngineName.VLLM),  # hf has no rollout TP
-], ids=["cpu", "0.5b", "1b", "above-1b", "unknown", "two-ranks", "rollout-tp2"])
+], ids=["cpu", "0.5b", "1.5b", "3b", "7b", "unknown", "two-ranks", "rollout-tp2"])
 def test_auto_picks_the_engine_the_measurements_favour(fake_vllm, device, kw, want):
     from rljob_worker.rollout.factory import resolve_engine_name
 

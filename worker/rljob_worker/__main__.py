@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=int(max_steps) if max_steps else None,
         show_progress_bar=os.environ.get("RLJOB_PROGRESS_BAR") == "1" and rank == "0",
     )
+    from rljob_worker.rollout.compile_config import compile_cache_env
+
+    os.environ.update(compile_cache_env(ctx.workdir))  # torch.compile's caches outlive this process (unless set)
     from rljob_worker.run_health import RunFailed
 
     try:

@@ -6,7 +6,8 @@ tokens of input_ids[b, :t])`` where token ``t`` is real and some earlier token i
 (padding, and the first real token of a row). ``entropy[b, t]`` is the entropy of that same
 predictive distribution, with the same zeros. Both are computed vocab-parallel (no full-vocab
 gather under TP); the vocab entries megatron pads to a multiple of the TP size get a logit of
-``-1e30`` (probability exactly 0). Under context parallelism the per-token values are all-gathered
+``-1e30`` (probability exactly 0). With ``logit_temperature`` T != 1 every value is of the
+distribution the rollout sampled from, ``softmax(logits / T)`` (verl divides the logits the same way). Under context parallelism the per-token values are all-gathered
 back, so loss functions see the full ``(B, T)`` tensors exactly as with ``cp = 1``; under pipeline
 parallelism they are computed on the last stage and broadcast over the pipeline group, so every
 method returns the same result on every rank of a model-parallel group (call them on every rank of
@@ -73,6 +74,9 @@ class MegatronActor(MegatronEngine):
     def __init__(self, *args: Any, with_entropy: bool = False, fused_head: bool | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loss_fn_needs_entropy = with_entropy
+        # The sampling temperature: log-probs and entropy are of softmax(logits / T), the distribution the
+        # rollout drew from, so the ratio to the rollout's log-probs is 1 at the first epoch (T = 1: the raw model).
+        self.logit_temperature = 1.0
         # log-probs and entropy from the hidden state in token chunks (no (b, T, V) fp32 logits)
         self.fused_head = fused_head_enabled() if fused_head is None else fused_head
 
@@ -107,9 +111,13 @@ class MegatronActor(MegatronEngine):
     def policy_head(self, with_entropy: bool) -> Callable[[HeadInput], tuple[torch.Tensor, torch.Tensor | None]]:
         """The engine head: ``(logprobs (b, T), entropy (b, T) | None)`` of one micro-batch. Fused
         (:attr:`fused_head`): from the hidden state (the engine runs with ``output_hidden``)."""
-        if self.fused_head:
-            return lambda x: self._fused_token_values(x.output, x.packed, with_entropy)
-        return lambda x: self._token_values(self._mask_vocab_padding(x.output), x.packed, with_entropy)
+        scale = self._temperature_scale
+        if self.fused_head:  # logits / T = (hidden / T) @ W: the output layer has no bias
+            return lambda x: self._fused_token_values(scale(x.output), x.packed, with_entropy)
+        return lambda x: self._token_values(self._mask_vocab_padding(scale(x.output)), x.packed, with_entropy)
+
+    def _temperature_scale(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.logit_temperature == 1.0 else x / self.logit_temperature
 
     def _fused_token_values(self, hidden: torch.Tensor, packed: PackedMicroBatch, with_entropy: bool):
         """:meth:`_token_values` from the final-norm hidden state ``(b, Tc / cp, H)`` (``/ tp`` more

@@ -7,14 +7,17 @@ import logging
 import os
 
 import torch
+from rljob_api.enums import RolloutCompile
 from rljob_api.enums import RolloutEngine as EngineName
 
-# `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Measured on
-# one H100 (bench/NOTES.md, 2026-11-26), Qwen2.5-0.5B shape, 32 prompts x 8, 128 + 256 tokens: whole GRPO step
-# static engine 3.18 s vs vLLM 0.26 3.90 s (same call); rollout alone 41.4k vs 29.2k tok/s (compiled static 75.2k).
-# 0.5B is the largest size measured with both engines; above 1B vLLM (paged KV cache, CUDA graphs per batch size,
-# rollout TP) is the default until a measurement says otherwise (bench/gpu_all.sh sections grpo15vllm, grpovllm).
-AUTO_STATIC_MAX_PARAMS = 1_000_000_000
+# `engine: auto` on one GPU picks the static HF engine up to this many active parameters, vLLM above. Rollout alone,
+# one H100, Qwen2.5 shapes, 32 prompts x 8, 128 + 256 tokens, bf16 (bench/rollout_scale.py, bench/NOTES.md,
+# 2026-11-26, one call): static / compiled static / vLLM 0.26 tok/s = 41.6k / 74.9k / 24.9k at 0.5B,
+# 27.9k / 45.5k / 23.6k at 1.5B, 13.4k / 17.7k / 23.0k at 7B. vLLM's throughput is nearly flat in model size
+# (bound by its per-step host work) while the static engine's falls with it; interpolating in log-size the
+# curves cross near 2.2B (uncompiled) and 4.6B (compiled). 3B sits between, where either engine is within
+# about 15% of the other. Whole GRPO step at 0.5B: static 3.01 s vs vLLM 3.41 s (same call).
+AUTO_STATIC_MAX_PARAMS = 3_000_000_000
 
 
 def resolve_engine_name(name: EngineName, device: torch.device, *, world_size: int = 1, rollout_tp: int = 1,
@@ -40,8 +43,9 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
                 pad_token_id: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
                 max_model_len: int | None = None, enforce_eager: bool = False,
                 max_num_batched_tokens: int | None = None, seed: int = 0, world_size: int = 1,
-                num_params: int | None = None):
-    """Build the configured engine (see resolve_engine_name for `auto`)."""
+                num_params: int | None = None, compile: RolloutCompile | str = RolloutCompile.AUTO):
+    """Build the configured engine (see resolve_engine_name for `auto`; ``compile``: spec.rollout.compile, see
+    compile_config.compile_enabled)."""
     vllm_available = importlib.util.find_spec("vllm") is not None
     name = resolve_engine_name(name, device, world_size=world_size, rollout_tp=tensor_parallel_size,
                                num_params=num_params)
@@ -61,11 +65,13 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
         # On a GPU the HF engine runs with a static KV cache and a CUDA-graphed decode step
         # (3.3x the dynamic-cache engine per GRPO step on an H200, bench/NOTES.md); RLJOB_HF_STATIC=0
         # falls back to the plain engine, as do models the static engine does not support.
+        from rljob_worker.rollout.compile_config import compile_enabled
         from rljob_worker.rollout.hf_static_engine import HFStaticEngine
 
+        compile_decode = compile_enabled(compile, device)  # before the model loads: a bad env value fails fast
         try:
             return HFStaticEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
-                                  pad_token_id=pad_token_id)
+                                  pad_token_id=pad_token_id, compile_decode=compile_decode)
         except ValueError as exc:
             logging.getLogger(__name__).warning("static-cache engine unavailable (%s); using the HF engine", exc)
     return HFEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

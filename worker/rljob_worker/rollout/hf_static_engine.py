@@ -1,46 +1,53 @@
-"""A faster GPU rollout engine on the transformers model's own weights: static KV cache + CUDA graph.
+"""A faster GPU rollout engine on the transformers model's own weights: static KV cache + CUDA graphs.
 
 `HFEngine` runs the transformers forward with a dynamic cache: every decode step re-launches a few
 hundred small kernels from Python, grows the cache by concatenation and rebuilds the attention mask,
 so at batch 256 a 0.5B model spends ~10x its arithmetic time on overhead. This engine keeps the
-same interface, weights and sampling code, and changes only the decode loop:
+same interface and weights, and changes the decode loop:
 
-- the KV cache is preallocated once per (batch, prompt width, length) shape, ``(B, kv_heads, L,
-  head_dim)`` per layer, and written in place at the step's slot (``index_copy_``);
-- attention over the cache is two batched matmuls with a boolean key mask built on the device from
-  the prompt's padding mask and a step counter, so a decode step has fixed shapes and no host sync;
-- on CUDA the whole decode-step forward (all layers + final norm + lm_head of the last position)
-  is captured once into a CUDA graph and replayed every step; sampling (``sample_next``, the same
-  code as `HFEngine`, with the caller's generator) runs eagerly on the graph's logits buffer;
+- the KV cache is preallocated per batch size, ``(B, kv_heads, L, head_dim)`` per layer (L: prompt width +
+  new tokens, rounded up; a longer cache from an earlier call is kept), and written in place at the step's
+  slot (``index_copy_``); the prompt width is state (which slots hold the prompt), not a shape, so prompts
+  of another width reuse the session and its graphs;
+- attention over the cache is two batched matmuls with a boolean key mask kept on the device; a decode
+  step reads only the filled slots, rounded up to one of at most 8 key buckets (`kv_buckets`), not the
+  whole cache;
+- one decode step = forward + next-token pick + bookkeeping (store the token and its log-prob, the
+  finished flags, the next input), with fixed shapes and no host sync; on CUDA it is captured as one
+  CUDA graph per key bucket and sampler, so a step is one graph replay. The pick runs inside the step
+  (``sample_in_step``, on by default on CUDA or with compile): greedy, or a race over uniform noise
+  (`race_sample`, with top-k / top-p when set: the distribution ``sample_next`` draws from) drawn from
+  a generator of the engine's own that the graph advances on every replay, seeded per chunk from the
+  call's seed. Eager on a CPU the engine samples with ``sample_next`` and the call's generator instead,
+  drawing exactly what `HFEngine` draws;
 - prefill runs the same forward eagerly and computes logits of the last position only, in chunks
   of rows sized so that one chunk's attention scores and MLP activations stay under
   ``prefill_bytes`` (4 GiB: a 7B model's 1024-token prompts take ~0.5 GiB a row, and a whole
   batch of 256 at once would need over 100 GiB);
 - the all-finished check syncs once every ``check_every`` steps instead of every step;
-- optionally (``compile_decode``, env ``RLJOB_HF_STATIC_COMPILE=1``) the decode step is compiled
-  with torch.compile before capture, fusing the norms, RoPE, SwiGLU and the attention's softmax
-  (a few hundred small kernels fewer per step); the first call of each shape pays the compile.
-  Plain temperature sampling (no top-k / top-p) then also runs compiled, as a race over Gumbel
-  noise (`race_sample`: the same distribution as ``sample_next``, drawn from the caller's
-  generator, without materialising probabilities).
+- ``compile_decode`` (spec.rollout.compile, default on CUDA; env ``RLJOB_HF_STATIC_COMPILE=0/1`` overrides)
+  compiles the decode step with its sampler with torch.compile before capture, fusing the norms, RoPE,
+  SwiGLU, the attention's softmax and the sampler's passes over the logits. The first call compiles
+  (~30-60 s; inductor's on-disk cache, compile_config, makes a later process's first call cheaper). Batch,
+  cache length and key bucket are symbolic sizes from the first compile, so each sampler mode (greedy,
+  temperature, top-k/top-p) compiles once; other batches, lengths and prompt widths do not recompile.
 
 Linear layers, norms, MLPs and rotary embeddings are the transformers model's modules, so weight
 sync (`update_weights`, inherited) writes into the very tensors the graph reads. Supports the
 Llama-style decoders (Llama, Qwen2, Qwen3 with q/k norms, Mistral without sliding windows);
 anything else raises ``ValueError`` at construction (`make_engine` then falls back to `HFEngine`).
 
-Selected by ``make_engine`` for ``rollout.engine: hf`` on CUDA when ``RLJOB_HF_STATIC=1``.
+Selected by ``make_engine`` for ``rollout.engine: hf`` on CUDA (``RLJOB_HF_STATIC=0`` turns it off).
 """
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
 from rljob_worker.rollout.hf_engine import HFEngine
-from rljob_worker.rollout.sampling import race_sample, sample_next
+from rljob_worker.rollout.sampling import greedy_pick, race_sample, sample_next
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +63,63 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class _Session:
-    """Buffers (and the CUDA graph) of one (batch, prompt width, cache length) shape."""
+def kv_buckets(length: int, max_graphs: int = 8, multiple: int = 64) -> list[int]:
+    """Key counts the decode attention reads, ascending, the last = ``length``: multiples of a block of at least
+    ``multiple`` slots, at most ``max_graphs`` of them (one CUDA graph each). A step at cache slot ``t`` reads
+    the smallest bucket > t (`bucket_for`), so attention reads the filled slots plus < one block, not the whole
+    cache."""
+    block = max(multiple, _round_up(-(-length // max(max_graphs, 1)), multiple))
+    return sorted({min(k, length) for k in range(block, length + block, block)})
 
-    def __init__(self, engine: HFStaticEngine, batch: int, width: int, length: int):
+
+def bucket_for(slot: int, buckets: list[int]) -> int:
+    """The smallest bucket that holds cache slot ``slot`` (keys 0..slot)."""
+    for keys in buckets:
+        if keys > slot:
+            return keys
+    raise ValueError(f"cache slot {slot} is beyond the cache ({buckets[-1]} slots)")
+
+
+def dynamo_compiles() -> int:
+    """Graphs torch.compile has compiled in this process so far (a compile or a recompile each)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class _Session:
+    """Buffers (and CUDA graphs) of one (batch, cache length) shape. Everything a decode step reads or writes
+    lives here at a fixed address, so a captured step is replayed without arguments."""
+
+    def __init__(self, engine: HFStaticEngine, batch: int, length: int):
         cfg, dev, dt = engine.cfg, engine.device, engine.dtype
-        self.batch, self.width, self.length = batch, width, length
+        self.batch, self.length = batch, length
         shape = (batch, engine.kv_heads, length, engine.head_dim)
         self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_hidden_layers)]
-        self.prompt_valid = torch.zeros((batch, length), dtype=torch.bool, device=dev)  # real prompt slots
+        self.key_valid = torch.zeros((batch, length), dtype=torch.bool, device=dev)  # real prompt + generated slots
         self.slots = torch.arange(length, device=dev)
         self.tok = torch.zeros((batch, 1), dtype=torch.long, device=dev)  # decode-step input token
         self.pos = torch.zeros((batch, 1), dtype=torch.long, device=dev)  # its position id
-        self.step = torch.zeros((), dtype=torch.long, device=dev)  # decode steps taken
-        self.logits: torch.Tensor | None = None
-        self.graph = None
+        self.slot = torch.zeros((), dtype=torch.long, device=dev)  # its cache slot
+        self.count = torch.zeros((), dtype=torch.long, device=dev)  # tokens recorded so far
+        self.tokens = torch.full((batch, length), engine.pad, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros((batch, length), dtype=torch.float32, device=dev)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
+        self.noise = torch.zeros((batch, engine.vocab), dtype=torch.float32, device=dev) if engine.sample_in_step else None
+        self.gen = torch.Generator(device=dev) if engine.sample_in_step else None  # the in-step sampler's noise
+        self.graphs: dict[tuple, object] = {}  # (mode, top_k, top_p, keys) -> CUDA graph of one decode step
+        self.pool = torch.cuda.graph_pool_handle() if engine.use_cuda_graph else None  # shared by those graphs
+        if engine.compile_decode:  # batch and cache length compile as symbols from the start: one compile per sampler
+            for t in (*self.k, *self.v):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 2)
+            for t in (self.key_valid, self.tokens, self.logprobs):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for t in (self.slots, self.tok, self.pos, self.done, *([self.noise] if self.noise is not None else [])):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def rows(self, lo: int, hi: int) -> _Session:
         """The cache of rows lo..hi-1 (views: writes land in this session's cache)."""
@@ -84,7 +132,8 @@ class HFStaticEngine(HFEngine):
     def __init__(self, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
                  pad_token_id: int, max_batch: int = 256, use_cuda_graph: bool | None = None,
                  length_multiple: int = 64, check_every: int | None = None,
-                 compile_decode: bool | None = None, prefill_bytes: int = 4 * 2**30):
+                 compile_decode: bool | None = None, prefill_bytes: int = 4 * 2**30,
+                 sample_in_step: bool | None = None, max_graphs: int = 8, compile_backend: str = "inductor"):
         super().__init__(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, max_batch=max_batch)
         cfg = self.model.config
@@ -106,33 +155,50 @@ class HFStaticEngine(HFEngine):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.groups = self.heads // self.kv_heads
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         on_cuda = device.type == "cuda"
-        self.use_cuda_graph = on_cuda if use_cuda_graph is None else (use_cuda_graph and on_cuda)
+        if compile_decode is None:  # spec.rollout.compile: auto (make_engine passes the resolved value)
+            from rljob_api.enums import RolloutCompile
+
+            from rljob_worker.rollout.compile_config import compile_enabled
+
+            compile_decode = compile_enabled(RolloutCompile.AUTO, device)
+        self.compile_decode = bool(compile_decode)
+        graphs_ok = on_cuda if use_cuda_graph is None else (use_cuda_graph and on_cuda)
+        if sample_in_step is None:  # eager on a CPU keeps sample_next: the HF engine's draws, token for token
+            sample_in_step = graphs_ok or self.compile_decode
+        if self.compile_decode and not sample_in_step:
+            raise ValueError("compile_decode compiles the decode step with its sampler: it needs sample_in_step")
+        self.sample_in_step = bool(sample_in_step)
+        self.use_cuda_graph = graphs_ok and self.sample_in_step
+        # a graph-captured draw from a generator of our own needs torch's register_generator_state (torch >= 2.5);
+        # without it the noise is drawn just before each replay (a launch, still no host sync)
+        self.noise_in_graph = hasattr(torch.cuda.CUDAGraph, "register_generator_state") if on_cuda else False
         self.length_multiple = length_multiple
+        self.max_graphs = max_graphs
         self.prefill_bytes = prefill_bytes
         self.check_every = check_every if check_every is not None else (16 if on_cuda else 1)
         self._session: _Session | None = None
         self.graph_captures = 0  # how many CUDA graphs were captured (tests, metrics)
-        if compile_decode is None:  # an explicit True compiles on CPU too (tests)
-            compile_decode = on_cuda and os.environ.get("RLJOB_HF_STATIC_COMPILE", "0") == "1"
-        self.compile_decode = bool(compile_decode)
-        # dynamic=None: the first shape compiles static kernels; a second shape recompiles once with
-        # symbolic sizes instead of once per (batch, width, length) bucket
-        self._step_fn = torch.compile(self._decode_step, fullgraph=True) if self.compile_decode else self._decode_step
-        self._race_sample = torch.compile(race_sample, fullgraph=True) if self.compile_decode else None
+        # One compiled entry per sampler mode (each its own dynamo cache and recompile budget). Batch, cache length
+        # and key bucket are marked dynamic (_Session, _run_step), so each mode compiles once with symbolic sizes;
+        # the prompt width is not part of any shape the step sees, so new widths never recompile.
+        steps = {"greedy": self._step_greedy, "sample": self._step_sample, "filtered": self._step_filtered}
+        self._steps = ({m: torch.compile(f, fullgraph=True, backend=compile_backend) for m, f in steps.items()}
+                       if self.compile_decode else steps)
 
     # -- memory
     def release_cache(self) -> None:
-        """Free the KV cache and the CUDA graph (the next generate() allocates and captures again), so
+        """Free the KV cache and the CUDA graphs (the next generate() allocates and captures again), so
         the actor's update gets that memory; the weights stay where they are."""
         self._session = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def sleep(self) -> None:
-        self._session = None  # the graph and the cache point at device memory that is about to move
+        self._session = None  # the graphs and the cache point at device memory that is about to move
         super().sleep()
 
     def prefill_rows(self, width: int) -> int:
@@ -148,7 +214,8 @@ class HFStaticEngine(HFEngine):
     # -- the forward
     def _attention(self, layer, x: torch.Tensor, cos, sin, s: _Session, write: torch.Tensor,
                    key_mask: torch.Tensor, keys: int) -> torch.Tensor:
-        """x (B, T, hidden) -> attention output (B, T, hidden); writes K/V at cache slots `write` (T,)."""
+        """x (B, T, hidden) -> attention output (B, T, hidden); writes K/V at cache slots `write` (T,) and
+        attends over cache slots 0..keys-1 under key_mask (B, T, keys)."""
         attn = layer.self_attn
         b, t, _ = x.shape
         q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
@@ -183,59 +250,150 @@ class HFStaticEngine(HFEngine):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(self.decoder.norm(h[:, -1]))
 
-    def _decode_step(self, s: _Session) -> torch.Tensor:
-        """One decode step from the session's buffers; fixed shapes, no host sync (graph-capturable)."""
-        slot = (s.step + s.width).view(1)
-        gen = (s.slots >= s.width) & (s.slots <= slot)
-        key_mask = (s.prompt_valid | gen[None, :])[:, None, :]  # (B, 1, L)
-        return self._forward(s.tok, s.pos, s, slot, key_mask, s.length)
+    def _decode_logits(self, s: _Session, key_slots: torch.Tensor) -> torch.Tensor:
+        """The forward of s.tok at cache slot s.slot over keys 0..len(key_slots)-1 -> logits (B, V). Fixed shapes,
+        no host sync; the key count is a shape (of key_slots), so dynamo sees one dynamic dim, not a constant."""
+        keys = key_slots.shape[0]
+        slot = s.slot.view(1)
+        s.key_valid.index_fill_(1, slot, True)
+        return self._forward(s.tok, s.pos, s, slot, s.key_valid[:, None, :keys], keys)
 
-    def _capture(self, s: _Session) -> None:
+    def _record(self, s: _Session, tok: torch.Tensor, lp: torch.Tensor) -> None:
+        """Store the picks tok, lp (B,) as token number s.count (pad / 0 for finished rows) and feed them to the
+        next step."""
+        tok = tok.masked_fill(s.done, self.pad)
+        lp = lp.float().masked_fill(s.done, 0.0)
+        at = s.count.view(1)
+        s.tokens.index_copy_(1, at, tok[:, None])
+        s.logprobs.index_copy_(1, at, lp[:, None])
+        s.done.logical_or_(tok == self.eos)
+        s.tok.copy_(tok[:, None])
+        s.count.add_(1)
+
+    def _pick(self, logits: torch.Tensor, s: _Session, mode: str, top_k: int, top_p: float):
+        if mode == "greedy":
+            return greedy_pick(logits)
+        return race_sample(logits, s.temperature, s.noise, top_k, top_p)  # s.noise: drawn just before
+
+    def _step(self, s: _Session, key_slots: torch.Tensor, mode: str, top_k: int, top_p: float) -> None:
+        """One whole decode step: forward, pick the next token, record it (graph-capturable)."""
+        logits = self._decode_logits(s, key_slots)
+        s.pos.add_(1)
+        s.slot.add_(1)
+        tok, lp = self._pick(logits, s, mode, top_k, top_p)
+        self._record(s, tok, lp)
+
+    def _step_greedy(self, s: _Session, key_slots: torch.Tensor) -> None:
+        self._step(s, key_slots, "greedy", -1, 1.0)
+
+    def _step_sample(self, s: _Session, key_slots: torch.Tensor) -> None:
+        self._step(s, key_slots, "sample", -1, 1.0)
+
+    def _step_filtered(self, s: _Session, key_slots: torch.Tensor, top_k: int, top_p: float) -> None:
+        self._step(s, key_slots, "sample", top_k, top_p)
+
+    def _run_step(self, s: _Session, keys: int, mode: str, top_k: int, top_p: float, draw: bool) -> None:
+        """The decode step (compiled or not), with its noise drawn first when ``draw``."""
+        if draw and mode != "greedy":
+            s.noise.uniform_(0.0, 1.0, generator=s.gen)
+        key_slots = s.slots[:keys]
+        if self.compile_decode:
+            torch._dynamo.maybe_mark_dynamic(key_slots, 0)  # the key bucket changes within every rollout
+        if mode == "filtered":
+            self._steps[mode](s, key_slots, top_k, top_p)
+        else:
+            self._steps[mode](s, key_slots)
+
+    def _capture(self, s: _Session, mode: str, top_k: int, top_p: float, keys: int) -> None:
+        """Capture one decode step (noise draw, forward over `keys` slots, pick, record) as a CUDA graph. Runs
+        before the chunk's prefill: the warm-ups and the capture write wherever the counters point, and the
+        chunk resets every buffer they touch."""
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside capture (workspace allocation, lazy init, compile)
-                self._step_fn(s)
+                s.slot.zero_()
+                s.count.zero_()
+                self._run_step(s, keys, mode, top_k, top_p, draw=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        s.slot.zero_()
+        s.count.zero_()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            s.logits = self._step_fn(s)
-        s.graph = graph
+        if self.noise_in_graph and mode != "greedy":
+            graph.register_generator_state(s.gen)  # each replay draws fresh noise from s.gen's current state
+        with torch.cuda.graph(graph, pool=s.pool):
+            self._run_step(s, keys, mode, top_k, top_p, draw=self.noise_in_graph)
+        s.graphs[(mode, top_k, top_p, keys)] = graph
         self.graph_captures += 1
 
-    def _session_for(self, batch: int, width: int, length: int) -> _Session:
+    def _session_for(self, batch: int, length: int) -> _Session:
+        """The session of this batch size with a cache of at least ``length`` slots: a longer one is kept (its
+        graphs stay valid and the key buckets bound what a step reads), so prompt widths that alternate around a
+        length boundary do not re-allocate and re-capture every rollout."""
         s = self._session
-        if s is None or (s.batch, s.width, s.length) != (batch, width, length):
+        if s is None or s.batch != batch or s.length < length:
             self._session = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            s = self._session = _Session(self, batch, width, length)
+            s = self._session = _Session(self, batch, length)
         return s
 
     # -- generation
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, gen) -> tuple[torch.Tensor, torch.Tensor]:
-        plain = params.temperature > 0 and not (0 < params.top_k < logits.shape[-1]) and params.top_p >= 1.0
-        if self._race_sample is None or not plain:
-            return sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
-        uniform = torch.rand(logits.shape, generator=gen, device=logits.device, dtype=torch.float32)
-        return self._race_sample(logits, params.temperature, uniform)
+    @staticmethod
+    def _mode(params: SamplingParams, vocab: int) -> tuple[str, int, float]:
+        if params.temperature == 0:
+            return "greedy", -1, 1.0
+        top_k = params.top_k if 0 < params.top_k < vocab else -1
+        if top_k == -1 and params.top_p >= 1.0:
+            return "sample", -1, 1.0
+        return "filtered", top_k, float(params.top_p)
+
+    def _chunk_seed(self, gen: torch.Generator | None) -> int:
+        """A seed for the in-step sampler's generator: drawn from the call's generator (seeded calls repeat), else
+        from torch's global one."""
+        if gen is None:
+            return int(torch.randint(0, 2**62, (1,)).item())
+        return int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> RolloutOutput:
-        batch = len(prompts)
+        batch, steps = len(prompts), params.max_new_tokens
+        if steps <= 0:
+            return RolloutOutput([[] for _ in prompts], [[] for _ in prompts], [False] * batch)
         width = _round_up(max(len(p) for p in prompts), 16)
-        length = _round_up(width + max(params.max_new_tokens, 1), self.length_multiple)
-        s = self._session_for(batch, width, length)
-        input_ids = torch.full((batch, width), self.pad, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, ids in enumerate(prompts):  # left padding, as HFEngine
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention[i, width - len(ids):] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        valid = attention.bool()
-        s.prompt_valid.zero_()
-        s.prompt_valid[:, :width] = valid
+        length = _round_up(width + steps, self.length_multiple)
+        s = self._session_for(batch, length)
+        buckets = kv_buckets(s.length, self.max_graphs)
+        mode, top_k, top_p = self._mode(params, self.vocab)
         with torch.no_grad():
+            if self.use_cuda_graph:  # decode forwards run at slots width .. width + steps - 2
+                for keys in sorted({bucket_for(t, buckets) for t in range(width, width + steps - 1)}):
+                    if (mode, top_k, top_p, keys) in s.graphs:
+                        continue
+                    try:
+                        self._capture(s, mode, top_k, top_p, keys)
+                    except Exception as exc:  # noqa: BLE001 - keep generating without the graphs
+                        log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(exc).__name__, exc)
+                        self.use_cuda_graph = False
+                        s.graphs.clear()
+                        torch.cuda.synchronize(self.device)
+                        break
+            input_ids = torch.full((batch, width), self.pad, dtype=torch.long)
+            attention = torch.zeros((batch, width), dtype=torch.long)
+            for i, ids in enumerate(prompts):  # left padding, as HFEngine
+                input_ids[i, width - len(ids):] = torch.tensor(ids)
+                attention[i, width - len(ids):] = 1
+            input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+            position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+            valid = attention.bool()
+            s.key_valid.zero_()
+            s.key_valid[:, :width] = valid
+            s.tokens.fill_(self.pad)
+            s.logprobs.zero_()
+            s.done.zero_()
+            s.count.zero_()
+            s.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
+            if self.sample_in_step and mode != "greedy":
+                s.gen.manual_seed(self._chunk_seed(gen))
             # prefill: query i sees real prompt keys j <= i (and itself, so padded rows stay finite)
             ar = torch.arange(width, device=self.device)
             causal = ar[None, :] <= ar[:, None]
@@ -244,43 +402,34 @@ class HFStaticEngine(HFEngine):
             logits = torch.cat([self._forward(input_ids[lo:lo + rows], position_ids[lo:lo + rows], s.rows(lo, lo + rows),
                                               s.slots[:width], key_mask[lo:lo + rows], width)
                                 for lo in range(0, batch, rows)])
-            s.step.zero_()
+            s.slot.fill_(width)
             s.pos.copy_(position_ids[:, -1:] + 1)
-            if self.use_cuda_graph and s.graph is None:
-                s.tok.fill_(self.pad)
-                try:
-                    self._capture(s)
-                except Exception as exc:  # noqa: BLE001 - keep generating without the graph
-                    log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(exc).__name__, exc)
-                    self.use_cuda_graph, s.graph = False, None
-                    torch.cuda.synchronize(self.device)
-                s.step.zero_()
-                s.pos.copy_(position_ids[:, -1:] + 1)
-            steps = params.max_new_tokens
-            tokens = torch.full((batch, steps), self.pad, dtype=torch.long, device=self.device)
-            logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
-            done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-            taken = 0
-            for step in range(steps):
-                next_tok, next_lp = self._sample(logits, params, gen)
-                next_tok = torch.where(done, torch.full_like(next_tok, self.pad), next_tok)
-                next_lp = torch.where(done, torch.zeros_like(next_lp), next_lp)
-                tokens[:, step] = next_tok
-                logprobs[:, step] = next_lp
-                done = done | (next_tok == self.eos)
-                taken = step + 1
-                if taken == steps or (taken % self.check_every == 0 and bool(done.all())):
+            if self.sample_in_step:
+                if mode != "greedy":
+                    s.noise.uniform_(0.0, 1.0, generator=s.gen)
+                tok, lp = self._pick(logits, s, mode, top_k, top_p)
+            else:
+                tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
+            self._record(s, tok, lp)
+            taken = 1
+            while taken < steps:
+                if taken % self.check_every == 0 and bool(s.done.all()):
                     break
-                s.tok.copy_(next_tok[:, None])
-                if step > 0:
+                keys = bucket_for(width + taken - 1, buckets)
+                graph = s.graphs.get((mode, top_k, top_p, keys)) if self.use_cuda_graph else None
+                if graph is not None:
+                    if not self.noise_in_graph and mode != "greedy":
+                        s.noise.uniform_(0.0, 1.0, generator=s.gen)
+                    graph.replay()
+                elif self.sample_in_step:
+                    self._run_step(s, keys, mode, top_k, top_p, draw=True)
+                else:  # eager, sampled on the host side with the call's generator (the HF engine's draws)
+                    logits = self._decode_logits(s, s.slots[:keys])
                     s.pos.add_(1)
-                    s.step.add_(1)
-                if s.graph is not None:
-                    s.graph.replay()
-                    logits = s.logits
-                else:
-                    logits = self._step_fn(s)
-        tokens, logprobs = tokens[:, :taken].cpu(), logprobs[:, :taken].cpu()
+                    s.slot.add_(1)
+                    self._record(s, *sample_next(logits, params.temperature, params.top_k, params.top_p, gen))
+                taken += 1
+            tokens, logprobs = s.tokens[:, :taken].cpu(), s.logprobs[:, :taken].cpu()
         out = RolloutOutput([], [], [])
         for i in range(batch):
             row = tokens[i].tolist()
