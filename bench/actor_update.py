@@ -12,8 +12,11 @@ row holds at most 2048 real tokens. The same batches go to every system:
   Float16Module, SDPA core attention, each row's padding packed out and the micro-batch cut to its
   longest row); ``megatron+fusedadam``: the same actor after switching its torch AdamW to
   ``fused=True`` (bench-only switch, a lever for the actor);
-- ``megatron-unfused``: the same actor with the fused policy head off (log-probs and entropy over
-  the full fp32 vocab logits, as RLJOB_FUSED_LOGPROBS=0); ``megatron`` runs the default (fused);
+- ``megatron-noelem``: the same actor with the fused elementwise kernels off (eager RMSNorm, RoPE,
+  SwiGLU, as RLJOB_FUSED_ELEMENTWISE=0; fused policy head on): session 3's ``megatron``;
+- ``megatron-unfused``: the same actor with both off (log-probs and entropy over the full fp32 vocab
+  logits, as RLJOB_FUSED_LOGPROBS=0, and eager elementwise ops); ``megatron`` runs the defaults (the
+  fused head and, on a GPU, the compiled RMSNorm / RoPE / SwiGLU of megatron/fused_elementwise.py);
 - ``megatron-budget``: token-budget micro-batches of ``--max-tokens`` packed tokens
   (``spec.training.maxTokensPerMicroBatch``) instead of ``--mbs`` rows;
 - ``hf-padded``: transformers eager (sdpa), pure bf16, fused AdamW, each micro-batch cut to its used
@@ -258,8 +261,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--systems", default="hf-padded,hf-packed,megatron,megatron+fusedadam",
-                    help="also: megatron-unfused (policy head over full-vocab logits), megatron-budget "
-                         "(token-budget micro-batches of --max-tokens)")
+                    help="also: megatron-noelem (eager RMSNorm/RoPE/SwiGLU), megatron-unfused (that and the "
+                         "policy head over full-vocab logits), megatron-budget (token-budget micro-batches of "
+                         "--max-tokens)")
     ap.add_argument("--max-tokens", type=int, default=32768, help="megatron-budget: tokens per micro-batch")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -314,12 +318,15 @@ def main() -> int:
     if meg:
         try:
             from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+            from rljob_worker.megatron.fused_elementwise import set_fused_elementwise
 
             actor = MegatronActor.from_hf(tmp, ParallelConfig(), OptimConfig(lr=1e-6, weight_decay=0.0),
                                           dtype=dtype, seed=0)
             timer = {"opt_s": []}
             time_megatron_optimizer(actor, timer)
             fused_default = getattr(actor, "fused_head", None)
+            elem_default = actor.mcfg.fused_elementwise  # on with a GPU unless RLJOB_FUSED_ELEMENTWISE=0
+            print(f"megatron defaults: fused head {fused_default}, fused elementwise {elem_default}", flush=True)
             for system in meg:
                 if system == "megatron+fusedadam":
                     if not on_gpu:
@@ -328,6 +335,9 @@ def main() -> int:
                 # megatron-unfused: the policy head over full-vocab logits (RLJOB_FUSED_LOGPROBS=0)
                 if fused_default is not None:
                     actor.fused_head = fused_default and system != "megatron-unfused"
+                # megatron-noelem / -unfused: eager RMSNorm, RoPE, SwiGLU (RLJOB_FUSED_ELEMENTWISE=0)
+                set_fused_elementwise(actor.chunks, elem_default and system not in ("megatron-noelem",
+                                                                                    "megatron-unfused"))
                 budget = args.max_tokens if system == "megatron-budget" else None
                 for mbs in mbs_list if not budget else [f"{budget // 1024}k tokens"]:
                     timer["opt_s"] = []
@@ -358,8 +368,8 @@ def main() -> int:
 
 def record_results(card: str, args, results: list[dict]) -> None:
     """One results.jsonl line per measured figure: tokens/s against HF fed the same packed rows, HF
-    fed padded batches and the actor with the unfused head (same mbs, same run; a token-budget run
-    against the best mbs of each), and MFU of 989 TFLOP/s."""
+    fed padded batches and (for ``megatron``) the actor with eager elementwise ops and with no fusion
+    (same mbs, same run; a token-budget run against the best mbs of each), and MFU of 989 TFLOP/s."""
     import results as bench_results
 
     ok = [r for r in results if "tokens_per_s" in r]
@@ -374,9 +384,11 @@ def record_results(card: str, args, results: list[dict]) -> None:
         kws = []
         if r["system"] == "megatron-budget":
             kws = [{"baseline": f"{b} best of mbs {args.mbs}", "baseline_value": best[b]}
-                   for b in ("hf-packed", "megatron", "megatron-unfused") if b in best]
+                   for b in ("hf-packed", "megatron", "megatron-noelem", "megatron-unfused") if b in best]
         elif r["system"].startswith("megatron"):
-            candidates = ["hf-packed", "hf-padded"] + (["megatron-unfused"] if r["system"] == "megatron" else [])
+            candidates = ["hf-packed", "hf-padded"]
+            if r["system"] == "megatron":
+                candidates += ["megatron-noelem", "megatron-unfused"]
             kws = [{"baseline": f"{b} mbs {r['mbs']}", "baseline_value": base[(b, r["mbs"])]}
                    for b in candidates if (b, r["mbs"]) in base]
         if not kws:
@@ -390,12 +402,14 @@ def print_table(card, model, matmul_tf, results) -> None:
     print(f"\n## actor update, {model}, seq<=2048 GRPO mix, bf16, {card} (matmul {matmul_tf:.0f} TFLOP/s)")
     print("| system | mbs | tok/s | TFLOP/s | MFU 989 | MFU matmul | peak GiB | opt ms | step s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    base = {r["mbs"]: r["tokens_per_s"] for r in results if r.get("system") == "hf-padded" and "tokens_per_s" in r}
+    # ratios against HF fed the same packed rows when it ran, else HF with padding
+    ref = "hf-packed" if any(r.get("system") == "hf-packed" and "tokens_per_s" in r for r in results) else "hf-padded"
+    base = {r["mbs"]: r["tokens_per_s"] for r in results if r.get("system") == ref and "tokens_per_s" in r}
     for r in results:
         if "error" in r:
             print(f"| {r['system']} | {r['mbs']} | ERROR {r['error'][:80]} | | | | | | |")
             continue
-        ratio = f" ({r['tokens_per_s'] / base[r['mbs']]:.2f}x hf-padded)" if r["mbs"] in base else ""
+        ratio = f" ({r['tokens_per_s'] / base[r['mbs']]:.2f}x {ref})" if r["mbs"] in base else ""
         fmt = (lambda v, f: format(v, f) if v is not None and not (isinstance(v, float) and math.isnan(v)) else "-")
         print(f"| {r['system']} | {r['mbs']} | {r['tokens_per_s']:,.0f}{ratio} | {r['tflops']:.0f} | "
               f"{100 * r['mfu_989']:.1f}% | {fmt(r['mfu_matmul'] and 100 * r['mfu_matmul'], '.1f')}% | "

@@ -22,6 +22,8 @@
 #             lossmbs1 lossmbs4 (issue 18: digit-sum GRPO at microBatchSizePerGpu 1 vs 4, same reward curve)
 #             head (policy head alone: fused vs unfused log-probs + entropy, forward + backward)
 #             actor05f actor15f (actor update: fused head vs unfused vs HF packed rows, token budget) fusedtests
+#             actor05e (actor update: compiled RMSNorm/RoPE/SwiGLU on vs off vs HF packed rows; actor15f also
+#             compares them at 1.5B, with MFU) elemtests
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Every figure is also appended to $OUT/results.jsonl (bench/results.py); pass RLJOB_BENCH_COMMIT=<sha> (the
 # device's copy of the tree has no .git), then `python bench/results.py merge <files_at>/results.jsonl`.
@@ -67,7 +69,9 @@ for s in $SECTIONS; do
     rollout) section rollout 80 python3 bench/rollout.py ;;
     head) section head 200 python3 bench/fused_logprobs.py ;;
     actor05f) section actor05f 360 python3 bench/actor_update.py --model 0.5b --mbs 8,16 --warmup 2 --max-tokens 32768 --systems hf-packed,megatron-unfused,megatron,megatron-budget ;;
-    actor15f) section actor15f 420 python3 bench/actor_update.py --model 1.5b --mbs 4,8 --warmup 2 --max-tokens 16384 --systems hf-packed,megatron-unfused,megatron,megatron-budget ;;
+    actor15f) section actor15f 420 python3 bench/actor_update.py --model 1.5b --mbs 4,8 --warmup 2 --max-tokens 16384 --systems hf-packed,megatron-noelem,megatron,megatron-budget ;;
+    actor05e) section actor05e 330 python3 bench/actor_update.py --model 0.5b --mbs 8,16 --warmup 2 --systems hf-packed,megatron-noelem,megatron ;;
+    elemtests) section elemtests 150 python3 -m pytest tests/worker/test_fused_elementwise.py -m gpu -v -p no:cacheprovider -rs ;;
     fusedtests) section fusedtests 300 python3 -m pytest tests/worker/test_fused_head.py -m gpu -v -p no:cacheprovider -rs ;;
     grpo15) section grpo15 120 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16 --timeout-each 110 --tag _1.5b ;;
     grpo15trl) section grpo15trl 240 python3 bench/grpo_step.py --model 1.5b --variants rljob-static:16,trl --timeout-each 115 --tag _1.5b ;;

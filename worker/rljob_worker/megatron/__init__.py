@@ -13,7 +13,9 @@
 - ``model_config``: HF config -> megatron ``TransformerConfig`` + layer spec + ``GPTModel`` kwargs.
 - ``hf_weights``: HF safetensors <-> megatron weights, per TP rank and pipeline stage (mapping
   tables per architecture).
-- ``sdpa_attention``: SDPA core attention for megatron's local layer spec.
+- ``sdpa_attention``: SDPA core attention for megatron's local layer spec; ``fused_elementwise``: its
+  RMSNorm, RoPE and SwiGLU as compiled kernels (on with a GPU; ``RLJOB_FUSED_ELEMENTWISE=0`` turns
+  them off).
 - ``cpu_compat``: the patches megatron-core needs on a machine without a GPU.
 
 Importing this package does not import megatron-core; the modules import it when used.

@@ -225,6 +225,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         hf_config_fn: Callable[[Any], Any] | None = None,
         prepare_chunks: Callable[[list[torch.nn.Module], MegatronModelConfig], None] | None = None,
         skip_hf_weights: Sequence[str] = (),
+        fused_elementwise: bool | None = None,
     ) -> dict[str, Any]:
         """The constructor arguments of an engine built from an HF checkpoint directory (config.json +
         safetensors): ``cls(**build_from_hf(...))``; see :meth:`from_hf`.
@@ -232,7 +233,9 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         For models that are not the checkpoint's LM (a critic): ``hf_config_fn`` changes the HF config
         the model is built from (e.g. fewer layers); ``prepare_chunks(chunks, mcfg)`` changes the built
         chunks before weights are loaded and the optimizer is made (e.g. a new output layer);
-        ``skip_hf_weights``: megatron parameter names not loaded from the checkpoint."""
+        ``skip_hf_weights``: megatron parameter names not loaded from the checkpoint.
+        ``fused_elementwise``: compiled RMSNorm / RoPE / SwiGLU (:mod:`.fused_elementwise`; None:
+        ``RLJOB_FUSED_ELEMENTWISE``, else on with a GPU)."""
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             apply_cpu_patches()
@@ -276,7 +279,11 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             recompute_method=recompute.method,
             recompute_num_layers=recompute.num_layers,
             overrides=transformer_overrides,
+            fused_elementwise=fused_elementwise,
         )
+        if mcfg.fused_elementwise:
+            log.info("fused elementwise kernels on (compiled RMSNorm, RoPE, SwiGLU; %s=0 turns them off)",
+                     "RLJOB_FUSED_ELEMENTWISE")
         chunks = build_model_chunks(mcfg)
         if prepare_chunks is not None:
             prepare_chunks(chunks, mcfg)

@@ -11,7 +11,9 @@ is present, the TE spec (fused norm+linear, TE attention) is used instead. With 
 the local spec's norms (megatron's torch norm wrapper refuses SP) become
 :class:`.sequence_parallel.SequenceParallelRMSNorm`, the final norm of the block included
 (``MegatronModelConfig.final_layernorm``). Context parallelism (``cp``) is handled by
-:class:`SDPAttention` (see :mod:`.context_parallel`).
+:class:`SDPAttention` (see :mod:`.context_parallel`). With ``fused_elementwise`` (default on a GPU)
+the local spec's norms are :class:`.fused_elementwise.FusedRMSNorm` and megatron's SwiGLU and RoPE
+fusion flags are on (:mod:`.fused_elementwise`).
 
 Vocabulary: megatron splits the vocab evenly across TP ranks, so a vocab size TP does not divide
 is padded to the next multiple of TP (extra rows are zero and their logits are masked out by the
@@ -129,6 +131,7 @@ class MegatronModelConfig:
     tie_word_embeddings: bool = False
     uses_te: bool = False
     final_layernorm: Any = None  # the block's final norm; None: megatron's default for the spec
+    fused_elementwise: bool = False  # compiled RMSNorm / RoPE / SwiGLU (fused_elementwise.py)
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -224,9 +227,14 @@ def megatron_config_from_hf(
     recompute_method: str | None = None,
     recompute_num_layers: int | None = None,
     overrides: Mapping[str, Any] | None = None,
+    fused_elementwise: bool | None = None,
 ) -> MegatronModelConfig:
     """Build the megatron model description for ``hf_config`` at tensor/pipeline/context parallel
     sizes (``vpp``: model chunks per pipeline stage, None without interleaving).
+
+    ``fused_elementwise``: compiled RMSNorm, RoPE and SwiGLU on the local spec
+    (:mod:`.fused_elementwise`; None: ``RLJOB_FUSED_ELEMENTWISE``, else on with a GPU); the TE spec
+    has its own fused kernels and ignores it.
 
     ``dtype`` is the compute dtype (params on CPU; Float16Module's dtype on GPU). Keep
     ``perform_initialization`` on even though HF weights overwrite the values: megatron only marks
@@ -242,12 +250,18 @@ def megatron_config_from_hf(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    from . import fused_elementwise as fe
     from .sdpa_attention import SDPAttention
     from .sequence_parallel import SequenceParallelRMSNorm, sp_norms_in_block_spec
 
     check_hf_config(hf_config, tp, ep, etp)
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     use_te = (on_gpu and have_transformer_engine()) if use_te is None else use_te
+    if fused_elementwise is None:
+        fused_elementwise = fe.fused_elementwise_enabled(on_gpu)
+    fused_elementwise = fused_elementwise and not use_te
+    if not use_te:  # overrideTransformerConfig.apply_rope_fusion finds a kernel without TE too
+        fe.install_rope_fusion()
     if sequence_parallel and tp == 1:  # megatron's own rule: nothing to split the sequence over
         raise MegatronConfigError(
             "spec.megatron.sequenceParallel=true needs spec.megatron.tensorModelParallelSize > 1 "
@@ -297,10 +311,11 @@ def megatron_config_from_hf(
         "use_cpu_initialization": not on_gpu,
         "perform_initialization": perform_initialization,
         "gradient_accumulation_fusion": False,  # needs apex's fused wgrad kernel
-        "bias_activation_fusion": False,  # the fused SwiGLU is torch.compile'd: recompiles per sequence length
+        # megatron's torch.compile'd SwiGLU and (fused_elementwise.py's) compiled RoPE
+        "bias_activation_fusion": fused_elementwise,
         "masked_softmax_fusion": False,
-        "apply_rope_fusion": False,
-        "persist_layer_norm": False,
+        "apply_rope_fusion": fused_elementwise,
+        "persist_layer_norm": False,  # apex's kernel; the fused norm is fused_elementwise.FusedRMSNorm
         "rotary_interleaved": False,
     }
     if is_moe(hf_config):
@@ -339,8 +354,9 @@ def megatron_config_from_hf(
     final_layernorm = None
     if is_moe(hf_config):
         layer_spec = moe_block_spec(config, use_te)
-        if sequence_parallel and not use_te:
-            sp_norms_in_block_spec(layer_spec, config.qk_layernorm)  # qwen3_moe: from the MoE kwargs
+        if (sequence_parallel or fused_elementwise) and not use_te:  # qwen3_moe: qk norms from the MoE kwargs
+            norm = fe.FusedRMSNorm if fused_elementwise else SequenceParallelRMSNorm
+            sp_norms_in_block_spec(layer_spec, config.qk_layernorm, norm)
     elif use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -349,7 +365,10 @@ def megatron_config_from_hf(
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
         layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
-        if sequence_parallel:  # torch norms refuse SP: the same RMSNorm, weights tagged for megatron
+        if fused_elementwise:  # compiled RMSNorm (an SP-tagged torch RMSNorm underneath)
+            final_layernorm = fe.FusedRMSNorm
+            fe.fused_norms_in_layer_spec(layer_spec, qk_layernorm)
+        elif sequence_parallel:  # torch norms refuse SP: the same RMSNorm, weights tagged for megatron
             final_layernorm = SequenceParallelRMSNorm
             layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
             layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
@@ -379,6 +398,7 @@ def megatron_config_from_hf(
         tie_word_embeddings=tie,
         uses_te=use_te,
         final_layernorm=final_layernorm,
+        fused_elementwise=fused_elementwise,
     )
 
 

@@ -54,13 +54,13 @@ def tp_partial_grad_params(
     return out
 
 
-def sp_norms_in_block_spec(block_spec, qk_layernorm: bool) -> None:
-    """Put :class:`SequenceParallelRMSNorm` into every layer of a block spec (megatron's per-layer
-    spec for mixture-of-experts models) and into its final norm, in place."""
+def sp_norms_in_block_spec(block_spec, qk_layernorm: bool, norm: type = SequenceParallelRMSNorm) -> None:
+    """Put ``norm`` (:class:`SequenceParallelRMSNorm` or a subclass) into every layer of a block spec
+    (megatron's per-layer spec for mixture-of-experts models) and into its final norm, in place."""
     for layer in block_spec.layer_specs:
-        layer.submodules.input_layernorm = SequenceParallelRMSNorm
-        layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        layer.submodules.input_layernorm = norm
+        layer.submodules.pre_mlp_layernorm = norm
         if qk_layernorm:
             attn = layer.submodules.self_attention.submodules
-            attn.q_layernorm = attn.k_layernorm = SequenceParallelRMSNorm
-    block_spec.layer_norm = SequenceParallelRMSNorm
+            attn.q_layernorm = attn.k_layernorm = norm
+    block_spec.layer_norm = norm
