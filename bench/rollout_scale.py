@@ -156,7 +156,7 @@ def main() -> int:
                    "--vllm-gpu-memory-utilization", str(a.vllm_gpu_memory_utilization)]
             print(f"--- {model} {engine}", flush=True)
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_each)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_each, check=False)
                 found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
                 if found:
                     rows.append(json.loads(found[-1]))
