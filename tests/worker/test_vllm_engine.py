@@ -202,6 +202,7 @@ def test_rollout_tp_above_one_uses_the_external_launcher(fake_vllm, model_dir):
     new_engine(model_dir, tensor_parallel_size=2)
     assert FakeLLM.instances[-1].kwargs["distributed_executor_backend"] == "external_launcher"
     assert FakeLLM.instances[-1].kwargs["tensor_parallel_size"] == 2
+    assert FakeLLM.instances[-1].kwargs["disable_custom_all_reduce"] is True  # NCCL all-reduce, not CUDA IPC buffers
 
 
 def test_make_engine_builds_it_from_the_spec_settings(fake_vllm, model_dir):
