@@ -44,7 +44,7 @@ SPEC_VOLUME = "rljob-spec"
 SHM_VOLUME = "dshm"
 # torch.compile's on-disk caches (inductor FX graphs, AOT autograd graphs, Triton kernels): an emptyDir outlives
 # container restarts in the pod, so a restarted worker loads the rollout engine's compiled decode step instead of
-# compiling it again (~30-60 s). GPU pods only; the worker uses <workdir>/compile-cache when these are unset.
+# compiling it again (165 s cold at 0.5B on an H100, bench/NOTES.md). GPU pods only; the worker uses <workdir>/compile-cache when these are unset.
 COMPILE_CACHE_VOLUME = "compile-cache"
 COMPILE_CACHE_MOUNT = "/var/cache/rljob/compile"
 COMPILE_CACHE_SIZE = "10Gi"
@@ -204,6 +204,7 @@ def _resources(job: RLJob) -> dict[str, Any]:
 def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
     spec, pt = job.spec, job.spec.pod_template
     name = job.metadata.name
+    on_gpu = spec.device == "gpu"
     ports = [{"name": PYTORCH_PORT_NAME, "containerPort": settings.master_port, "protocol": "TCP"}]
     if spec.metrics.enabled:
         ports.append({"name": METRICS_PORT_NAME, "containerPort": spec.metrics.port, "protocol": "TCP"})
@@ -220,7 +221,7 @@ def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
         "volumeMounts": [
             {"name": SPEC_VOLUME, "mountPath": settings.spec_mount_path, "readOnly": True},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
-            *([{"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_MOUNT}] if spec.device == "gpu" else []),
+            *([{"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_MOUNT}] if on_gpu else []),
             *copy.deepcopy(pt.volume_mounts),
         ],
     }
@@ -232,7 +233,7 @@ def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
         "volumes": [
             {"name": SPEC_VOLUME, "configMap": {"name": spec_configmap_name(name)}},
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": pt.shm_size}},
-            *([{"name": COMPILE_CACHE_VOLUME, "emptyDir": {"sizeLimit": COMPILE_CACHE_SIZE}}] if spec.device == "gpu" else []),
+            *([{"name": COMPILE_CACHE_VOLUME, "emptyDir": {"sizeLimit": COMPILE_CACHE_SIZE}}] if on_gpu else []),
             *copy.deepcopy(pt.volumes),
         ],
         "terminationGracePeriodSeconds": pt.termination_grace_period_seconds,

@@ -147,25 +147,27 @@ def load_datasets(spec: DataSpec, tokenizer, seed: int, fetch=None,
         train = build_dataset(train_rows, spec, tokenizer, f"synthetic/{spec.synthetic.task}")
         val = build_dataset(val_rows, spec, tokenizer, "synthetic-val") if val_rows else None
         return train, val
-    train_rows = []
-    for i, f in enumerate(spec.train_files):
-        rows = read_parquet_rows(f, fetch, f"spec.data.trainFiles[{i}]")
-        if reward is not None:
-            check_ground_truth(rows, f, f"spec.data.trainFiles[{i}]", reward)
-        train_rows += rows
+    train_rows = _read_files(spec.train_files, "trainFiles", fetch, reward)
     if not train_rows:
         raise DataError(f"spec.data.trainFiles {spec.train_files}: no rows")
     train = build_dataset(train_rows, spec, tokenizer, ",".join(spec.train_files))
     val = None
     if spec.val_files:
-        val_rows = []
-        for i, f in enumerate(spec.val_files):
-            rows = read_parquet_rows(f, fetch, f"spec.data.valFiles[{i}]")
-            if reward is not None:
-                check_ground_truth(rows, f, f"spec.data.valFiles[{i}]", reward)
-            val_rows += rows
+        val_rows = _read_files(spec.val_files, "valFiles", fetch, reward)
         val = build_dataset(val_rows, spec, tokenizer, ",".join(spec.val_files))
     return train, val
+
+
+def _read_files(files: list[str], key: str, fetch, reward) -> list[dict]:
+    """The rows of spec.data.<key>, in order; with `reward`, each file's ground truth checked."""
+    rows = []
+    for i, f in enumerate(files):
+        where = f"spec.data.{key}[{i}]"
+        file_rows = read_parquet_rows(f, fetch, where)
+        if reward is not None:
+            check_ground_truth(file_rows, f, where, reward)
+        rows += file_rows
+    return rows
 
 
 class EpochSampler:
