@@ -7,9 +7,11 @@ RLJOB_MAX_STEPS).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="RLJob spec as JSON (the operator mounts it from a ConfigMap)")
     args = parser.parse_args(argv)
     _die_with_torchrun()
+    # `kill -USR1 <worker pid>` prints every thread's stack to stderr (the pod log): where a stuck job waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank = os.environ.get("RANK", "0")
     # megatron-core announces every missing optional kernel package; the worker image has them,
     # CPU runs do not need them, and either way the notices bury the progress lines.
