@@ -2,17 +2,29 @@
 # The digit-sum GRPO job with vLLM at rollout TP2 on two GPUs (bench/gpu_digit_sum_vllm_tp2.yaml), its whole log
 # under $OUT. If no step has finished after STALL_S seconds, every worker prints all its threads' stacks (SIGUSR1,
 # registered by the worker) into the log before the job is stopped: where it waits.
-# First the engine alone (bench/vllm_tp2_probe.py); if it fails with vLLM's defaults it is tried again without
-# vLLM's symmetric-memory all-reduce (VLLM_ALLREDUCE_USE_SYMM_MEM=0), and the job runs with whichever passed.
+# First the engine alone (bench/vllm_tp2_probe.py, PROBES below), each with its stacks dumped if it stalls.
 set -u
 OUT=${OUT:-/tmp/bench_out}; STALL_S=${STALL_S:-200}; PROBE_STALL_S=${PROBE_STALL_S:-120}
-probe() { timeout -k 10 $((PROBE_STALL_S + 20)) python3 -m torch.distributed.run --nproc-per-node 2 bench/vllm_tp2_probe.py \
-  --stall-s "$PROBE_STALL_S" >"$OUT/vllmtp2_probe_$1.log" 2>&1; local rc=$?
-  grep -E "^\[rank|probe rank|Error|error:" "$OUT/vllmtp2_probe_$1.log" | head -30; echo "probe $1: rc $rc"; return $rc; }
-if [ "${SKIP_PROBE:-0}" != 1 ] && ! probe default; then
-  tail -c 6000 "$OUT/vllmtp2_probe_default.log"
-  VLLM_ALLREDUCE_USE_SYMM_MEM=0 probe nosymm && export VLLM_ALLREDUCE_USE_SYMM_MEM=0
-fi
+probe() {  # name, probe options...
+  local name=$1; shift
+  timeout -k 10 $((PROBE_STALL_S + 20)) python3 -m torch.distributed.run --nproc-per-node 2 bench/vllm_tp2_probe.py \
+    --stall-s "$PROBE_STALL_S" --workdir "/tmp/vllm_tp2_probe_$name" "$@" >"$OUT/vllmtp2_probe_$name.log" 2>&1
+  local rc=$?
+  grep -E "^\[rank|probe rank|Error|error:" "$OUT/vllmtp2_probe_$name.log" | head -30; echo "probe $name: rc $rc"
+  [ $rc != 0 ] && grep -A12 -E "^Thread 0x|^Current thread" "$OUT/vllmtp2_probe_$name.log" | head -60
+  return $rc; }
+# workers of the job (not torchrun's agent, rljob_worker.launch); the image has no pgrep
+workers() { for d in /proc/[0-9]*; do local cmd; cmd=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
+  case "$cmd" in *"rljob_worker.launch"*) ;; *"rljob_worker --spec"*) echo "${d#/proc/}" ;; esac; done; }
+# PROBES: which engine-alone probes run first (default: the tiny test model; builtin: the job's model and engine
+# settings; megatron: the same after megatron's groups are made, as in the trainer)
+for p in ${PROBES:-default}; do
+  case $p in
+    default) probe default ;;
+    builtin) probe builtin --builtin --max-model-len 10 --gpu-mem 0.05 ;;
+    megatron) probe megatron --builtin --max-model-len 10 --gpu-mem 0.05 --megatron ;;
+  esac
+done
 LOG_FILE=$OUT/vllmtp2.log
 python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm_tp2.yaml --workdir /tmp/vllmtp2 --fresh >"$LOG_FILE" 2>&1 &
 job=$!
@@ -21,10 +33,9 @@ while kill -0 $job 2>/dev/null && ! grep -q -E "step [0-9]+/" "$LOG_FILE"; do
   sleep 5; waited=$((waited + 5))
   if [ $waited -ge "$STALL_S" ]; then
     echo "no step after ${STALL_S}s: dumping the workers' stacks"
-    for pid in $(pgrep -f "rljob_worker --spec"); do  # the workers, not torchrun's agent (rljob_worker.launch)
-      tr '\0' ' ' </proc/$pid/cmdline | grep -q "rljob_worker.launch" || kill -USR1 "$pid"
-    done; sleep 8
-    pkill -TERM -f "rljob_worker --spec"; sleep 5; kill $job 2>/dev/null
+    pids=$(workers); echo "workers: $pids"
+    for pid in $pids; do kill -USR1 "$pid"; done; sleep 8
+    kill $job 2>/dev/null; sleep 10
     break
   fi
 done
