@@ -17,16 +17,34 @@ probe() {  # name, probe options...
 workers() { for d in /proc/[0-9]*; do local cmd; cmd=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
   case "$cmd" in *"rljob_worker.launch"*) ;; *"rljob_worker --spec"*) echo "${d#/proc/}" ;; esac; done; }
 # PROBES: which engine-alone probes run first (default: the tiny test model; builtin: the job's model and engine
-# settings; megatron: the same after megatron's groups are made, as in the trainer)
+# settings; megatron: the same after megatron's groups are made, as in the trainer; model: the job's model with the
+# default probe's settings; settings: the test model with the job's settings). When `model` fails and `settings`
+# passes, the job runs on the built-in shape widened to head_dim 64 (JOB_MODEL=hd64 forces it); when `settings`
+# fails, with gpuMemoryUtilization 0.3.
+failed=""
 for p in ${PROBES:-default}; do
   case $p in
     default) probe default ;;
     builtin) probe builtin --builtin --max-model-len 10 --gpu-mem 0.05 ;;
     megatron) probe megatron --builtin --max-model-len 10 --gpu-mem 0.05 --megatron ;;
-  esac
+    model) probe model --builtin ;;
+    settings) probe settings --max-model-len 10 --gpu-mem 0.05 ;;
+  esac || failed="$failed $p"
 done
+echo "probes failed:${failed:- none}"
+JOB_YAML=/tmp/vllm_tp2_job.yaml
+cp bench/gpu_digit_sum_vllm_tp2.yaml "$JOB_YAML"
+if [ "${JOB_MODEL:-}" = hd64 ] || { [[ $failed == *model* ]] && [[ $failed != *settings* ]]; }; then
+  python3 -c "
+from rljob_worker import builtin_models as b
+b.BUILTIN_MODELS['hd64'] = dict(b.TINY_QWEN2_CONFIG, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                num_key_value_heads=1)
+b.materialize_builtin('hd64', '/tmp/tiny_qwen2_hd64')"
+  sed -i 's#builtin://tiny-qwen2#/tmp/tiny_qwen2_hd64#' "$JOB_YAML"; echo "job model: tiny-qwen2 at head_dim 64"
+fi
+[[ $failed == *settings* ]] && sed -i 's#gpuMemoryUtilization: 0.05#gpuMemoryUtilization: 0.3#' "$JOB_YAML" && echo "job: gpuMemoryUtilization 0.3"
 LOG_FILE=$OUT/vllmtp2.log
-python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm_tp2.yaml --workdir /tmp/vllmtp2 --fresh >"$LOG_FILE" 2>&1 &
+python3 -m rljob_cli.main run "$JOB_YAML" --workdir /tmp/vllmtp2 --fresh >"$LOG_FILE" 2>&1 &
 job=$!
 waited=0
 while kill -0 $job 2>/dev/null && ! grep -q -E "step [0-9]+/" "$LOG_FILE"; do
