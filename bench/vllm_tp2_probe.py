@@ -31,6 +31,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=64)
     parser.add_argument("--gpu-mem", type=float, default=0.3)
     parser.add_argument("--megatron", action="store_true", help="initialise megatron's parallel groups first")
+    parser.add_argument("--skip-shape-check", action="store_true",
+                        help="start vLLM on a shape the engine refuses at TP > 1 (reproduces vLLM's warm-up hang)")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(args.stall_s, exit=True)
 
@@ -65,6 +67,10 @@ def main() -> int:
     stage(f"world of {dist.get_world_size()} up (local rank {env.local_rank}); models saved")
     from rljob_worker.builtin_models import EOS, VOCAB
 
+    if args.skip_shape_check:
+        from rljob_worker.rollout import vllm_engine
+
+        vllm_engine.check_tensor_parallel_shape = lambda config, tensor_parallel_size: None
     engine = VLLMEngine(str(root / "a"), dtype=torch.bfloat16, tensor_parallel_size=2,
                         gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len, eos_token_id=VOCAB.index(EOS), enforce_eager=True, seed=0)
     stage(f"engine up ({engine.startup_seconds:.1f} s, kwargs {sorted(engine.engine_kwargs)})")

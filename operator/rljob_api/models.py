@@ -100,7 +100,8 @@ class ModelSpec(ApiModel):
             "Hugging Face checkpoint folder of the policy (config.json, tokenizer, safetensors): "
             "s3://bucket/prefix (downloaded once per node), file:///path or /path on a mounted volume, "
             "or builtin://tiny-qwen2 (a tiny random-init Qwen2 model with a character tokenizer, for "
-            "smoke tests and the quickstart). (verl: actor_rollout_ref.model.path)"
+            "smoke tests and the quickstart; builtin://tiny-qwen2-hd64 is the same at head_dim 64, the shape vLLM "
+            "runs at rollout tensor-parallel 2). (verl: actor_rollout_ref.model.path)"
         ),
         pattern=MODEL_URI_PATTERN,
         max_length=1024,

@@ -136,9 +136,13 @@ def full_forward_logprobs(model, prompt: list[int], response: list[int]) -> list
     return [logp[pos, tok].item() for pos, tok in zip(positions, response)]
 
 
-def test_the_builtin_folder_loads(tmp_path):
-    folder = materialize_builtin("tiny-qwen2", tmp_path / "m")
-    out = make_engine(folder).generate(PROMPTS[:1], SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0))
+@pytest.mark.parametrize(("name", "head_dim"), [("tiny-qwen2", 16), ("tiny-qwen2-hd64", 64)])
+def test_the_builtin_folders_load(tmp_path, name, head_dim):
+    folder = materialize_builtin(name, tmp_path / "m")
+    engine = make_engine(folder)
+    config = engine.model.config
+    assert config.hidden_size // config.num_attention_heads == head_dim
+    out = engine.generate(PROMPTS[:1], SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0))
     assert len(out.response_ids) == 2 and all(1 <= len(r) <= 4 for r in out.response_ids)
 
 

@@ -35,7 +35,12 @@ TINY_QWEN2_CONFIG = {
     "pad_token_id": VOCAB.index(PAD),
 }
 
-BUILTIN_MODELS = {"tiny-qwen2": TINY_QWEN2_CONFIG}
+# The same model widened to head_dim 64 (hidden 128, 2 heads, 1 KV head): vLLM 0.26 hangs in its start-up warm-up at
+# rollout tensor-parallel 2 on tiny-qwen2's head_dim 16 and runs this one (2 H100s, bench/NOTES.md, session 5).
+TINY_QWEN2_HD64_CONFIG = {**TINY_QWEN2_CONFIG, "hidden_size": 128, "intermediate_size": 256,
+                          "num_attention_heads": 2, "num_key_value_heads": 1}
+
+BUILTIN_MODELS = {"tiny-qwen2": TINY_QWEN2_CONFIG, "tiny-qwen2-hd64": TINY_QWEN2_HD64_CONFIG}
 
 
 def build_char_tokenizer():

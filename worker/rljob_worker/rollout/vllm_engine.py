@@ -82,6 +82,8 @@ TESTED_VLLM = ("0.26.0", "0.27.0")
 ANY_VERSION_ENV = "RLJOB_VLLM_ANY_VERSION"
 # vLLM treats temperatures below this as greedy (vllm/sampling_params.py, _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+# Narrowest attention head measured to run at rollout tensor-parallel > 1 (see check_tensor_parallel_shape).
+MIN_TP_HEAD_DIM = 64
 
 
 def check_vllm_version(version: str, tested: tuple[str, str] = TESTED_VLLM) -> None:
@@ -166,11 +168,39 @@ def _torch_dtype_name(dtype: torch.dtype | str) -> str:
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
-def _tied_embeddings(model_dir: str) -> bool:
+def _model_config(model_dir: str) -> dict[str, Any]:
     try:
-        return bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
+        return json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+
+
+def _head_dim(config: dict[str, Any]) -> int | None:
+    """The attention head width: ``head_dim`` if the config names it, else hidden_size / num_attention_heads."""
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if hidden and heads else None
+
+
+def check_tensor_parallel_shape(config: dict[str, Any], tensor_parallel_size: int) -> None:
+    """Refuse, before vLLM starts, a tensor-parallel engine on a model shape vLLM 0.26 hangs on.
+
+    Seen on 2 H100s (bench/NOTES.md, session 5): at TP2 the built-in tiny-qwen2 (head_dim 16) never leaves vLLM's
+    start-up warm-up (the first prefill's all-reduce waits forever), while the same model at head_dim 64
+    (builtin://tiny-qwen2-hd64) starts, samples identical tokens on both ranks and learns. Head widths between
+    16 and 64 are untested, so the bound is the one measured to work. Models this small fit one GPU: TP 1 serves them.
+    """
+    head_dim = _head_dim(config)
+    if tensor_parallel_size <= 1 or head_dim is None or head_dim >= MIN_TP_HEAD_DIM:
+        return
+    from rljob_worker.startup_errors import StartupError
+
+    raise StartupError(
+        f"spec.rollout.tensorModelParallelSize={tensor_parallel_size} with rollout.engine vllm needs attention heads "
+        f"at least {MIN_TP_HEAD_DIM} wide, and this model's are {head_dim} (hidden_size {config.get('hidden_size')} / "
+        f"{config.get('num_attention_heads')} heads): vLLM 0.26 hangs in its start-up warm-up at tensor-parallel > 1 on "
+        f"such a model. A model this small fits one GPU: set rollout.tensorModelParallelSize: 1 (or rollout.engine: hf)")
 
 
 # vLLM 0.26's sleep-mode (CuMem) allocator serves one engine per process for the life of the process: after a
@@ -199,7 +229,9 @@ class VLLMEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.eos, self.sleep_level, self.bucket_bytes = eos_token_id, sleep_level, bucket_bytes
         self.check_complete_sync = check_complete_sync
-        self.tied = _tied_embeddings(model_dir)
+        config = _model_config(model_dir)
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        check_tensor_parallel_shape(config, tensor_parallel_size)
         self.calls: list[str] = []
         self.last_sync_stats: SyncStats | None = None
         self.state = AWAKE
