@@ -84,7 +84,7 @@ def committed(ckpt: Path) -> list[int]:
 
 
 def test_sigterm_through_torchrun_after_a_periodic_save_commits_and_exits_143(tmp_path):
-    """The real signal path: SIGTERM to `rljob run` -> its pod's process (torchrun, as PID 1 in a
+    """SIGUSR1 first: the worker dumps its stacks and keeps training. Then the real signal path: SIGTERM to `rljob run` -> its pod's process (torchrun, as PID 1 in a
     container) -> torchrun signals the worker's process group. After a periodic save (which starts
     megatron's writer helpers) the preemption save used to die with BrokenPipeError and exit 1."""
     job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
@@ -107,12 +107,28 @@ def test_sigterm_through_torchrun_after_a_periodic_save_commits_and_exits_143(tm
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "no periodic save within 400 s"
             time.sleep(0.2)
+        # SIGUSR1 to the worker prints every thread's stack into the log and the run goes on (a stuck job's where)
+        argv_of = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()
+                   for pid in processes_with_env("RLJOB_WORKDIR", str(root / "work"))}
+        same_argv = [pid for pid, argv in argv_of.items()  # torchrun's agent (rljob_worker.launch) ends the same
+                     if b"-m\0rljob_worker\0--spec" in argv and b"rljob_worker.launch" not in argv]
+        parent = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in same_argv}
+        workers = [pid for pid in same_argv if parent[pid] not in same_argv]  # not its forked checkpoint writers
+        assert len(workers) == 1, (same_argv, parent)
+        steps_before = len(metrics.read_text().splitlines())
+        os.kill(workers[0], signal.SIGUSR1)
+        deadline = time.monotonic() + 120
+        while len(metrics.read_text().splitlines()) < steps_before + 2:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "training stopped after SIGUSR1"
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143, out[-4000:]
+    assert "(most recent call first)" in out and "run_loop.py" in out, out[-4000:]  # the SIGUSR1 stack dump
     assert "BrokenPipeError" not in out and "Traceback" not in out, out[-4000:]
     last = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
     assert last >= 3 and committed(ckpt)[-1] == last, (committed(ckpt), last, out[-3000:])
