@@ -559,12 +559,14 @@ class PodTemplateSpec(ApiModel):
     )
     volumes: list[dict[str, Any]] = _f(
         default_factory=list,
-        description="Extra pod volumes (core/v1 Volume), e.g. a PVC with model weights.",
+        description="Extra pod volumes (core/v1 Volume), e.g. a PVC with model weights. The names rljob-spec, dshm "
+                    "and (GPU pods) compile-cache are the operator's own.",
         json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
     )
     volume_mounts: list[dict[str, Any]] = _f(
         default_factory=list,
-        description="Extra container volume mounts (core/v1 VolumeMount).",
+        description="Extra container volume mounts (core/v1 VolumeMount), each naming a volume; /etc/rljob, /dev/shm "
+                    "and (GPU pods) /var/cache/rljob/compile are the operator's mount paths.",
         json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
     )
     env: list[dict[str, Any]] = _f(

@@ -31,6 +31,7 @@ from rljob_api.models import (
     RLJob,
     RLJobSpec,
 )
+from rljob_api.pod_layout import pod_template_errors
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,9 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             "seq-mean-token-mean (or importanceLevel: token)"))
     if not sft and r.val_n > 1 and r.val_temperature == 0:
         errs.append(FieldError("spec.rollout.valN", "valN > 1 with valTemperature 0 repeats the same greedy answer; raise valTemperature"))
+    pt = spec.pod_template
+    errs.extend(FieldError(path, message) for path, message in
+                pod_template_errors(pt.volumes, pt.volume_mounts, on_gpu=spec.device == "gpu"))
     if uses_s3 and spec.s3.credentials_secret_ref is None and spec.s3.endpoint is not None:
         errs.append(FieldError(
             "spec.s3.credentialsSecretRef",

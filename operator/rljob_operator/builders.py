@@ -16,6 +16,13 @@ import json
 from typing import Any
 
 from rljob_api.models import API_VERSION, GROUP, KIND, PLURAL, RLJob
+from rljob_api.pod_layout import (
+    COMPILE_CACHE_MOUNT,
+    COMPILE_CACHE_VOLUME,
+    SHM_MOUNT_PATH,
+    SHM_VOLUME,
+    SPEC_VOLUME,
+)
 
 from rljob_operator.settings import OperatorSettings
 
@@ -40,13 +47,7 @@ PYTORCHJOB_KIND = "PyTorchJob"
 PYTORCH_CONTAINER = "pytorch"  # the training-operator finds the container by this name
 PYTORCH_PORT_NAME = "pytorchjob-port"  # ... and the rendezvous port by this one
 METRICS_PORT_NAME = "metrics"
-SPEC_VOLUME = "rljob-spec"
-SHM_VOLUME = "dshm"
-# torch.compile's on-disk caches (inductor FX graphs, AOT autograd graphs, Triton kernels): an emptyDir outlives
-# container restarts in the pod, so a restarted worker loads the rollout engine's compiled decode step instead of
-# compiling it again (165 s cold at 0.5B on an H100, bench/NOTES.md). GPU pods only; the worker uses <workdir>/compile-cache when these are unset.
-COMPILE_CACHE_VOLUME = "compile-cache"
-COMPILE_CACHE_MOUNT = "/var/cache/rljob/compile"
+# Size of the compile-cache emptyDir (the names and paths of the pod's own volumes: rljob_api.pod_layout).
 COMPILE_CACHE_SIZE = "10Gi"
 COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": f"{COMPILE_CACHE_MOUNT}/inductor",
                      "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
@@ -220,7 +221,7 @@ def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
         "ports": ports,
         "volumeMounts": [
             {"name": SPEC_VOLUME, "mountPath": settings.spec_mount_path, "readOnly": True},
-            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+            {"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH},
             *([{"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_MOUNT}] if on_gpu else []),
             *copy.deepcopy(pt.volume_mounts),
         ],

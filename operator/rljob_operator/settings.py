@@ -19,6 +19,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from rljob_api.pod_layout import SPEC_MOUNT_PATH
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -27,7 +29,7 @@ _FALSE = {"0", "false", "no", "off", ""}
 class OperatorSettings:
     worker_image: str = "ghcr.io/rljob/worker:0.1.0"
     worker_module: str = "rljob_worker"
-    spec_mount_path: str = "/etc/rljob"
+    spec_mount_path: str = SPEC_MOUNT_PATH
     master_port: int = 23456
     progress_rbac: bool = True
     metrics_service: bool = False

@@ -19,6 +19,7 @@ M = "spec.megatron."
 T = "spec.training."
 R = "spec.rollout."
 C = "spec.critic."
+PT = "spec.podTemplate."
 GAE = {"spec.algorithm.advantageEstimator": "gae"}
 SPLIT4 = {"placement": "split", "gpus": 4}
 SYNTHETIC = {"spec.data.trainFiles": DELETE, "spec.data.synthetic": {"task": "target-token"}}
@@ -151,6 +152,26 @@ CROSS_INVALID = [
      {"spec.critic.megatron": ["mini-batch responses 6", "critic's 4 data-parallel ranks"]}),
     ("critic-ep-too-large", {**GAE, "spec.critic": {**SPLIT4, "megatron": {"expertModelParallelSize": 8}}},
      {C + "megatron.expertModelParallelSize": ["4 GPUs of the critic's pool", "reduce EP"]}),
+    # podTemplate volumes and mounts Kubernetes would refuse next to the operator's own
+    ("pod-volume-named-like-the-spec-volume", {PT + "volumes": [{"name": "rljob-spec", "emptyDir": {}}]},
+     {PT + "volumes[0].name": ["'rljob-spec' is the operator's own volume", "/etc/rljob", "rename yours"]}),
+    ("pod-volume-named-compile-cache-on-gpu", {PT + "volumes": [{"name": "compile-cache", "emptyDir": {}}]},
+     {PT + "volumes[0].name": ["operator's own volume", "/var/cache/rljob/compile"]}),
+    ("pod-volumes-share-a-name", {PT + "volumes": [{"name": "w", "emptyDir": {}}, {"name": "w", "emptyDir": {}}]},
+     {PT + "volumes[1].name": ["also the name of volumes[0]", "unique"]}),
+    ("pod-volume-without-name", {PT + "volumes": [{"emptyDir": {}}]}, {PT + "volumes[0].name": ["needs a name"]}),
+    ("pod-mount-of-no-volume", {PT + "volumeMounts": [{"name": "weights", "mountPath": "/models"}]},
+     {PT + "volumeMounts[0].name": ["no volume is named 'weights'", "add it to spec.podTemplate.volumes"]}),
+    ("pod-mount-over-dev-shm", {PT + "volumes": [{"name": "big", "emptyDir": {}}],
+                                PT + "volumeMounts": [{"name": "big", "mountPath": "/dev/shm/"}]},
+     {PT + "volumeMounts[0].mountPath": ["/dev/shm/ is where the operator mounts its 'dshm'", "elsewhere"]}),
+    ("pod-mounts-share-a-path", {PT + "volumes": [{"name": "a", "emptyDir": {}}, {"name": "b", "emptyDir": {}}],
+                                 PT + "volumeMounts": [{"name": "a", "mountPath": "/data"},
+                                                       {"name": "b", "mountPath": "/data"}]},
+     {PT + "volumeMounts[1].mountPath": ["volumeMounts[0] is mounted at /data too", "unique"]}),
+    ("pod-mount-relative-path", {PT + "volumes": [{"name": "a", "emptyDir": {}}],
+                                 PT + "volumeMounts": [{"name": "a", "mountPath": "data"}]},
+     {PT + "volumeMounts[0].mountPath": ["absolute path"]}),
     # several independent problems are all reported
     ("three-rules-at-once", {M + "sequenceParallel": True, R + "tensorModelParallelSize": 3, R + "valN": 2},
      {M + "sequenceParallel": ["raise TP"], R + "tensorModelParallelSize": ["divide"], R + "valN": ["valTemperature"]}),
@@ -202,6 +223,11 @@ CROSS_VALID = [
     ("gae-output-layer-pp1", {**GAE, "spec.critic": {"outputLayerIndex": 20}}),
     ("gae-critic-pp2-last-layer", {**GAE, "spec.critic": {"megatron": {"pipelineModelParallelSize": 2}}}),
     ("gae-lambda-0.95", {**GAE, "spec.algorithm.lambda": 0.95, "spec.algorithm.gamma": 0.99, "spec.critic": {}}),
+    ("pod-pvc-mounted-once", {PT + "volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": "w"}}],
+                              PT + "volumeMounts": [{"name": "weights", "mountPath": "/models", "readOnly": True}]}),
+    ("pod-mount-under-the-spec-folder-and-of-dshm", {PT + "volumeMounts": [{"name": "dshm", "mountPath": "/scratch"}]}),
+    ("pod-compile-cache-name-free-on-cpu", {"spec.device": "cpu", PT + "volumes": [{"name": "compile-cache",
+                                                                                    "emptyDir": {}}]}),
 ]
 
 
