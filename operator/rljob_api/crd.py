@@ -190,9 +190,10 @@ def spec_cel_rules() -> list[dict[str, str]]:
         {
             "rule": f"{_get('algorithm.name', alg('name').value)} == 'sft' || "
                     f"{_get('algorithm.importanceLevel', alg('importance_level').value)} != 'sequence' || "
-                    f"{_get('algorithm.lossAggregation', alg('loss_aggregation').value)} != 'token-mean'",
+                    f"{_get('algorithm.lossAggregation', alg('loss_aggregation').value)} == 'seq-mean-token-mean'",
             "message": "algorithm.importanceLevel sequence (GSPO) needs a sequence-level lossAggregation: set "
-                       "spec.algorithm.lossAggregation: seq-mean-token-mean (token-mean weights responses by length)",
+                       "spec.algorithm.lossAggregation: seq-mean-token-mean (token-mean and the token sums weight "
+                       "responses by length)",
             "fieldPath": ".algorithm.lossAggregation",
             "reason": "FieldValueInvalid",
         },

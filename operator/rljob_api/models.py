@@ -216,8 +216,9 @@ class AlgorithmSpec(ApiModel):
     )
     importance_level: ImportanceLevel = _f(
         ImportanceLevel.TOKEN, "Importance ratio per token (PPO/GRPO) or per sequence (GSPO). sequence needs a "
-        "sequence-level lossAggregation (seq-mean-token-mean, as verl forces for GSPO): under token-mean every token "
-        "of a row carries the row's shared ratio, which weights rows by length. (verl: actor.policy_loss.loss_mode gspo)"
+        "sequence-level lossAggregation (seq-mean-token-mean, as verl forces for GSPO): every token of a row carries "
+        "the row's shared ratio, so token-mean and the token sums (seq-mean-token-sum-norm) weight rows by length. "
+        "(verl: actor.policy_loss.loss_mode gspo)"
     )
     kl_coef: float = _f(
         0.001, "KL coefficient; 0 disables the reference model. (verl: actor.kl_loss_coef / algorithm.kl_ctrl.kl_coef)", ge=0

@@ -326,12 +326,12 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError(
             "spec.algorithm.klEstimator",
             "low_var_kl is a loss-side estimator; with klPlacement reward use k1 (or set klPlacement: loss)"))
-    if not sft and a.importance_level.value == "sequence" and a.loss_aggregation.value == "token-mean":
+    if not sft and a.importance_level.value == "sequence" and a.loss_aggregation.value != "seq-mean-token-mean":
         errs.append(FieldError(
             "spec.algorithm.lossAggregation",
-            "token-mean is not the GSPO objective with importanceLevel sequence (every token of a response carries "
-            "its shared sequence ratio, so token-mean weights responses by length); set lossAggregation: "
-            "seq-mean-token-mean (or importanceLevel: token)"))
+            f"{a.loss_aggregation.value} is not the GSPO objective with importanceLevel sequence (every token of a "
+            f"response carries its shared sequence ratio, so a token sum or token-mean weights responses by length); "
+            "set lossAggregation: seq-mean-token-mean (or importanceLevel: token)"))
     if not sft and r.val_n > 1 and r.val_temperature == 0:
         errs.append(FieldError("spec.rollout.valN", "valN > 1 with valTemperature 0 repeats the same greedy answer; raise valTemperature"))
     pt = spec.pod_template

@@ -95,7 +95,12 @@ CROSS_INVALID = [
     ("low-var-kl-in-reward", {"spec.algorithm.klPlacement": "reward"},
      {"spec.algorithm.klEstimator": ["use k1", "klPlacement: loss"]}),
     ("gspo-token-mean", {"spec.algorithm.importanceLevel": "sequence"},
-     {"spec.algorithm.lossAggregation": ["seq-mean-token-mean", "GSPO objective", "weights responses by length"]}),
+     {"spec.algorithm.lossAggregation": ["token-mean is not", "seq-mean-token-mean", "GSPO objective",
+                                         "weights responses by length"]}),
+    ("gspo-dr-grpo-token-sum-norm", {"spec.algorithm.importanceLevel": "sequence",
+                                     "spec.algorithm.lossAggregation": "seq-mean-token-sum-norm"},
+     {"spec.algorithm.lossAggregation": ["seq-mean-token-sum-norm is not the GSPO objective",
+                                         "set lossAggregation: seq-mean-token-mean"]}),
     ("greedy-validation-repeats", {R + "valN": 4}, {R + "valN": ["raise valTemperature"]}),
     # S3-compatible endpoint needs credentials for every s3:// URI the job reads or writes
     ("endpoint-no-creds-model", {"spec.s3.endpoint": "http://minio:9000", "spec.model.path": "s3://models/qwen"},

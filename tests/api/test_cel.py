@@ -125,7 +125,7 @@ CASES = [
     ("gspo-seq-mean", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence",
                                           "spec.algorithm.lossAggregation": "seq-mean-token-mean"}), set()),
     ("gspo-dr-grpo", changed(gpu_job(), {"spec.algorithm.importanceLevel": "sequence",
-                                         "spec.algorithm.lossAggregation": "seq-mean-token-sum-norm"}), set()),
+                                         "spec.algorithm.lossAggregation": "seq-mean-token-sum-norm"}), {GSPO}),
     ("token-level-token-mean", changed(gpu_job(), {"spec.algorithm.importanceLevel": "token"}), set()),
     # resumeMode uri needs resumeFrom
     ("resume-uri-no-from", changed(gpu_job(), {"spec.checkpoint.resumeMode": "uri"}), {RESUME}),

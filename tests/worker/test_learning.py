@@ -87,11 +87,13 @@ ALGORITHM_VARIANTS = {
     "kl-in-loss": {"algorithm": {"klCoef": 0.001, "klEstimator": "low_var_kl"}},
     "kl-in-reward": {"algorithm": {"klCoef": 0.001, "klEstimator": "k1", "klPlacement": "reward"}},
     "two-minibatches-two-epochs": {"training": {"ppoMiniBatchSizePerNode": 2, "ppoEpochs": 2, "microBatchSizePerGpu": 8}},
-    "dr-grpo-gspo-dual-clip": {"algorithm": {"normAdvByStd": False, "lossAggregation": "seq-mean-token-sum-norm",
-                                             "importanceLevel": "sequence", "dualClipC": 3.0}},
+    # GSPO takes the sequence-level aggregation (validation refuses the token sums with it)
+    "gspo-dual-clip": {"algorithm": {"normAdvByStd": False, "lossAggregation": "seq-mean-token-mean",
+                                     "importanceLevel": "sequence", "dualClipC": 3.0}},
     # (no overlong buffer here: this task rewards filling every position, which the buffer penalises)
     "dapo": {"algorithm": {"clipRatioHigh": 0.28, "dynamicSampling": True}},
-    "rloo-entropy": {"algorithm": {"advantageEstimator": "rloo", "entropyCoeff": 0.001}},
+    "rloo-entropy-dr-grpo-sum": {"algorithm": {"advantageEstimator": "rloo", "entropyCoeff": 0.001,
+                                               "lossAggregation": "seq-mean-token-sum-norm"}},
 }
 
 
