@@ -411,6 +411,14 @@ def critic_errors(spec: RLJobSpec, mini_responses: int) -> list[FieldError]:
             f"reads an intermediate layer, which needs the critic without pipeline stages (critic megatron."
             f"pipelineModelParallelSize is {c.megatron.pipeline_model_parallel_size}); set it to 1 or unset "
             "outputLayerIndex"))
+    if c.placement == CriticPlacement.SPLIT:
+        for name in ("param_offload", "grad_offload", "optimizer_offload"):
+            if getattr(c.megatron, name):
+                camel = "".join(p if i == 0 else p.capitalize() for i, p in enumerate(name.split("_")))
+                errs.append(FieldError(
+                    f"spec.critic.megatron.{camel}", "does nothing with placement split: the critic's GPUs hold "
+                    "nothing else to make room for (offload frees GPU memory for the rollout engine or the actor "
+                    "under placement shared); remove it"))
     if c.placement == CriticPlacement.SPLIT and (c.gpus is None or c.gpus >= spec.gpus_per_node):
         return errs  # reported by critic_pool_errors
     pool = " of the critic's pool (critic.gpus per node)" if c.placement == CriticPlacement.SPLIT else ""

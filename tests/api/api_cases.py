@@ -155,6 +155,10 @@ CROSS_INVALID = [
                                      T + "ppoMiniBatchSizePerNode": 2, R + "samplesPerPrompt": 3, T + "microBatchSizePerGpu": 1,
                                      "spec.critic": {"placement": "split", "gpus": 4, "microBatchSizePerGpu": 1}},
      {"spec.critic.megatron": ["mini-batch responses 6", "critic's 4 data-parallel ranks"]}),
+    ("critic-offload-with-split", {**GAE, "spec.critic": {**SPLIT4, "megatron": {"paramOffload": True,
+                                                                                  "optimizerOffload": True}}},
+     {C + "megatron.paramOffload": ["does nothing with placement split", "remove it"],
+      C + "megatron.optimizerOffload": ["does nothing with placement split"]}),
     ("critic-ep-too-large", {**GAE, "spec.critic": {**SPLIT4, "megatron": {"expertModelParallelSize": 8}}},
      {C + "megatron.expertModelParallelSize": ["4 GPUs of the critic's pool", "reduce EP"]}),
     # podTemplate volumes and mounts Kubernetes would refuse next to the operator's own

@@ -21,8 +21,8 @@ the critic's megatron sizes may differ from the actor's. The actor pool runs the
 pool (:mod:`rljob_worker.critic_pool`) computes the values while the actor computes its log-probs, and
 its update runs at the same time as the actor update and weight sync; GAE, token rewards and whitening
 stay on the actor side, so the trajectory is the shared one's. The critic's metrics of a step reach
-the actor leader at the end of that step. The critic's offload flags do nothing there (its GPUs hold
-nothing else).
+the actor leader at the end of that step. Validation refuses the critic's offload flags there (its GPUs
+hold nothing else).
 """
 from __future__ import annotations
 
