@@ -37,6 +37,8 @@ How vLLM is driven (everything imported lazily: vLLM is optional and CUDA-only):
   identical by definition, so the n-1 copies cost nothing. ``logprobs=0`` returns the sampled token's log-prob only, and
   ``logprobs_mode="processed_logprobs"`` makes it the log-prob under the temperature/top-k/top-p
   processed distribution that was actually sampled — what the `hf` engine returns.
+- Rollout TP > 1 needs attention heads at least 64 wide (`check_tensor_parallel_shape`, a start-up error):
+  vLLM 0.26 hangs in its warm-up at TP2 on head_dim 16 (seen on 2 H100s) and runs head_dim 64.
 - Weight sync: `weight_sync.bucket_named_tensors` groups the stream; each bucket goes into the
   model's own ``load_weights`` (HF names in; vLLM fuses q/k/v and gate/up and takes this rank's
   TP shard). The one version-specific access is `_load_weights_into` below.
