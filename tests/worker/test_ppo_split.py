@@ -88,7 +88,8 @@ def shared_run(tmp_path_factory) -> dict[int, dict]:
 
 def wait_for_step(proc: subprocess.Popen, work: Path, step: int) -> None:
     log, deadline = work / "work" / "metrics.jsonl", time.monotonic() + 300
-    while not (log.exists() and any(json.loads(line)["step"] >= step for line in log.read_text().splitlines())):
+    while not (log.exists() and any(json.loads(line)["step"] >= step  # complete lines: the last may be in flight
+                                    for line in log.read_text().splitlines(keepends=True) if line.endswith("\n"))):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, f"step {step} not reached"
         time.sleep(0.05)

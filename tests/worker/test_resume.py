@@ -38,11 +38,18 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def logged_steps(log: Path) -> list[int]:
+    """Steps of metrics.jsonl's complete lines: the run may be appending its last line as we read."""
+    text = log.read_text()
+    complete = text[:text.rfind("\n") + 1]
+    return [json.loads(line)["step"] for line in complete.splitlines()]
+
+
 def wait_for_step(workdir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     log = workdir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if log.exists() and any(json.loads(line)["step"] >= step for line in log.read_text().splitlines()):
+        if log.exists() and any(s >= step for s in logged_steps(log)):
             return
         if proc.poll() is not None:
             raise AssertionError(f"trainer exited early ({proc.returncode}): {proc.stdout.read()[-3000:]}")

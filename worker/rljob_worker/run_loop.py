@@ -309,8 +309,14 @@ class RunLoop:
         if not self.is_main:
             return
         Path(self.ctx.workdir).mkdir(parents=True, exist_ok=True)
-        with open(Path(self.ctx.workdir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+        line = (json.dumps({"step": self.step, **metrics}) + "\n").encode()
+        # one write(2) on an O_APPEND descriptor: a reader following the file sees whole lines, except at worst a
+        # last one still being copied in (buffered text I/O could split a line over several writes)
+        fd = os.open(Path(self.ctx.workdir) / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
 
     def _publish_status(self, metrics: dict[str, float], force: bool = False) -> None:
         """Progress for RLJob.status (the operator folds it in); a no-op outside a cluster."""
