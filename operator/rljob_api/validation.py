@@ -32,6 +32,7 @@ from rljob_api.models import (
     RLJobSpec,
 )
 from rljob_api.pod_layout import pod_template_errors
+from rljob_api.worker_support import camel_case
 
 
 @dataclass(frozen=True)
@@ -414,9 +415,8 @@ def critic_errors(spec: RLJobSpec, mini_responses: int) -> list[FieldError]:
     if c.placement == CriticPlacement.SPLIT:
         for name in ("param_offload", "grad_offload", "optimizer_offload"):
             if getattr(c.megatron, name):
-                camel = "".join(p if i == 0 else p.capitalize() for i, p in enumerate(name.split("_")))
                 errs.append(FieldError(
-                    f"spec.critic.megatron.{camel}", "does nothing with placement split: the critic's GPUs hold "
+                    f"spec.critic.megatron.{camel_case(name)}", "does nothing with placement split: the critic's GPUs hold "
                     "nothing else to make room for (offload frees GPU memory for the rollout engine or the actor "
                     "under placement shared); remove it"))
     if c.placement == CriticPlacement.SPLIT and (c.gpus is None or c.gpus >= spec.gpus_per_node):

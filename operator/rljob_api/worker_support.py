@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from rljob_api.enums import CriticPlacement
 
+
+def camel_case(name: str) -> str:
+    """A model field's python name as the spec spells it: param_offload -> paramOffload."""
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
 _LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                   "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
                   "sequence_parallel")
@@ -19,7 +26,7 @@ def critic_layout_errors(spec) -> list[str]:
     errors = []
     for name in _LAYOUT_FIELDS:
         if getattr(c.megatron, name) != getattr(m, name):
-            camel = "".join(p if i == 0 else p.capitalize() for i, p in enumerate(name.split("_")))
+            camel = camel_case(name)
             errors.append(f"spec.critic.megatron.{camel}: a shared critic runs with the actor's parallel layout in "
                           f"this worker ({getattr(m, name)!r}, got {getattr(c.megatron, name)!r}); set it equal to "
                           f"spec.megatron.{camel}, or use placement: split")

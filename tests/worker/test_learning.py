@@ -53,6 +53,12 @@ def read_metrics(workdir: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def logged_steps(log: Path) -> list[int]:
+    """Steps of metrics.jsonl's complete lines: a running job may be appending its last line as we read."""
+    text = log.read_text() if log.exists() else ""
+    return [json.loads(line)["step"] for line in text[:text.rfind("\n") + 1].splitlines()]
+
+
 def rewards(records: list[dict]) -> np.ndarray:
     return np.array([r["reward/mean"] for r in records])
 

@@ -84,8 +84,9 @@ def committed(ckpt: Path) -> list[int]:
 
 
 def test_sigterm_through_torchrun_after_a_periodic_save_commits_and_exits_143(tmp_path):
-    """SIGUSR1 first: the worker dumps its stacks and keeps training. Then the real signal path: SIGTERM to `rljob run` -> its pod's process (torchrun, as PID 1 in a
-    container) -> torchrun signals the worker's process group. After a periodic save (which starts
+    """SIGUSR1 first: the worker dumps its stacks and keeps training. Then the real signal path: SIGTERM
+    to `rljob run` -> its pod's process (torchrun, as PID 1 in a container) -> torchrun signals the
+    worker's process group. After a periodic save (which starts
     megatron's writer helpers) the preemption save used to die with BrokenPipeError and exit 1."""
     job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     job["spec"]["metrics"]["enabled"] = False

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_learning import logged_steps
 from test_parallel_training import job
 
 STEPS = 4
@@ -88,8 +89,7 @@ def shared_run(tmp_path_factory) -> dict[int, dict]:
 
 def wait_for_step(proc: subprocess.Popen, work: Path, step: int) -> None:
     log, deadline = work / "work" / "metrics.jsonl", time.monotonic() + 300
-    while not (log.exists() and any(json.loads(line)["step"] >= step  # complete lines: the last may be in flight
-                                    for line in log.read_text().splitlines(keepends=True) if line.endswith("\n"))):
+    while not any(s >= step for s in logged_steps(log)):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, f"step {step} not reached"
         time.sleep(0.05)

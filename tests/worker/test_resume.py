@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_learning import HARNESS, quickstart_spec, read_metrics
+from test_learning import HARNESS, logged_steps, quickstart_spec, read_metrics
 
 EXIT_PREEMPTED = 143
 
@@ -38,18 +38,11 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def logged_steps(log: Path) -> list[int]:
-    """Steps of metrics.jsonl's complete lines: the run may be appending its last line as we read."""
-    text = log.read_text()
-    complete = text[:text.rfind("\n") + 1]
-    return [json.loads(line)["step"] for line in complete.splitlines()]
-
-
 def wait_for_step(workdir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     log = workdir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if log.exists() and any(s >= step for s in logged_steps(log)):
+        if any(s >= step for s in logged_steps(log)):
             return
         if proc.poll() is not None:
             raise AssertionError(f"trainer exited early ({proc.returncode}): {proc.stdout.read()[-3000:]}")

@@ -236,17 +236,17 @@ def test_the_fake_fails_where_vllm_hangs_at_tp2_on_head_dim_16(fake_vllm, tmp_pa
     FakeLLM(model=narrow, tensor_parallel_size=1, gpu_memory_utilization=0.5)  # TP 1 runs it (learned on an H100)
 
 
-@pytest.mark.parametrize("builtin", ["tiny-qwen2", "tiny-qwen2-hd64"])
-def test_rollout_tp2_refuses_narrow_heads_before_vllm_starts_and_takes_64(fake_vllm, tmp_path, builtin):
+def _builtin_model(tmp_path, name):
     from rljob_worker.builtin_models import BUILTIN_MODELS
+
+    config = BUILTIN_MODELS[name]
+    return _model_with(tmp_path, name, **{k: config[k] for k in ("hidden_size", "num_attention_heads")})
+
+
+def test_rollout_tp2_refuses_tiny_qwen2s_16_wide_heads_before_vllm_starts(fake_vllm, tmp_path):
     from rljob_worker.startup_errors import StartupError, is_configuration_error
 
-    config = BUILTIN_MODELS[builtin]
-    model = _model_with(tmp_path, builtin, **{k: config[k] for k in ("hidden_size", "num_attention_heads")})
-    if config["hidden_size"] // config["num_attention_heads"] >= 64:
-        new_engine(model, tensor_parallel_size=2)
-        assert FakeLLM.instances[-1].kwargs["tensor_parallel_size"] == 2
-        return
+    model = _builtin_model(tmp_path, "tiny-qwen2")
     with pytest.raises(StartupError) as err:
         new_engine(model, tensor_parallel_size=2)
     assert is_configuration_error(err.value) and not FakeLLM.instances  # refused before vLLM was asked
@@ -254,6 +254,11 @@ def test_rollout_tp2_refuses_narrow_heads_before_vllm_starts_and_takes_64(fake_v
     assert "spec.rollout.tensorModelParallelSize=2" in message and "are 16" in message
     assert "rollout.tensorModelParallelSize: 1" in message
     new_engine(model, tensor_parallel_size=1)  # the same model at TP 1 starts
+
+
+def test_rollout_tp2_takes_tiny_qwen2_hd64(fake_vllm, tmp_path):
+    new_engine(_builtin_model(tmp_path, "tiny-qwen2-hd64"), tensor_parallel_size=2)
+    assert FakeLLM.instances[-1].kwargs["tensor_parallel_size"] == 2
 
 
 def test_an_explicit_head_dim_wins_over_hidden_over_heads(fake_vllm, tmp_path):

@@ -257,8 +257,8 @@ class VLLMEngine:
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend
             # vLLM's custom all-reduce shares CUDA IPC buffers between the TP ranks, allocated outside the
-            # sleep-mode pool; colocated hybrid engines (verl's among them) run NCCL's all-reduce instead.
-            # A first rollout-TP2 run on 2 H100s without this hung before its first step (cause not isolated).
+            # sleep-mode pool; colocated hybrid engines (verl's among them) run NCCL's all-reduce instead. The
+            # rollout-TP2 runs and tests on 2 H100s ran this way (the TP2 hang first blamed on it was the head width).
             kwargs["disable_custom_all_reduce"] = True
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
