@@ -87,8 +87,8 @@ def model_flops(cfg, lengths: list[int]) -> float:
 
 
 def grpo_batch(rows: int, vocab: int, seed: int, seq: int = 2048) -> dict[str, torch.Tensor]:
-    """Trainer layout (rljob_worker.batching.pad_batch) of a GRPO-like length mix, + advantages."""
-    from rljob_worker.batching import pad_batch
+    """Trainer layout (rljob_worker.data.batching.pad_batch) of a GRPO-like length mix, + advantages."""
+    from rljob_worker.data.batching import pad_batch
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
@@ -145,7 +145,7 @@ def _pack_rows(ids, mask, values):
 
 
 def hf_update(model, opt, batch, mbs: int, packed: bool, dev, timer: dict) -> None:
-    from rljob_worker.batching import trim_padding
+    from rljob_worker.data.batching import trim_padding
 
     opt.zero_grad(set_to_none=True)
     b = batch["input_ids"].shape[0]

@@ -2,7 +2,7 @@
 
 Measures, in one run and on the same server:
 
-(a) throughput: ``CheckpointManager.save(..., blocking=True)`` (sha256 of every file, parallel
+(a) throughput: ``CheckpointManager.commit_folder(..., blocking=True)`` (sha256 of every file, parallel
     multipart upload, meta.json, listing check, COMMIT) against plain boto3 ``upload_file`` of the
     same files one after the other with boto3's default transfer settings;
 (b) training stall per save: a loop of fake training steps (fixed CPU work in numpy, which like
@@ -116,8 +116,8 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(REPO / "worker"))
-    from rljob_worker.checkpointing import CheckpointManager
-    from rljob_worker.storage import S3Store
+    from rljob_worker.checkpoint.commit import CheckpointManager
+    from rljob_worker.checkpoint.store import S3Store
 
     with tempfile.TemporaryDirectory(prefix="rljob-bench-") as tmp:
         tmp = Path(tmp)
@@ -144,7 +144,7 @@ def main() -> None:
                 raw_boto3_upload(client, bucket, f"raw/{r}", local)
                 t_raw.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                mgr.save(local, r + 1, {"loss": 0.0}, "bench", blocking=True)
+                mgr.commit_folder(local, r + 1, {"loss": 0.0}, "bench", blocking=True)
                 t_mgr.append(time.perf_counter() - t0)
             raw_s, mgr_s = statistics.median(t_raw), statistics.median(t_mgr)
 
@@ -160,12 +160,12 @@ def main() -> None:
 
                 def save(step: int, mgr=mgr, blocked=blocked, handles=handles, mode=mode) -> None:
                     t0 = time.perf_counter()
-                    handles.append(mgr.save(local, step, {}, "bench", blocking=mode == "sync"))
+                    handles.append(mgr.commit_folder(local, step, {}, "bench", blocking=mode == "sync"))
                     blocked.append(time.perf_counter() - t0)
 
                 wall = train_loop(step_fn, args.steps, args.save_every, save)
                 t0 = time.perf_counter()
-                mgr.wait()
+                mgr.wait_for_commit()
                 drain = time.perf_counter() - t0
                 assert mgr.latest_committed().step == args.steps
                 runs[mode] = (wall, blocked, drain, [h.seconds for h in handles])
@@ -177,7 +177,7 @@ def main() -> None:
     print()
     print(f"(a) upload throughput (median of {args.repeats})      seconds     MB/s")
     print(f"    boto3 upload_file, file by file     {raw_s:8.2f} {nbytes / 1e6 / raw_s:8.1f}")
-    print(f"    CheckpointManager.save(blocking)    {mgr_s:8.2f} {nbytes / 1e6 / mgr_s:8.1f}")
+    print(f"    CheckpointManager.commit_folder(blocking)    {mgr_s:8.2f} {nbytes / 1e6 / mgr_s:8.1f}")
     print(f"    ratio save / raw boto3 (MB/s)       {raw_s / mgr_s:8.2f}x")
     print()
     print(f"(b) training stall: {args.steps} steps of ~{base / args.steps:.2f} s CPU work, a save every "

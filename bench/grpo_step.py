@@ -143,7 +143,7 @@ def run_rljob(a, paths: dict) -> dict:
     import torch
     from rljob_api.validation import parse_spec
     from rljob_worker.run_loop import RunContext
-    from rljob_worker.trainer import GRPOTrainer
+    from rljob_worker.trainers.grpo import GRPOTrainer
 
     workdir = Path(tempfile.mkdtemp(prefix="rljob_bench_"))
     os.environ.setdefault("RLJOB_METRICS_PORT", "0")

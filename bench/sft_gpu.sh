@@ -16,7 +16,7 @@ W=/tmp/sftgpu; mkdir -p $W
 python3 - <<'PY' 2>&1 | grep -v -i warn
 import random, torch, pyarrow as pa, pyarrow.parquet as pq
 from transformers import Qwen2Config, AutoModelForCausalLM
-from rljob_worker.builtin_models import build_char_tokenizer
+from rljob_worker.data.builtin_models import build_char_tokenizer
 c = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
                 rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=1, pad_token_id=0)

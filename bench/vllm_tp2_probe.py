@@ -6,7 +6,7 @@ hangs gets every thread's stack dumped (faulthandler) after --stall-s seconds, t
     ... --builtin --max-model-len 10 --gpu-mem 0.05 [--megatron]   # the digit-sum job's model and engine settings
                                                                    # [after megatron's groups, as in the trainer]
 
-The world is made the way the trainer makes it (rljob_worker.distributed.init_from_environ, NCCL over tcp://), so
+The world is made the way the trainer makes it (rljob_worker.runtime.distributed.init_from_environ, NCCL over tcp://), so
 vLLM's external launcher finds an initialised world, as it does in a job.
 """
 from __future__ import annotations
@@ -36,9 +36,9 @@ def main() -> int:
     args = parser.parse_args()
     faulthandler.dump_traceback_later(args.stall_s, exit=True)
 
-    from rljob_worker.distributed import init_from_environ
     from rljob_worker.rollout import SamplingParams
     from rljob_worker.rollout.vllm_engine import VLLMEngine
+    from rljob_worker.runtime.distributed import init_from_environ
     from vllm_helpers import TEXTS, char_prompts, hf_engine, save_tiny_qwen2
 
     env = init_from_environ()
@@ -51,7 +51,7 @@ def main() -> int:
     root = Path(args.workdir)
     if rank == 0:
         if args.builtin:
-            from rljob_worker.builtin_models import materialize_builtin
+            from rljob_worker.data.builtin_models import materialize_builtin
 
             materialize_builtin("tiny-qwen2", root / "a", seed=0)
             materialize_builtin("tiny-qwen2", root / "b", seed=1)
@@ -65,7 +65,7 @@ def main() -> int:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
         dist.all_reduce(torch.ones(1, device="cuda"), group=parallel_state.get_data_parallel_group())
     stage(f"world of {dist.get_world_size()} up (local rank {env.local_rank}); models saved")
-    from rljob_worker.builtin_models import EOS, VOCAB
+    from rljob_worker.data.builtin_models import EOS, VOCAB
 
     if args.skip_shape_check:
         from rljob_worker.rollout import vllm_engine

@@ -13,9 +13,9 @@ probe() {  # name, probe options...
   grep -E "^\[rank|probe rank|Error|error:" "$OUT/vllmtp2_probe_$name.log" | head -30; echo "probe $name: rc $rc"
   [ $rc != 0 ] && grep -A12 -E "^Thread 0x|^Current thread" "$OUT/vllmtp2_probe_$name.log" | head -60
   return $rc; }
-# workers of the job (not torchrun's agent, rljob_worker.launch); the image has no pgrep
+# workers of the job (not torchrun's agent, rljob_worker.runtime.launch); the image has no pgrep
 workers() { for d in /proc/[0-9]*; do local cmd; cmd=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
-  case "$cmd" in *"rljob_worker.launch"*) ;; *"rljob_worker --spec"*) echo "${d#/proc/}" ;; esac; done; }
+  case "$cmd" in *"rljob_worker.runtime.launch"*) ;; *"rljob_worker --spec"*) echo "${d#/proc/}" ;; esac; done; }
 # PROBES: which engine-alone probes run first (default: the tiny test model; builtin: tiny-qwen2 (head_dim 16) with the
 # job's engine settings, which hangs in vLLM's warm-up at TP2; megatron: the same after megatron's groups are made, as
 # in the trainer; model: tiny-qwen2 with the default probe's settings; settings: the test model with the job's settings)

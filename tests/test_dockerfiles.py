@@ -183,8 +183,8 @@ def test_worker_entrypoint_is_the_command_the_operator_writes_into_pytorchjobs()
     (container,) = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     image_command = last(WORKER, "ENTRYPOINT").exec_form() + last(WORKER, "CMD").exec_form()
     assert container["command"] == image_command
-    assert image_command[:4] == ["python", "-m", "rljob_worker.launch", "-m"]
-    assert (module_dir("rljob_worker") / "launch.py").is_file()
+    assert image_command[:4] == ["python", "-m", "rljob_worker.runtime.launch", "-m"]
+    assert (module_dir("rljob_worker") / "runtime" / "launch.py").is_file()
     assert (module_dir(image_command[4]) / "__main__.py").is_file()
     assert image_command[4] == settings.worker_module
     values = yaml.safe_load((REPO / "charts" / "rljob-operator" / "values.yaml").read_text())

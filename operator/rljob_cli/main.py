@@ -148,7 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (ValueError, RLJobValidationError) as exc:
         _report_invalid(args.file, exc)
         return 2  # a configuration error, as the worker's own start-up errors
-    from rljob_worker.launcher import run_local
+    from rljob_worker.runtime.launcher import run_local
 
     return run_local(job, workdir=args.workdir, checkpoint_uri=args.checkpoint_uri, steps=args.steps,
                      fresh=args.fresh)

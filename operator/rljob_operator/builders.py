@@ -213,10 +213,10 @@ def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
         "name": PYTORCH_CONTAINER,
         "image": spec.image or settings.worker_image,
         "imagePullPolicy": spec.image_pull_policy,
-        # torchrun (through rljob_worker.launch, which keeps the worker's exit code: 2 for a
+        # torchrun (through rljob_worker.runtime.launch, which keeps the worker's exit code: 2 for a
         # configuration error, 143 after a preemption save) reads PET_NNODES, PET_NPROC_PER_NODE,
         # PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT, which the training-operator injects.
-        "command": ["python", "-m", "rljob_worker.launch", "-m", settings.worker_module, "--spec", settings.spec_path],
+        "command": ["python", "-m", "rljob_worker.runtime.launch", "-m", settings.worker_module, "--spec", settings.spec_path],
         "env": _env(job),
         "ports": ports,
         "volumeMounts": [

@@ -267,7 +267,7 @@ def test_fresh_refuses_a_workdir_the_run_did_not_create(tmp_path):
 
 def test_fresh_deletes_only_what_the_run_wrote(tmp_path):
     from rljob_cli.main import load_rljob
-    from rljob_worker.launcher import clear_previous_run, mark_workdir, write_spec
+    from rljob_worker.runtime.launcher import clear_previous_run, mark_workdir, write_spec
 
     job = load_rljob(str(QUICKSTART))
     root = tmp_path / "project"

@@ -11,7 +11,7 @@ MiB = 1024 * 1024
 
 
 def make_s3_store(s3_server, bucket: str, prefix: str = "ckpt/root", **kw):
-    from rljob_worker.storage import S3Store
+    from rljob_worker.checkpoint.store import S3Store
 
     opts = {"part_size": 5 * MiB, "multipart_threshold": 8 * MiB, "max_concurrency": 4, "retry_timeout_s": 30.0}
     opts.update(kw)
@@ -42,7 +42,7 @@ def store(request, tmp_path):
     import uuid
 
     if request.param == "local":
-        from rljob_worker.storage import LocalStore
+        from rljob_worker.checkpoint.store import LocalStore
 
         return LocalStore(tmp_path / "store")
     s3_server = request.getfixturevalue("s3_server")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from rljob_api.enums import ResumeMode
-from rljob_worker.checkpointing import (
+from rljob_worker.checkpoint.commit import (
     COMMIT,
     META,
     QUARANTINE,
@@ -34,7 +34,7 @@ def manager(store):
 
 def _save(manager, tmp_path, helpers, step, **kw):
     src = helpers.write_checkpoint_dir(tmp_path / f"local_{step}", seed=step)
-    return manager.save(src, step, {"reward_mean": 0.1 * step}, "hash-a", blocking=True, **kw).wait()
+    return manager.commit_folder(src, step, {"reward_mean": 0.1 * step}, "hash-a", blocking=True, **kw).wait()
 
 
 def test_spec_hash_is_stable_and_order_independent():
@@ -47,7 +47,7 @@ def test_spec_hash_is_stable_and_order_independent():
 
 def test_save_restore_round_trip(manager, tmp_path, helpers):
     src = helpers.write_checkpoint_dir(tmp_path / "local", seed=30, big_mb=12)
-    handle = manager.save(src, 30, {"reward_mean": 0.5, "kl": 0.01}, "abc123")
+    handle = manager.commit_folder(src, 30, {"reward_mean": 0.5, "kl": 0.01}, "abc123")
     ref = handle.wait()
     assert handle.done() and handle.seconds is not None
     assert ref.step == 30 and ref.uri == manager.step_uri(30) and ref.uri.endswith("/ns/job/step_000030")
@@ -80,7 +80,7 @@ def test_commit_is_written_last(manager, tmp_path, helpers):
     store.put_file = lambda path, key: (real_put_file(path, key), order.append(key))[0]
     store.put_bytes = lambda key, data: (real_put_bytes(key, data), order.append(key))[0]
     src = helpers.write_checkpoint_dir(tmp_path / "local", seed=1)
-    manager.save(src, 1, {}, None, blocking=True)
+    manager.commit_folder(src, 1, {}, None, blocking=True)
     assert order[-1] == f"{BASE}/step_000001/{COMMIT}"
     assert order[-2] == f"{BASE}/step_000001/{META}"
     assert len(order) == len(helpers.read_tree(src)) + 2
@@ -103,25 +103,25 @@ def test_failed_upload_leaves_no_commit_and_surfaces_on_wait(manager, tmp_path, 
 
     store.put_file = failing_put_file
     src = helpers.write_checkpoint_dir(tmp_path / "local_20", seed=20)
-    handle = manager.save(src, 20, {}, None)  # background: returns before the failure
+    handle = manager.commit_folder(src, 20, {}, None)  # background: returns before the failure
     with pytest.raises(OSError, match="disk went away"):
-        manager.wait()
+        manager.wait_for_commit()
     assert handle.done()
     with pytest.raises(OSError):
         handle.wait()  # the handle keeps its error
-    manager.wait()  # reported once by the manager: it does not block the next save
+    manager.wait_for_commit()  # reported once by the manager: it does not block the next save
     listed = [o.key for o in store.list_prefix(f"{BASE}/step_000020/")]
     assert len(listed) >= 3 and not any(k.endswith((COMMIT, META)) for k in listed)
     assert manager.latest_committed() == first
     assert [r.step for r in manager.list_committed()] == [10]
 
     # an unobserved failure is raised by the next save instead of being lost
-    handle = manager.save(src, 21, {}, None)
+    handle = manager.commit_folder(src, 21, {}, None)
     handle._done.wait()
     with pytest.raises(OSError, match="disk went away"):
-        manager.save(src, 22, {}, None)
+        manager.commit_folder(src, 22, {}, None)
     store.put_file = real_put_file
-    assert manager.save(src, 23, {}, None, blocking=True).wait().step == 23
+    assert manager.commit_folder(src, 23, {}, None, blocking=True).wait().step == 23
     # retention (none configured) still cleans the leftovers of the failed saves 20 and 21
     assert [r.step for r in manager.list_committed()] == [10, 23]
     assert manager.store.list_prefix(f"{BASE}/step_000020/") == []
@@ -132,7 +132,7 @@ def test_blocking_save_raises_its_own_error(manager, tmp_path, helpers):
     manager.store.put_file = lambda path, key: (_ for _ in ()).throw(OSError("no space"))
     src = helpers.write_checkpoint_dir(tmp_path / "local", seed=3)
     with pytest.raises(OSError, match="no space"):
-        manager.save(src, 3, {}, None, blocking=True)
+        manager.commit_folder(src, 3, {}, None, blocking=True)
     assert manager.latest_committed() is None
 
 
@@ -243,7 +243,7 @@ def test_background_save_overlaps_training(manager, tmp_path, helpers):
     store.put_file = slow_put_file
     src = helpers.write_checkpoint_dir(tmp_path / "local", seed=7)
     t0 = time.monotonic()
-    handle = manager.save(src, 7, {"r": 1.0}, "h")
+    handle = manager.commit_folder(src, 7, {"r": 1.0}, "h")
     returned_after = time.monotonic() - t0
     assert returned_after < 0.15 and not handle.done()
     # the "training step" runs on the main thread while the upload proceeds
@@ -252,11 +252,11 @@ def test_background_save_overlaps_training(manager, tmp_path, helpers):
         work += sum(i * i for i in range(20_000))
         steps_done += 1
     assert steps_done > 5
-    assert manager.wait().step == 7
+    assert manager.wait_for_commit().step == 7
     assert threading.active_count() >= 1 and manager.latest_committed().step == 7
     # a second save waits for the first one before starting
-    h1 = manager.save(src, 8, {}, None)
-    h2 = manager.save(src, 9, {}, None)
+    h1 = manager.commit_folder(src, 8, {}, None)
+    h2 = manager.commit_folder(src, 9, {}, None)
     assert h1.done() and h2.wait().step == 9
 
 
@@ -264,11 +264,11 @@ def test_save_rejects_reserved_names(manager, tmp_path, helpers):
     src = helpers.write_checkpoint_dir(tmp_path / "local", seed=1)
     (src / "COMMIT").write_text("x")
     with pytest.raises(CheckpointError, match="reserves"):
-        manager.save(src, 1, {}, None)
+        manager.commit_folder(src, 1, {}, None)
     with pytest.raises(CheckpointError, match="reserves"):
         manager.upload_rank_files(src, 1, 0)
     with pytest.raises(CheckpointError, match="does not exist"):  # at the call, not in the thread
-        manager.save(tmp_path / "missing", 1, {}, None)
+        manager.commit_folder(tmp_path / "missing", 1, {}, None)
     assert manager.store.list_prefix("") == []
 
 
@@ -277,7 +277,7 @@ def test_saving_a_step_again_replaces_it(manager, tmp_path, helpers):
     src = tmp_path / "other"
     src.mkdir()
     (src / "only.bin").write_bytes(b"new")
-    manager.save(src, 4, {}, None, blocking=True)
+    manager.commit_folder(src, 4, {}, None, blocking=True)
     manager.restore(manager.latest_committed(), tmp_path / "out")
     assert helpers.read_tree(tmp_path / "out") == {"only.bin": b"new"}
 
@@ -344,7 +344,7 @@ def test_resolve_resume(store, tmp_path, helpers):
 
 def test_remove_local_after_commit(manager, tmp_path, helpers):
     src = helpers.write_checkpoint_dir(tmp_path / "local", seed=9)
-    manager.save(src, 9, {}, None, remove_local=True).wait()
+    manager.commit_folder(src, 9, {}, None, remove_local=True).wait()
     assert not src.exists()
     assert manager.latest_committed().step == 9
 
@@ -436,7 +436,7 @@ def test_a_changed_spec_refuses_to_resume_and_names_the_field(store, tmp_path, h
     manager = CheckpointManager(store, BASE, max_to_keep=None)
     fields = {"model.path": "s3://models/a", "algorithm.klCoef": 0.001, "data.trainFiles": ["/d/train.parquet"]}
     src = helpers.write_checkpoint_dir(tmp_path / "local", seed=3)
-    manager.save(src, 3, {}, "hash-a", blocking=True, spec_fields=fields)
+    manager.commit_folder(src, 3, {}, "hash-a", blocking=True, spec_fields=fields)
     with pytest.raises(SpecChanged) as err:
         restore_for_resume(manager, ResumeMode.AUTO, None, tmp_path / "r1", {**fields, "model.path": "s3://models/b"})
     msg = str(err.value)
@@ -447,5 +447,5 @@ def test_a_changed_spec_refuses_to_resume_and_names_the_field(store, tmp_path, h
     assert restore_for_resume(manager, ResumeMode.AUTO, None, tmp_path / "r2", dict(fields)).step == 3
     # a checkpoint written before fields were recorded is not refused
     old = helpers.write_checkpoint_dir(tmp_path / "old", seed=4)
-    manager.save(old, 4, {}, "hash-a", blocking=True)
+    manager.commit_folder(old, 4, {}, "hash-a", blocking=True)
     assert restore_for_resume(manager, ResumeMode.AUTO, None, tmp_path / "r3", {"model.path": "x"}).step == 4

@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from rljob_worker.checkpoint_lease import LEASE, CheckpointLease, LeaseHeld, local_identity
+from rljob_worker.checkpoint.lease import LEASE, CheckpointLease, LeaseHeld, local_identity
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from rljob_worker.storage import (
+from rljob_worker.checkpoint.store import (
     FileEntry,
     LocalStore,
     ObjectNotFoundError,
@@ -195,7 +195,7 @@ def test_upload_survives_an_s3_outage(s3_server, s3_bucket, helpers, tmp_path, c
 
     store.put_file = put_then_outage
     t0 = time.monotonic()
-    with caplog.at_level("WARNING", logger="rljob_worker.storage"):
+    with caplog.at_level("WARNING", logger="rljob_worker.checkpoint.store"):
         entries = store.upload_dir(src, "step_000001", max_workers=1)
     elapsed = time.monotonic() - t0
     outage["thread"].join()

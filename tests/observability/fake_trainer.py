@@ -23,7 +23,7 @@ import math
 import sys
 import time
 
-from rljob_worker.telemetry import TrainerTelemetry
+from rljob_worker.telemetry.trainer_metrics import TrainerTelemetry
 
 STAGE_SLEEP = {  # seconds per stage of a healthy step
     "rollout": 0.04,

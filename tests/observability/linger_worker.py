@@ -11,7 +11,7 @@ import runpy
 import sys
 import time
 
-from rljob_worker import telemetry
+from rljob_worker.telemetry import trainer_metrics as telemetry
 
 LINGER_S = float(os.environ.get("RLJOB_TEST_METRICS_LINGER_S", "2.5"))
 _close = telemetry.TrainerTelemetry.close

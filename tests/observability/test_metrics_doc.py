@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
-from rljob_worker.telemetry import TrainerTelemetry
+from rljob_worker.telemetry.trainer_metrics import TrainerTelemetry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from obs_support import DASHBOARD_DIR, REPO, RULES_FILE, load_rules

@@ -184,7 +184,7 @@ def test_container_contract() -> None:
     ptj = builders.build_pytorchjob(job, settings)
     container = _container(ptj)
     assert container["name"] == "pytorch"
-    assert container["command"] == ["python", "-m", "rljob_worker.launch", "-m", "rljob_worker", "--spec",
+    assert container["command"] == ["python", "-m", "rljob_worker.runtime.launch", "-m", "rljob_worker", "--spec",
                                     "/etc/rljob/spec.json"]
     assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in container["ports"]
     assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in container["ports"]

@@ -99,7 +99,7 @@ def test_rljob_becomes_a_pytorchjob_with_owned_children(kube: KubeClient, operat
         assert child["metadata"]["labels"][builders.LABEL_JOB] == "alpha"
     assert opschema.pytorchjob_schema_errors(ptj) == [] and opschema.pytorchjob_webhook_errors(ptj) == []
     assert ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] == [
-        "python", "-m", "rljob_worker.launch", "-m", "rljob_worker", "--spec", "/etc/rljob/spec.json"]
+        "python", "-m", "rljob_worker.runtime.launch", "-m", "rljob_worker", "--spec", "/etc/rljob/spec.json"]
     accepted = eventually.condition(ns, "alpha", c.ACCEPTED, "True", c.REASON_SPEC_ACCEPTED)
     assert accepted["observedGeneration"] == 1
     status = kube.get(RLJOBS, ns, "alpha")["status"]

@@ -19,7 +19,8 @@ def main() -> int:
     spec_path, workdir, out_path = sys.argv[1:4]
     os.environ.setdefault("RLJOB_METRICS_PORT", "0")
     from rljob_api.validation import parse_spec
-    from rljob_worker import run_loop, trainer
+    from rljob_worker import run_loop
+    from rljob_worker.trainers import grpo as trainer
 
     spec = parse_spec(json.loads(Path(spec_path).read_text()))
     ctx = run_loop.RunContext(job_name="klprobe", namespace="test", workdir=Path(workdir),

@@ -106,7 +106,7 @@ def main() -> None:
 
     hf_dir, out_file = sys.argv[1], sys.argv[2]
     local = "--local-normaliser" in sys.argv
-    from rljob_worker.distributed import init_from_environ
+    from rljob_worker.runtime.distributed import init_from_environ
 
     init_from_environ()
     world = dist.get_world_size()
@@ -127,6 +127,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worker"))
     torch.set_num_threads(1)
     main()
-    from rljob_worker.distributed import destroy_distributed
+    from rljob_worker.runtime.distributed import destroy_distributed
 
     destroy_distributed()

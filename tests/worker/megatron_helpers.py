@@ -659,7 +659,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worker"))
     torch.set_num_threads(1)
     SCENARIOS[sys.argv[1]](sys.argv[2], sys.argv[3])
-    from rljob_worker.distributed import destroy_distributed
+    from rljob_worker.runtime.distributed import destroy_distributed
 
     destroy_distributed()
 

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rljob_worker.batching import pad_batch, scatter_response_values, slice_batch, split_batch, trim_padding
+from rljob_worker.data.batching import (
+    pad_batch,
+    scatter_response_values,
+    slice_batch,
+    split_batch,
+    trim_padding,
+)
 
 PAD = 0
 PROMPTS = [[11, 12], [21, 22, 23], [31]]

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from rljob_api.enums import PromptOverflow
 from rljob_api.models import DataSpec
-from rljob_worker.data import DataError, EpochSampler, build_dataset, load_datasets, read_parquet_rows
+from rljob_worker.data.prompts import DataError, EpochSampler, build_dataset, load_datasets, read_parquet_rows
 from rljob_worker.preprocess import gsm8k as gsm8k_pre
 from rljob_worker.preprocess import synthetic as synthetic_pre
 from rljob_worker.rewards import resolve_reward
@@ -322,7 +322,7 @@ def test_gsm8k_preprocess_rejects_bad_input(tmp_path, capsys):
 
 
 def test_synthetic_preprocess_matches_the_on_the_fly_task(tmp_path):
-    from rljob_worker.synthetic import generate_rows
+    from rljob_worker.data.synthetic import generate_rows
 
     out = tmp_path / "ds.parquet"
     assert synthetic_pre.main(["--task", "digit-sum", "--num-prompts", "12", "--seed", "5", "--output", str(out)]) == 0

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_helpers as H
-from rljob_worker.flops import active_parameters
+from rljob_worker.telemetry.flops import active_parameters
 
 
 def _hf_numel(config) -> int:

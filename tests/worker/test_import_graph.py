@@ -1,4 +1,5 @@
-"""The worker's modules import each other without a cycle (deferred imports inside functions count too).
+"""The worker's modules import each other without a cycle (deferred imports inside functions count too),
+and no module reaches into another wing (a sub-package such as ``checkpoint/``) for a private name.
 
 The graph is read from the source with ``ast``: an edge A -> B for every ``import B`` / ``from B import
 x`` in A that names a worker module (``from pkg import mod`` is an edge to ``pkg.mod`` when ``mod`` is a
@@ -86,3 +87,59 @@ def test_worker_has_no_import_cycle():
     graph = import_graph()
     assert "rljob_worker.megatron.engine" in graph and graph["rljob_worker.megatron.actor"]
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def wing(module: str) -> str:
+    """The wing a worker module belongs to: its sub-package (``rljob_worker.checkpoint``), or the module
+    itself for the few modules at the top of the worker."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def private_imports_across_wings(root: Path = WORKER) -> list[str]:
+    """``importer: from target import _name`` for each private name taken from another wing's module."""
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    found = []
+    for mod, path in sorted(files.items()):
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != root.name or wing(base) == wing(mod):
+                continue
+            found += [f"{mod}: from {base} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_finder_sees_a_private_name_taken_across_wings(tmp_path):
+    pkg = tmp_path / "rljob_worker"
+    for sub in ("a", "b"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "inner.py").write_text("_secret = 1\npublic = 2\n")
+    (pkg / "a" / "same_wing.py").write_text("from .inner import _secret\n")
+    (pkg / "b" / "other.py").write_text("from rljob_worker.a.inner import public, _secret\n")
+    (pkg / "top.py").write_text("from .a.inner import _secret\n")
+    assert private_imports_across_wings(pkg) == [
+        "rljob_worker.b.other: from rljob_worker.a.inner import _secret",
+        "rljob_worker.top: from rljob_worker.a.inner import _secret",
+    ]
+
+
+def test_no_wing_imports_another_wings_private_name():
+    assert private_imports_across_wings() == []
+
+
+def test_the_worker_top_folder_holds_wings_and_few_modules():
+    """The folder plan reads as the architecture: wings (packages) plus the run loop's few companions."""
+    modules = sorted(p.name for p in WORKER.glob("*.py"))
+    wings = sorted(p.name for p in WORKER.iterdir() if (p / "__init__.py").is_file())
+    assert len(modules) <= 8, modules
+    assert {"checkpoint", "trainers", "data", "runtime", "telemetry", "algorithms", "megatron", "rollout",
+            "rewards"} <= set(wings)

@@ -1,5 +1,5 @@
 """`rljob run` owns what it starts: a SIGKILLed run leaves no process behind, and a new run removes the
-half-written files a killed one left. Real processes: rljob run -> rljob_worker.launch (torchrun) ->
+half-written files a killed one left. Real processes: rljob run -> rljob_worker.runtime.launch (torchrun) ->
 the worker and its helpers."""
 from __future__ import annotations
 
@@ -111,8 +111,8 @@ def test_sigterm_through_torchrun_after_a_periodic_save_commits_and_exits_143(tm
         # SIGUSR1 to the worker prints every thread's stack into the log and the run goes on (a stuck job's where)
         argv_of = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()
                    for pid in processes_with_env("RLJOB_WORKDIR", str(root / "work"))}
-        same_argv = [pid for pid, argv in argv_of.items()  # torchrun's agent (rljob_worker.launch) ends the same
-                     if b"-m\0rljob_worker\0--spec" in argv and b"rljob_worker.launch" not in argv]
+        same_argv = [pid for pid, argv in argv_of.items()  # torchrun's agent (rljob_worker.runtime.launch) ends the same
+                     if b"-m\0rljob_worker\0--spec" in argv and b"rljob_worker.runtime.launch" not in argv]
         parent = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in same_argv}
         workers = [pid for pid in same_argv if parent[pid] not in same_argv]  # not its forked checkpoint writers
         assert len(workers) == 1, (same_argv, parent)

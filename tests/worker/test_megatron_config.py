@@ -10,12 +10,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_helpers as H
-from rljob_worker.distributed import DistEnv, dist_env_from_environ
 from rljob_worker.megatron.model_config import (
     check_hf_config,
     megatron_config_from_hf,
     padded_vocab_size,
 )
+from rljob_worker.runtime.distributed import DistEnv, dist_env_from_environ
 
 # --------------------------------------------------------------------------------------------------
 # distributed environment

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 from rljob_api.validation import parse_spec, pool_ranks
-from rljob_worker.distributed import DistEnv
-from rljob_worker.pools import ACTOR, CRITIC, PoolLayout
+from rljob_worker.runtime.distributed import DistEnv
+from rljob_worker.runtime.pools import ACTOR, CRITIC, PoolLayout
 
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_helpers as H
@@ -58,7 +58,7 @@ def test_a_torchrun_world_of_another_shape_is_refused():
 def _member(local_rank: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
-    from rljob_worker.pools import init_pools
+    from rljob_worker.runtime.pools import init_pools
 
     env = DistEnv(nnodes=1, node_rank=0, nproc_per_node=3, local_rank=local_rank, master_port=port)
     pools = init_pools(env, PoolLayout(1, 2, 1), backend="gloo", timeout_s=60)

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+from rljob_worker.data.synthetic import digit_sum_reward, target_token_reward
 from rljob_worker.rewards import BUILTIN_REWARDS, RewardError, resolve_reward, score_all
 from rljob_worker.rewards.math import (
     boxed_math_reward,
@@ -17,7 +18,6 @@ from rljob_worker.rewards.math import (
     gsm8k_reward,
     normalize_answer,
 )
-from rljob_worker.synthetic import digit_sum_reward, target_token_reward
 
 # ---------------------------------------------------------------- gsm8k
 

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from rljob_worker.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer, materialize_builtin
+from rljob_worker.data.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer, materialize_builtin
 from rljob_worker.rollout import SamplingParams
 from rljob_worker.rollout.hf_engine import HFEngine
 from rljob_worker.rollout.sampling import filter_logits, sample_next

@@ -10,7 +10,7 @@ import pytest
 import torch
 from rljob_api.enums import RolloutCompile
 from rljob_api.enums import RolloutEngine as EngineName
-from rljob_worker.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer, materialize_builtin
+from rljob_worker.data.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer, materialize_builtin
 from rljob_worker.rollout import SamplingParams, make_engine
 from rljob_worker.rollout.compile_config import compile_cache_env, compile_enabled
 from rljob_worker.rollout.hf_engine import HFEngine

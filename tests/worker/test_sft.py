@@ -20,8 +20,8 @@ import torch
 import yaml
 from rljob_api.enums import LRSchedule, PromptOverflow, SFTDataFormat
 from rljob_api.validation import RLJobValidationError, parse_rljob
-from rljob_worker.data import DataError
-from rljob_worker.sft_data import (
+from rljob_worker.data.prompts import DataError
+from rljob_worker.data.sft_samples import (
     IGNORE_INDEX,
     SFTExample,
     build_sft_dataset,
@@ -30,7 +30,7 @@ from rljob_worker.sft_data import (
     messages_example,
     prompt_response_example,
 )
-from rljob_worker.sft_trainer import _loss_fn, lr_at, sft_loss
+from rljob_worker.trainers.sft import _loss_fn, lr_at, sft_loss
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24
@@ -64,7 +64,7 @@ def sft_doc(name: str = "sft", **changes) -> dict:
 
 
 def tokenizer():
-    from rljob_worker.builtin_models import build_char_tokenizer
+    from rljob_worker.data.builtin_models import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -240,7 +240,7 @@ def test_llama_sft_example_translates_the_seed_config():
 def actor(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("CPU (gloo) path")
-    from rljob_worker.builtin_models import materialize_builtin
+    from rljob_worker.data.builtin_models import materialize_builtin
     from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
     model_dir = materialize_builtin("tiny-qwen2", tmp_path_factory.mktemp("tiny"), seed=3)

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from rljob_worker.builtin_models import materialize_builtin
+from rljob_worker.data.builtin_models import materialize_builtin
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240  # generous for a loaded 2-core CI box (each case takes ~10 s alone); a hang fails instead
@@ -218,7 +218,7 @@ def test_bad_input_stops_the_worker_with_one_clear_line(outcomes, name):
 
 
 def test_a_start_up_error_through_torchrun_is_one_line_with_exit_2(tmp_path):
-    """`rljob run` -> rljob_worker.launch (torchrun) -> worker: the worker's own line, exit 2, and none of
+    """`rljob run` -> rljob_worker.runtime.launch (torchrun) -> worker: the worker's own line, exit 2, and none of
     torchrun's ChildFailedError traceback (it used to turn every error into exit 1 and ~30 lines)."""
     job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     job["spec"]["reward"]["function"] = "no_such_reward_module:score"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from rljob_worker.token_budget import balanced_dp_order, micro_batch_cost, token_budget_micro_batches
+from rljob_worker.data.token_budget import balanced_dp_order, micro_batch_cost, token_budget_micro_batches
 
 
 def test_hand_computed_grouping():

@@ -237,7 +237,7 @@ def test_the_fake_fails_where_vllm_hangs_at_tp2_on_head_dim_16(fake_vllm, tmp_pa
 
 
 def _builtin_model(tmp_path, name):
-    from rljob_worker.builtin_models import BUILTIN_MODELS
+    from rljob_worker.data.builtin_models import BUILTIN_MODELS
 
     config = BUILTIN_MODELS[name]
     return _model_with(tmp_path, name, **{k: config[k] for k in ("hidden_size", "num_attention_heads")})
@@ -587,7 +587,7 @@ def test_without_apply_model_the_driver_workers_model_is_used(fake_vllm, model_d
 def test_real_vllm_engine_on_a_tiny_qwen2(tmp_path):
     """Start vLLM on a tiny Qwen2 (head_dim 64), sample, sleep, sync new weights, and compare greedy output
     with the HF engine holding the same weights."""
-    from rljob_worker.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer
+    from rljob_worker.data.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer
     from rljob_worker.rollout.hf_engine import HFEngine
     from rljob_worker.rollout.vllm_engine import VLLMEngine
     from transformers import AutoModelForCausalLM, Qwen2Config

@@ -35,8 +35,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     from rljob_api.validation import parse_spec
-    from rljob_worker import run_loop, trainer
+    from rljob_worker import run_loop
     from rljob_worker.__main__ import run_job
+    from rljob_worker.trainers import grpo as trainer
 
     if args.sabotage == "flip-sign":
         real = trainer.algo.grpo_loss

@@ -8,7 +8,7 @@ from rljob_worker.rollout import SamplingParams
 
 
 def tiny_qwen2_config():
-    from rljob_worker.builtin_models import EOS, PAD, VOCAB
+    from rljob_worker.data.builtin_models import EOS, PAD, VOCAB
     from transformers import Qwen2Config
 
     cfg = Qwen2Config(vocab_size=len(VOCAB), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -22,7 +22,7 @@ def tiny_qwen2_config():
 def save_tiny_qwen2(path: Path, seed: int, scale: float = 0.5) -> Path:
     """A random tiny Qwen2 whose 2-D weights are N(0, scale^2): at 0.5 the next-token distributions are sharp,
     so greedy picks survive kernel differences; smaller scales give flatter distributions. Saved in bf16."""
-    from rljob_worker.builtin_models import build_char_tokenizer
+    from rljob_worker.data.builtin_models import build_char_tokenizer
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -37,7 +37,7 @@ def save_tiny_qwen2(path: Path, seed: int, scale: float = 0.5) -> Path:
 
 
 def char_prompts(texts: list[str]) -> list[list[int]]:
-    from rljob_worker.builtin_models import build_char_tokenizer
+    from rljob_worker.data.builtin_models import build_char_tokenizer
 
     tok = build_char_tokenizer()
     return [tok(s, add_special_tokens=False)["input_ids"] for s in texts]
@@ -58,7 +58,7 @@ GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
 
 
 def _ids():
-    from rljob_worker.builtin_models import EOS, PAD, VOCAB
+    from rljob_worker.data.builtin_models import EOS, PAD, VOCAB
 
     return VOCAB.index(EOS), VOCAB.index(PAD)
 

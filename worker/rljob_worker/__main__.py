@@ -21,14 +21,14 @@ def trainer_class(spec):
     """The trainer for ``spec.algorithm.name``: SFT for ``sft``, PPO when ``spec.critic`` is set (advantage
     estimator gae), GRPO for every other policy-gradient variant."""
     if spec.algorithm.name == "sft":
-        from rljob_worker.sft_trainer import SFTTrainer
+        from rljob_worker.trainers.sft import SFTTrainer
 
         return SFTTrainer
     if spec.critic is not None:  # PPO: algorithm.advantageEstimator gae with a value model
-        from rljob_worker.ppo_trainer import PPOTrainer
+        from rljob_worker.trainers.ppo import PPOTrainer
 
         return PPOTrainer
-    from rljob_worker.trainer import GRPOTrainer
+    from rljob_worker.trainers.grpo import GRPOTrainer
 
     return GRPOTrainer
 
@@ -36,18 +36,18 @@ def trainer_class(spec):
 def run_job(spec, ctx) -> int:
     """Run the spec's trainer on the shared loop; returns the process exit code. A split critic
     (spec.critic.placement split): the processes first split into the actor pool, which runs the PPO
-    trainer, and the critic pool, which serves it (:mod:`rljob_worker.pools`)."""
+    trainer, and the critic pool, which serves it (:mod:`rljob_worker.runtime.pools`)."""
     from rljob_api.enums import CriticPlacement
 
     from rljob_worker.run_loop import run
 
     if spec.critic is not None and spec.critic.placement == CriticPlacement.SPLIT:
-        from rljob_worker.distributed import dist_env_from_environ
-        from rljob_worker.pools import PoolLayout, init_pools
+        from rljob_worker.runtime.distributed import dist_env_from_environ
+        from rljob_worker.runtime.pools import PoolLayout, init_pools
 
         pools = init_pools(dist_env_from_environ(os.environ), PoolLayout.from_spec(spec))
         if pools.is_critic:
-            from rljob_worker.critic_pool import CriticPool
+            from rljob_worker.trainers.critic_pool import CriticPool
 
             return CriticPool(spec, pools).run()
         os.environ.update(pools.actor_torchrun_environ())

@@ -1,7 +1,7 @@
 """The run loop every trainer shares: start-up, resume, the step loop with validation, checkpoint
 due-ness, SIGTERM / preemption, progress lines, telemetry, status, final export.
 
-A trainer (:class:`~rljob_worker.trainer.GRPOTrainer`, :class:`~rljob_worker.sft_trainer.SFTTrainer`)
+A trainer (:class:`~rljob_worker.trainers.grpo.GRPOTrainer`, :class:`~rljob_worker.trainers.sft.SFTTrainer`)
 subclasses :class:`RunLoop` and supplies its data and model (:meth:`RunLoop.build_data`,
 :meth:`RunLoop.build_model`), its step (:meth:`RunLoop.train_step`), its validation
 (:meth:`RunLoop.validate_for_log`) and the words of its progress line. Which trainer runs is decided
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from rljob_api.models import RLJobSpec
 
-from rljob_worker.distributed import DistEnv, dist_env_from_environ, init_distributed
+from rljob_worker.runtime.distributed import DistEnv, dist_env_from_environ, init_distributed
 
 log = logging.getLogger("rljob.run")
 
@@ -75,7 +75,7 @@ def stage_peaks_over_ranks(peaks: dict[str, int], device: torch.device) -> dict[
     {} on CPU, where telemetry measures no peaks)."""
     if device.type != "cuda":
         return {}
-    from rljob_worker.telemetry import STAGES
+    from rljob_worker.telemetry.trainer_metrics import STAGES
 
     values = torch.tensor([float(peaks.get(s, 0)) for s in STAGES], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -171,9 +171,9 @@ class RunLoop:
             from rljob_worker.megatron.cpu_compat import apply_cpu_patches
 
             apply_cpu_patches()
-        from rljob_worker.checkpoint_io import CheckpointIO
+        from rljob_worker.checkpoint.run_checkpoints import RunCheckpoints
 
-        self.checkpoints = CheckpointIO(spec, self.ctx, self.env)
+        self.checkpoints = RunCheckpoints(spec, self.ctx, self.env)
         self.checkpoints.check_access()
         self.build_model()
         self.telemetry = self._make_telemetry()
@@ -181,7 +181,7 @@ class RunLoop:
         self._resume()
 
     def _make_telemetry(self):
-        from rljob_worker.telemetry import TrainerTelemetry
+        from rljob_worker.telemetry.trainer_metrics import TrainerTelemetry
 
         telemetry = TrainerTelemetry(job=self.ctx.job_name, namespace=self.ctx.namespace, rank=self.env.rank,
                                      model=self.spec.model.path, algorithm=self.spec.algorithm.name.value,
@@ -323,14 +323,14 @@ class RunLoop:
         if not self.is_main:
             return
         if self._status_reporter is None:
-            from rljob_worker.status_report import StatusReporter
+            from rljob_worker.telemetry.status_report import StatusReporter
 
             self._status_reporter = StatusReporter.from_environ(self.ctx.job_name, self.ctx.namespace)
         health = getattr(self, "health", None)
         self._status_reporter.report(step=self.step, total_steps=self.total_steps,
                                      last_checkpoint=self.checkpoints.last_committed, force=force,
                                      nonfinite_rewards=health.nonfinite_rewards if health else None,
-                                     quarantined=getattr(getattr(self.checkpoints, "manager", None), "quarantined", None),
+                                     quarantined=self.checkpoints.quarantined,
                                      **self.status_values(metrics))
 
 

@@ -7,13 +7,13 @@ class StartupError(ValueError):
 
 
 def is_configuration_error(exc: BaseException) -> bool:
-    from rljob_worker.checkpoint_io import CheckpointContentError
-    from rljob_worker.data import DataError
+    from rljob_worker.checkpoint.run_checkpoints import CheckpointContentError
+    from rljob_worker.checkpoint.store import StorageError
+    from rljob_worker.data.model_source import ModelSourceError
+    from rljob_worker.data.prompts import DataError
     from rljob_worker.megatron.errors import MegatronConfigError
-    from rljob_worker.model_source import ModelSourceError
     from rljob_worker.rewards import RewardError
     from rljob_worker.rollout.every_rank import RolloutLayoutError
-    from rljob_worker.storage import StorageError
 
     return isinstance(exc, (CheckpointContentError, DataError, ModelSourceError, RewardError, StorageError,
                             MegatronConfigError, RolloutLayoutError, StartupError))

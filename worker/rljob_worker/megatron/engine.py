@@ -67,7 +67,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import dist_env_from_environ, init_distributed
+from rljob_worker.runtime.distributed import dist_env_from_environ, init_distributed
+
 from . import hf_weights, moe
 from .context_parallel import sequence_multiple
 from .cpu_compat import apply_cpu_patches

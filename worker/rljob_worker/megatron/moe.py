@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import all_reduce_grads
+from rljob_worker.runtime.distributed import all_reduce_grads
+
 from .errors import MegatronConfigError
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")

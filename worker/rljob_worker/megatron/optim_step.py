@@ -10,7 +10,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..distributed import all_reduce_grads
+from rljob_worker.runtime.distributed import all_reduce_grads
+
 from . import moe
 from .engine_config import OptimConfig, ParallelConfig
 from .model_config import MegatronModelConfig

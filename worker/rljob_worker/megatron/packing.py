@@ -59,9 +59,9 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> Iter
 
 def token_budget_split(batch: Mapping[str, Any], max_tokens: int) -> list[dict[str, Any]]:
     """Micro-batches of ``batch`` whose packed tensors hold at most ``max_tokens`` tokens (rows x
-    longest row; a longer row alone): :func:`rljob_worker.token_budget.token_budget_micro_batches`
+    longest row; a longer row alone): :func:`rljob_worker.data.token_budget.token_budget_micro_batches`
     over the rows' real-token counts. Every row once; longest rows first."""
-    from ..token_budget import token_budget_micro_batches
+    from rljob_worker.data.token_budget import token_budget_micro_batches
 
     b = batch["input_ids"].shape[0]
     lengths = batch["attention_mask"].sum(-1).tolist()

@@ -1,4 +1,4 @@
-"""Write a synthetic task (rljob_worker.synthetic) as verl-format parquet.
+"""Write a synthetic task (rljob_worker.data.synthetic) as verl-format parquet.
 
     python -m rljob_worker.preprocess.synthetic --task digit-sum --num-prompts 256 --seed 0 --output ds.parquet
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rljob_worker.data.synthetic import generate_rows
 from rljob_worker.preprocess import write_parquet
-from rljob_worker.synthetic import generate_rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from rljob_worker.data.synthetic import digit_sum_reward, target_token_reward
 from rljob_worker.rewards.math import boxed_math_reward, format_reward, gsm8k_reward
-from rljob_worker.synthetic import digit_sum_reward, target_token_reward
 
 RewardFn = Callable[[str, str, str, dict], float]
 

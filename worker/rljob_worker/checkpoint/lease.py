@@ -26,8 +26,8 @@ import time
 import uuid
 from typing import Any
 
-from rljob_worker.checkpointing import CheckpointError
-from rljob_worker.storage import ObjectNotFoundError, ObjectStore, StorageError
+from rljob_worker.checkpoint.commit import CheckpointError
+from rljob_worker.checkpoint.store import ObjectNotFoundError, ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
 

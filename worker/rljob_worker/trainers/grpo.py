@@ -50,7 +50,7 @@ from rljob_api.enums import RolloutEngine as RolloutEngineName
 from rljob_api.validation import actor_gpus_per_node
 
 from rljob_worker import algorithms as algo
-from rljob_worker.batching import (
+from rljob_worker.data.batching import (
     pad_batch,
     scatter_response_values,
     slice_batch,
@@ -58,9 +58,8 @@ from rljob_worker.batching import (
     take_rows,
     trim_padding,
 )
-from rljob_worker.data import EpochSampler, load_datasets
-from rljob_worker.distributed import all_gather_rows, broadcast_object
-from rljob_worker.flops import active_parameters
+from rljob_worker.data.prompts import EpochSampler, load_datasets
+from rljob_worker.data.token_budget import balanced_dp_order
 from rljob_worker.rewards import resolve_reward, score_all
 from rljob_worker.rollout import RolloutOutput, SamplingParams
 from rljob_worker.rollout.every_rank import (
@@ -72,7 +71,8 @@ from rljob_worker.rollout.factory import make_engine, resolve_engine_name
 from rljob_worker.rollout.weight_sync import plan_rollout_layout
 from rljob_worker.run_health import sanitize_rewards
 from rljob_worker.run_loop import RunLoop
-from rljob_worker.token_budget import balanced_dp_order
+from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
+from rljob_worker.telemetry.flops import active_parameters
 
 log = logging.getLogger("rljob.trainer")
 
@@ -89,14 +89,14 @@ class GRPOTrainer(RunLoop):
         spec, env = self.spec, self.env
         self.reward_fn = resolve_reward(spec.reward.function)
         self.reward_pool = _reward_pool(spec.reward.num_workers) if self.is_main else None
-        from rljob_worker.model_source import resolve_model_dir
+        from rljob_worker.data.model_source import resolve_model_dir
 
         self.model_dir = resolve_model_dir(spec, self.ctx.workdir, local_rank=env.local_rank)
         from transformers import AutoTokenizer
 
         tokenizer_dir = self.model_dir
         if spec.model.tokenizer_path:
-            from rljob_worker.model_source import resolve_tokenizer_dir
+            from rljob_worker.data.model_source import resolve_tokenizer_dir
 
             tokenizer_dir = resolve_tokenizer_dir(spec, self.ctx.workdir, local_rank=env.local_rank)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=spec.model.trust_remote_code)
@@ -198,7 +198,7 @@ class GRPOTrainer(RunLoop):
                 "card_bytes": torch.cuda.get_device_properties(self.device).total_memory}
 
     def _fetcher(self):
-        from rljob_worker.model_source import fetch_file
+        from rljob_worker.data.model_source import fetch_file
 
         return lambda uri: fetch_file(uri, self.spec, self.ctx.workdir / "data")
 
@@ -569,7 +569,7 @@ def _reward_pool(num_workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from rljob_worker.process_guard import ignore_stop_signals
+    from rljob_worker.runtime.process_guard import ignore_stop_signals
 
     # The workers ignore the SIGTERM torchrun sends the trainer's process group: the step that is
     # finishing before the preemption save still needs its rewards.

@@ -1,5 +1,8 @@
 """The checkpoint commit protocol on object storage: atomic steps, retention, resume.
 
+This layer knows folders and objects, not models: the run's face (``run_checkpoints.RunCheckpoints``)
+writes a step folder and hands it here to be committed.
+
 Layout under ``<checkpoint.uri>/<base_prefix>/`` (the trainer uses ``<namespace>/<rljob>``)::
 
     step_000030/<files of the local checkpoint folder, hidden ones such as .metadata included>
@@ -20,8 +23,9 @@ Rules every reader and writer here follows:
    folders older than the newest committed step are leftovers of crashed saves and are cleaned too;
    newer ones may be uploads in flight and are left alone.
 
-Saving overlaps training: :meth:`CheckpointManager.save` returns a :class:`SaveHandle` at once and
-uploads in a background thread, one save at a time. A new ``save`` or :meth:`~CheckpointManager.wait`
+Committing overlaps training: :meth:`CheckpointManager.commit_folder` returns a :class:`SaveHandle` at once and
+uploads in a background thread, one commit at a time. A new ``commit_folder`` or
+:meth:`~CheckpointManager.wait_for_commit`
 first waits for the previous upload and re-raises its error (errors are never swallowed). The caller
 must not change or delete ``local_dir`` until the handle is done (``remove_local=True`` deletes it
 after a successful commit).
@@ -30,7 +34,7 @@ Multi-rank use:
 
 - Shared local folder (one node, or a shared filesystem): every rank writes its shards into the
   same ``local_dir`` (megatron's distributed checkpoint does this), then after a barrier rank 0 calls
-  ``save(local_dir, step, ...)``. Other ranks do nothing.
+  ``commit_folder(local_dir, step, ...)``. Other ranks do nothing.
 - Per-node folders (several nodes): every rank (or one rank per node) calls
   ``upload_rank_files(local_dir, step, rank)`` (after rank 0 has called ``prepare_step(step)`` and a
   barrier), which uploads its files and a small manifest with
@@ -54,7 +58,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .storage import FileEntry, ObjectNotFoundError, ObjectStore, StorageError
+from rljob_worker.checkpoint.store import FileEntry, ObjectNotFoundError, ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +318,7 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def save(
+    def commit_folder(
         self,
         local_dir: str | Path,
         step: int,
@@ -331,7 +335,7 @@ class CheckpointManager:
         With ``blocking=True`` the save's own error is raised here.
         """
         local_dir = Path(local_dir)
-        self.wait()
+        self.wait_for_commit()
         _check_local_dir(local_dir)
         handle = SaveHandle(step, self.step_uri(step))
         metrics = dict(metrics or {})
@@ -350,12 +354,12 @@ class CheckpointManager:
             self._pending = handle
         if blocking:
             run()
-            self.wait()
+            self.wait_for_commit()
         else:
             threading.Thread(target=run, name=f"rljob-ckpt-save-{step}", daemon=False).start()
         return handle
 
-    def wait(self) -> CheckpointRef | None:
+    def wait_for_commit(self) -> CheckpointRef | None:
         """Wait for the save in flight; re-raise its error once. Returns its ref (None if none)."""
         with self._lock:
             handle = self._pending
@@ -370,7 +374,7 @@ class CheckpointManager:
     def prepare_step(self, step: int) -> None:
         """Remove an existing folder of this step (a crashed or overwritten save), COMMIT first.
 
-        ``save`` does this itself; with ``upload_rank_files`` rank 0 calls it before the barrier
+        ``commit_folder`` does this itself; with ``upload_rank_files`` rank 0 calls it before the barrier
         that precedes the uploads, so stale manifests of an earlier attempt are not merged."""
         key = self.step_key(step)
         existing = self.store.list_prefix(key + "/")

@@ -7,7 +7,7 @@ a small guard process, in a session of its own, holds the read end of a pipe who
 `rljob run` holds. However `rljob run` ends (exit, signal, SIGKILL), the pipe closes, and the guard
 kills every process still carrying the id. Linux only (/proc); elsewhere the guard does nothing.
 
-    python -m rljob_worker.process_guard RUN_ID      (started by `rljob run`; reads stdin until EOF)
+    python -m rljob_worker.runtime.process_guard RUN_ID      (started by `rljob run`; reads stdin until EOF)
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def start_guard(run_id: str) -> subprocess.Popen | None:
     if not Path("/proc/self/environ").exists():
         return None
     env = {k: v for k, v in os.environ.items() if k != RUN_ID_VAR}
-    return subprocess.Popen([sys.executable, "-m", "rljob_worker.process_guard", run_id], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "rljob_worker.runtime.process_guard", run_id], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
                             close_fds=True)
 

@@ -1,6 +1,6 @@
 """PPO with a megatron-core critic: rollout -> reward -> values -> GAE -> critic update -> actor update.
 
-The GRPO trainer (:mod:`rljob_worker.trainer`) with a value model (``spec.critic``,
+The GRPO trainer (:mod:`rljob_worker.trainers.grpo`) with a value model (``spec.critic``,
 ``algorithm.advantageEstimator: gae``). One step, on every rank (batch tensors (n, T), n = this
 data-parallel rank's responses, T = prompt + response columns)::
 
@@ -16,9 +16,9 @@ data-parallel rank's responses, T = prompt + response columns)::
 Placement: ``shared`` runs both models on every rank, taking turns (with offload flags set, the idle
 model's memory goes to CPU while the other runs); the worker builds the critic with the actor's parallel
 layout (megatron's parallel state is one per process). ``split`` runs the critic on its own ranks
-(critic.gpus of every node, :mod:`rljob_worker.pools`), each pool its own torch.distributed world, so
+(critic.gpus of every node, :mod:`rljob_worker.runtime.pools`), each pool its own torch.distributed world, so
 the critic's megatron sizes may differ from the actor's. The actor pool runs the step above; the critic
-pool (:mod:`rljob_worker.critic_pool`) computes the values while the actor computes its log-probs, and
+pool (:mod:`rljob_worker.trainers.critic_pool`) computes the values while the actor computes its log-probs, and
 its update runs at the same time as the actor update and weight sync; GAE, token rewards and whitening
 stay on the actor side, so the trajectory is the shared one's. The critic's metrics of a step reach
 the actor leader at the end of that step. Validation refuses the critic's offload flags there (its GPUs
@@ -37,19 +37,19 @@ from rljob_api.worker_support import critic_layout_errors
 
 from rljob_worker import algorithms as algo
 from rljob_worker.algorithms import gae
-from rljob_worker.batching import slice_batch, split_batch, trim_padding
-from rljob_worker.critic_step import update_critic
-from rljob_worker.distributed import all_gather_rows, broadcast_object
+from rljob_worker.data.batching import slice_batch, split_batch, trim_padding
 from rljob_worker.megatron.errors import MegatronConfigError
 from rljob_worker.run_loop import Preempted
-from rljob_worker.trainer import GRPOTrainer, _mean_dicts
+from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
+from rljob_worker.trainers.critic_step import update_critic
+from rljob_worker.trainers.grpo import GRPOTrainer, _mean_dicts
 
 log = logging.getLogger("rljob.ppo")
 
 
 class PPOTrainer(GRPOTrainer):
     """GRPO's trainer plus a critic; see the module docstring. ``pools``: split placement's process groups
-    (:func:`rljob_worker.pools.init_pools`), set up before; this trainer is then the actor pool's."""
+    (:func:`rljob_worker.runtime.pools.init_pools`), set up before; this trainer is then the actor pool's."""
 
     progress_name = "ppo"
 
@@ -64,17 +64,17 @@ class PPOTrainer(GRPOTrainer):
         problems = critic_layout_errors(spec)
         if problems:
             raise MegatronConfigError("; ".join(problems))
-        from rljob_worker.critic_step import build_critic
+        from rljob_worker.trainers.critic_step import build_critic
 
         c = spec.critic
         critic_dir = self.model_dir
         if c.model.path and c.model.path != spec.model.path:
-            from rljob_worker.model_source import resolve_model_dir
+            from rljob_worker.data.model_source import resolve_model_dir
 
             critic_dir = resolve_model_dir(spec.model_copy(update={"model": spec.model.model_copy(
                 update={"path": c.model.path})}), self.ctx.workdir / "critic-model", local_rank=self.env.local_rank)
         if self.split:  # the critic pool builds its critic while this pool builds the actor
-            from rljob_worker.critic_pool import CriticPoolClient
+            from rljob_worker.trainers.critic_pool import CriticPoolClient
 
             self.critic = CriticPoolClient(self.pools)
             self.critic.request_build(critic_dir)

@@ -3,7 +3,7 @@
 They exist so that the quickstart, CI and smoke tests train a real Qwen2-architecture
 model through the whole stack without downloading anything. The tokenizer is
 character-level over a 16-symbol vocabulary (digits, '+', '=', ' ', '#', specials),
-which the synthetic tasks in `rljob_worker.synthetic` are written in.
+which the synthetic tasks in `rljob_worker.data.synthetic` are written in.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rljob_worker.distributed import DistEnv
+from rljob_worker.runtime.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
                timeout_s: float = CROSS_POOL_TIMEOUT_S) -> Pools:
     """Default process group = this process's pool (over a PrefixStore per pool), plus the cross-pool gloo
     group over all ``layout.world_size`` ranks. On GPU the CUDA device is the torchrun local rank."""
-    from rljob_worker.distributed import DEFAULT_TIMEOUT_S, default_backend
+    from rljob_worker.runtime.distributed import DEFAULT_TIMEOUT_S, default_backend
 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised: the pools must be set up first")

@@ -51,7 +51,7 @@ def pod_environment(job: RLJob, node_rank: int, master_port: int, *, master_addr
 
 def pod_command(spec_path: Path) -> list[str]:
     """The container command the operator puts in the PyTorchJob (torchrun reads the PET_* variables)."""
-    return [sys.executable, "-m", "rljob_worker.launch", "-m", "rljob_worker", "--spec", str(spec_path)]
+    return [sys.executable, "-m", "rljob_worker.runtime.launch", "-m", "rljob_worker", "--spec", str(spec_path)]
 
 
 def write_spec(job: RLJob, directory: Path) -> Path:
@@ -122,7 +122,7 @@ def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
     Checks the workdir first, so a refusal deletes nothing at all."""
     import shutil
 
-    from rljob_worker.storage import open_store
+    from rljob_worker.checkpoint.store import open_store
 
     targets = fresh_targets(job, root)
     store = open_store(checkpoint_uri, endpoint_url=job.spec.s3.endpoint, region=job.spec.s3.region)
@@ -147,7 +147,7 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
         if not torch.cuda.is_available():
             print("note: spec.device is gpu but no GPU is visible; running on CPU with gloo", file=sys.stderr)
     root = Path(workdir or Path("runs") / job.metadata.name).resolve()
-    from rljob_worker.storage import StorageError, parse_uri
+    from rljob_worker.checkpoint.store import StorageError, parse_uri
 
     if checkpoint_uri is not None:
         try:
@@ -174,7 +174,7 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
           f"metrics on :{spec.metrics.port}; checkpoints under {ckpt.rstrip('/')}/{job.metadata.namespace}/"
           f"{job.metadata.name}/", flush=True)
     started = time.monotonic()
-    from rljob_worker.process_guard import RUN_ID_VAR, kill_run, start_guard
+    from rljob_worker.runtime.process_guard import RUN_ID_VAR, kill_run, start_guard
 
     run_id = uuid.uuid4().hex
     extra[RUN_ID_VAR] = run_id  # every process of the run inherits it; the guard ends them all

@@ -10,7 +10,7 @@ layer are counted (once when tied), as ``sum(p.numel())`` of the model would.
 
 from __future__ import annotations
 
-from .megatron.moe import is_moe, moe_layer_pattern
+from rljob_worker.megatron.moe import is_moe, moe_layer_pattern
 
 
 def active_parameters(hf_config) -> int:

@@ -29,7 +29,7 @@ import torch
 from rljob_api.enums import PromptOverflow, SFTDataFormat
 from rljob_api.models import RLJobSpec
 
-from rljob_worker.data import DataError, read_parquet_rows, render_prompt
+from rljob_worker.data.prompts import DataError, read_parquet_rows, render_prompt
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def build_sft_dataset(rows: list[dict], spec: RLJobSpec, tokenizer, source: str)
 
 def synthetic_sft_rows(task: str, num: int, seed: int, response_length: int) -> list[dict]:
     """The synthetic task's rows with a `response` column earning the full reward (see the module doc)."""
-    from rljob_worker.synthetic import TARGET_CHAR, generate_rows
+    from rljob_worker.data.synthetic import TARGET_CHAR, generate_rows
 
     def response(row: dict) -> str:
         return TARGET_CHAR * response_length if task == "target-token" else row["reward_model"]["ground_truth"]

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from rljob_api.enums import LRSchedule
 
-from rljob_worker.data import EpochSampler
-from rljob_worker.flops import active_parameters
+from rljob_worker.data.prompts import EpochSampler
+from rljob_worker.data.sft_samples import IGNORE_INDEX, collate, load_sft_datasets
 from rljob_worker.run_loop import RunLoop
-from rljob_worker.sft_data import IGNORE_INDEX, collate, load_sft_datasets
+from rljob_worker.telemetry.flops import active_parameters
 
 log = logging.getLogger("rljob.sft")
 
@@ -87,7 +87,7 @@ class SFTTrainer(RunLoop):
         # Configuration first: model folder, tokenizer, data.
         from transformers import AutoTokenizer
 
-        from rljob_worker.model_source import fetch_file, resolve_model_dir, resolve_tokenizer_dir
+        from rljob_worker.data.model_source import fetch_file, resolve_model_dir, resolve_tokenizer_dir
 
         self.model_dir = resolve_model_dir(spec, self.ctx.workdir, local_rank=env.local_rank)
         tokenizer_dir = (resolve_tokenizer_dir(spec, self.ctx.workdir, local_rank=env.local_rank)

@@ -1,5 +1,5 @@
 """The critic's part of a PPO step, wherever the critic runs (shared placement: the trainer's ranks; split:
-the critic pool, :mod:`rljob_worker.critic_pool`): build it from spec.critic, and update it over the step's
+the critic pool, :mod:`rljob_worker.trainers.critic_pool`): build it from spec.critic, and update it over the step's
 mini-batches with the clipped value loss."""
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rljob_api.models import RLJobSpec
 
-from rljob_worker.distributed import barrier
+from rljob_worker.runtime.distributed import barrier
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ def resolve_model_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Pa
     """A local folder with config.json, tokenizer and safetensors. Collective when distributed."""
     path = spec.model.path
     if path.startswith("builtin://"):
-        from rljob_worker.builtin_models import BUILTIN_MODELS, materialize_builtin
+        from rljob_worker.data.builtin_models import BUILTIN_MODELS, materialize_builtin
 
         name = path[len("builtin://"):]
         if name not in BUILTIN_MODELS:
@@ -32,7 +32,7 @@ def resolve_model_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -> Pa
         barrier()
         return target
     if path.startswith("s3://"):
-        from rljob_worker.storage import open_store
+        from rljob_worker.checkpoint.store import open_store
 
         target = Path(workdir) / "models" / hashlib.sha256(path.encode()).hexdigest()[:16]
         if local_rank == 0 and not (target / ".complete").exists():
@@ -92,7 +92,7 @@ def resolve_tokenizer_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -
     """spec.model.tokenizerPath as a local folder (same sources as the model, no weights needed)."""
     path = spec.model.tokenizer_path
     if path.startswith("s3://"):
-        from rljob_worker.storage import open_store
+        from rljob_worker.checkpoint.store import open_store
 
         target = Path(workdir) / "tokenizers" / hashlib.sha256(path.encode()).hexdigest()[:16]
         if local_rank == 0 and not (target / ".complete").exists():
@@ -108,7 +108,7 @@ def resolve_tokenizer_dir(spec: RLJobSpec, workdir: Path, local_rank: int = 0) -
 
 def fetch_file(uri: str, spec: RLJobSpec, dest_dir: Path) -> str:
     """Download one s3:// object (a parquet file) to dest_dir and return the local path."""
-    from rljob_worker.storage import open_store, parse_uri
+    from rljob_worker.checkpoint.store import open_store, parse_uri
 
     parsed = parse_uri(uri)
     store = open_store(f"s3://{parsed.bucket}", endpoint_url=spec.s3.endpoint, region=spec.s3.region)

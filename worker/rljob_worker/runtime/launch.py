@@ -1,6 +1,6 @@
 """The pod's entry point: torchrun with the worker's own exit code and without torchrun's error wrapper.
 
-    python -m rljob_worker.launch [torchrun options] -m rljob_worker --spec /etc/rljob/spec.json
+    python -m rljob_worker.runtime.launch [torchrun options] -m rljob_worker --spec /etc/rljob/spec.json
 
 Plain `torchrun` turns any worker failure into exit 1 plus a ~30-line `ChildFailedError`
 traceback and "Root Cause" box. The worker has already said what went wrong in one line (a

@@ -140,7 +140,7 @@ def load_datasets(spec: DataSpec, tokenizer, seed: int, fetch=None,
     """(train, val) datasets from parquet files or the synthetic task. With `reward` (spec.reward.function),
     files must carry the ground truth a built-in reward scores against."""
     if spec.synthetic is not None:
-        from rljob_worker.synthetic import generate_rows
+        from rljob_worker.data.synthetic import generate_rows
 
         train_rows = generate_rows(spec.synthetic.task, spec.synthetic.num_prompts, seed)
         val_rows = generate_rows(spec.synthetic.task, spec.synthetic.num_val_prompts, seed + 10_000)

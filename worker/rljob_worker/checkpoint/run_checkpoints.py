@@ -1,8 +1,8 @@
-"""The trainer's side of checkpointing: megatron state + trainer state <-> the commit protocol.
+"""The run loop's one face to checkpoints: save, wait, poll, resume and export of a run's models.
 
 A step is saved as megatron distributed-checkpoint files (model, optimizer, RNG; any TP/PP
 layout can load them) plus `trainer_state.json` (step, sampler position, metric history),
-written to a node-local folder and then committed to storage by `CheckpointManager`
+written to a node-local folder and then committed to storage by `commit.CheckpointManager`
 (upload in the background on one node; per-node uploads and a rank-0 commit on several).
 """
 from __future__ import annotations
@@ -14,15 +14,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rljob_worker.checkpointing import (
+from rljob_worker.checkpoint.commit import (
     CheckpointError,
     CheckpointManager,
     restore_for_resume,
     spec_hash,
     step_dirname,
 )
-from rljob_worker.distributed import barrier, broadcast_object
-from rljob_worker.storage import LocalStore, StorageError, open_store, remove_temp_files
+from rljob_worker.checkpoint.lease import CheckpointLease
+from rljob_worker.checkpoint.store import LocalStore, StorageError, open_store, remove_temp_files
+from rljob_worker.runtime.distributed import barrier, broadcast_object
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def shield_checkpoint_writer() -> None:
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
-    from rljob_worker.process_guard import ignore_stop_signals
+    from rljob_worker.runtime.process_guard import ignore_stop_signals
 
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=ignore_stop_signals)
@@ -94,7 +95,7 @@ def shield_checkpoint_writer() -> None:
     _writer_managers.append(manager)
 
 
-class CheckpointIO:
+class RunCheckpoints:
     def __init__(self, spec, ctx, env):
         self.spec, self.env = spec, env
         self.uri = ctx.checkpoint_uri or spec.checkpoint.uri
@@ -111,6 +112,11 @@ class CheckpointIO:
         self._pending = None  # SaveHandle of the upload in flight (rank 0, one node)
         self._fresh = False  # a commit nobody has polled yet
         self.lease = None  # rank 0: the CheckpointLease on the job prefix
+
+    @property
+    def quarantined(self) -> list[dict[str, Any]]:
+        """Steps set aside as corrupt during resume (rank 0), newest last."""
+        return self.manager.quarantined
 
     def check_access(self) -> None:
         """Fail at start-up, not at the first save, when storage is unreachable or credentials are wrong."""
@@ -138,7 +144,7 @@ class CheckpointIO:
             (local / TRAINER_STATE).write_text(json.dumps(trainer_state))
         if not self.multi_node:
             if self.env.rank == 0:
-                handle = self.manager.save(local, step, metrics, self.spec_hash, remove_local=True,
+                handle = self.manager.commit_folder(local, step, metrics, self.spec_hash, remove_local=True,
                                            spec_fields=self.spec_fields)
                 self._pending = handle
                 log.info("checkpoint step %d: uploading to %s in the background", step, handle.uri)
@@ -180,7 +186,7 @@ class CheckpointIO:
 
     def wait(self):
         if self.env.rank == 0 and self._pending is not None:
-            self.manager.wait()
+            self.manager.wait_for_commit()
             self._collect()  # leaves the commit for the trainer's next poll()
         barrier()
         return self.last_ref
@@ -204,8 +210,6 @@ class CheckpointIO:
         if self.env.rank == 0:  # chooses, verifies (falling back past corrupt steps) and downloads
             shutil.rmtree(local, ignore_errors=True)
             try:
-                from rljob_worker.checkpoint_lease import CheckpointLease
-
                 # One writer per prefix, taken after the configuration checks and before resume
                 # moves or quarantines anything.
                 self.lease = CheckpointLease(self.store, self.manager.base_prefix)

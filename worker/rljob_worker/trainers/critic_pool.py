@@ -1,5 +1,5 @@
 """Split placement, the critic's side: a serve loop on the critic pool's ranks, driven by commands from
-the actor leader over the cross-pool group (:mod:`rljob_worker.pools`), and the actor side's handle on it.
+the actor leader over the cross-pool group (:mod:`rljob_worker.runtime.pools`), and the actor side's handle on it.
 
 The protocol (every rank of the job takes part in each cross-pool broadcast, in this order)::
 
@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from rljob_worker.batching import slice_batch, split_batch, trim_padding
-from rljob_worker.critic_step import build_critic, update_critic
-from rljob_worker.distributed import all_gather_rows
-from rljob_worker.pools import Pools
+from rljob_worker.data.batching import slice_batch, split_batch, trim_padding
+from rljob_worker.runtime.distributed import all_gather_rows
+from rljob_worker.runtime.pools import Pools
+from rljob_worker.trainers.critic_step import build_critic, update_critic
 
 log = logging.getLogger("rljob.critic_pool")
 
@@ -203,7 +203,7 @@ class CriticPool:
         self._reply({"metrics": metrics})
 
     def _save(self, command: dict[str, Any]) -> None:
-        from rljob_worker.checkpoint_io import shield_checkpoint_writer
+        from rljob_worker.checkpoint.run_checkpoints import shield_checkpoint_writer
 
         def save():
             shield_checkpoint_writer()
