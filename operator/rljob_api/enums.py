@@ -21,6 +21,11 @@ class SFTDataFormat(StrEnum):
     MESSAGES = "messages"  # chat message lists (multi-turn), loss on assistant turns
 
 
+class ToolCallFormat(StrEnum):
+    HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen2.5, Qwen3)
+    BARE = "bare"  # <tool_call>TEXT</tool_call>, TEXT the input of the job's only tool (tiny models)
+
+
 class LRSchedule(StrEnum):
     CONSTANT = "constant"  # linear warm-up, then the peak lr
     COSINE = "cosine"  # linear warm-up, then cosine decay to lr x minLrRatio at the last step

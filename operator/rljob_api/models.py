@@ -33,6 +33,7 @@ from rljob_api.enums import (
     RolloutEngine,
     RolloutRanks,
     SFTDataFormat,
+    ToolCallFormat,
 )
 
 GROUP = "rljob.dev"
@@ -52,6 +53,8 @@ MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
 SHM_SIZE_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti)?$"
+TOOL_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+TOOL_FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 def _quantity(value: Any) -> Any:
@@ -305,6 +308,19 @@ class SFTSpec(ApiModel):
 # --------------------------------------------------------------------------- rollout
 
 
+class AgentSpec(ApiModel):
+    max_turns: int = _f(4, "Model turns per trajectory at most; a turn that calls a tool at the last turn ends the "
+                        "trajectory without running the call.", ge=1, le=64)
+    max_tool_calls_per_turn: int = _f(
+        1, "Tool calls run per turn; further calls of the turn are answered with an error observation.", ge=1, le=16)
+    tool_call_format: ToolCallFormat = _f(
+        ToolCallFormat.HERMES,
+        "How the model writes a call: hermes, <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes, "
+        "Qwen2.5, Qwen3), or bare, <tool_call>TEXT</tool_call> with TEXT the input of the job's only tool "
+        "(models too small to write JSON). </tool_call> must be one token of the tokenizer: the engines stop a turn "
+        "on it.")
+
+
 class RolloutSpec(ApiModel):
     engine: RolloutEngine = _f(
         RolloutEngine.AUTO, "Rollout engine: vllm (vLLM 0.26, colocated, sleeps while the actor trains), hf (transformers; on a GPU a "
@@ -351,6 +367,10 @@ class RolloutSpec(ApiModel):
     )
     val_temperature: float = _f(0.0, "Sampling temperature for validation (0 = greedy). (verl: rollout.val_kwargs.temperature)", ge=0, le=10)
     val_n: int = _f(1, "Samples per validation prompt. (verl: rollout.val_kwargs.n)", ge=1, le=64)
+    agent: AgentSpec | None = _f(
+        None, "Multi-turn rollouts with spec.tools: the model calls tools and reads their output over several turns; "
+        "data.maxResponseLength bounds all turns and tool outputs together, and a trajectory that reaches it is cut "
+        "there and scored as it stands (the reward sees extra['trajectory']['cut']). Tool outputs carry no loss.")
 
 
 # --------------------------------------------------------------------------- training and megatron
@@ -483,6 +503,22 @@ class CriticSpec(ApiModel):
 # --------------------------------------------------------------------------- reward, checkpoint, storage, metrics
 
 
+class ToolSpec(ApiModel):
+    name: str = _f(description="The name the model calls the tool by.", pattern=TOOL_NAME_PATTERN, max_length=64)
+    function: str | None = _f(
+        None, "module.path:function importable in the worker image, called as f(arguments: dict, context: dict) -> "
+        "str or JSON-serialisable, context holding the trajectory's prompt, ground_truth and extra; runs in the "
+        "worker process (trusted code, like rewards). Exactly one of function and builtin.",
+        pattern=TOOL_FUNCTION_PATTERN, max_length=256)
+    builtin: Literal["python"] | None = _f(
+        None, "python: runs the model's code ({\"code\": ...}) in a fresh subprocess with CPU, memory, wall-clock and "
+        "output limits, a clean environment and an empty working directory (see the README's tools section).")
+    timeout_seconds: float = _f(10.0, "Wall-clock limit of one call (and the python tool's CPU seconds); past it the "
+                                "model gets a timeout observation.", gt=0, le=600)
+    max_output_tokens: int = _f(256, "Tokens of a call's output the model sees; longer output is cut.", ge=1, le=65536)
+    memory_mb: int = _f(1024, "Address-space limit of a python tool call in MiB.", ge=64, le=65536)
+
+
 class RewardSpec(ApiModel):
     function: str = _f(
         "gsm8k",
@@ -609,6 +645,8 @@ class RLJobSpec(ApiModel):
         "(verl: critic.*)",
     )
     reward: RewardSpec = _f(default_factory=RewardSpec, description="Reward function.")
+    tools: list[ToolSpec] = _f(default_factory=list, description="Tools the model may call in multi-turn rollouts "
+                               "(rollout.agent).", max_length=32)
     checkpoint: CheckpointSpec = _f(default_factory=CheckpointSpec, description="Checkpointing and resume.")
     s3: S3Spec = _f(default_factory=S3Spec, description="Object storage connection for s3:// URIs.")
     metrics: MetricsSpec = _f(default_factory=MetricsSpec, description="Prometheus metrics.")

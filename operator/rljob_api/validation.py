@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import ValidationError
 
-from rljob_api.enums import AdvantageEstimator, AlgorithmName, CriticPlacement, ResumeMode, SFTDataFormat
+from rljob_api.enums import AdvantageEstimator, AlgorithmName, CriticPlacement, ResumeMode, SFTDataFormat, ToolCallFormat
 from rljob_api.models import (
     API_VERSION,
     KIND,
@@ -335,6 +335,7 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             "set lossAggregation: seq-mean-token-mean (or importanceLevel: token)"))
     if not sft and r.val_n > 1 and r.val_temperature == 0:
         errs.append(FieldError("spec.rollout.valN", "valN > 1 with valTemperature 0 repeats the same greedy answer; raise valTemperature"))
+    errs.extend(tool_errors(spec))
     pt = spec.pod_template
     errs.extend(FieldError(path, message) for path, message in
                 pod_template_errors(pt.volumes, pt.volume_mounts, on_gpu=spec.device == "gpu"))
@@ -342,6 +343,33 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError(
             "spec.s3.credentialsSecretRef",
             "an S3-compatible endpoint is set but no credentials; name a Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"))
+    return errs
+
+
+def tool_errors(spec: RLJobSpec) -> list[FieldError]:
+    """spec.rollout.agent and spec.tools: each needs the other, one source per tool, unique names."""
+    errs: list[FieldError] = []
+    agent, tools = spec.rollout.agent, spec.tools
+    if agent is not None and spec.algorithm.name == AlgorithmName.SFT:
+        errs.append(FieldError("spec.rollout.agent", "SFT has no rollout; remove rollout.agent and spec.tools"))
+        return errs
+    if agent is not None and not tools:
+        errs.append(FieldError("spec.tools", "rollout.agent is set but there are no tools; add at least one "
+                               "(function: module.path:function or builtin: python)"))
+    if tools and agent is None:
+        errs.append(FieldError("spec.rollout.agent", "spec.tools are only called in multi-turn rollouts; add "
+                               "rollout.agent (e.g. `agent: {maxTurns: 4}`) or remove spec.tools"))
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if (tool.function is None) == (tool.builtin is None):
+            errs.append(FieldError(f"spec.tools[{i}]", "set exactly one of function (module.path:function) and "
+                                   "builtin (python)"))
+        if tool.name in seen:
+            errs.append(FieldError(f"spec.tools[{i}].name", f"{tool.name!r} is used by an earlier tool; names must be unique"))
+        seen.add(tool.name)
+    if agent is not None and agent.tool_call_format == ToolCallFormat.BARE and len(tools) > 1:
+        errs.append(FieldError("spec.rollout.agent.toolCallFormat", f"bare passes the call's text to the job's only "
+                               f"tool, and spec.tools has {len(tools)}; use hermes"))
     return errs
 
 

@@ -3,7 +3,10 @@
 A training batch is a dict of tensors, all (N, T) with T = P + R:
     input_ids       prompt left-padded to P, then the response right-padded to R
     attention_mask  1 on real tokens (prompt and response), 0 on padding
-    response_mask   1 on response tokens (the ones the loss sees), 0 elsewhere
+    response_mask   1 on response tokens the loss sees, 0 elsewhere: padding, the prompt, and in multi-turn
+                    rollouts the tool responses and template tokens the model did not sample (their
+                    loss_mask is 0), which are in the context (attention_mask 1) but carry no loss,
+                    advantage, KL or entropy and count in no normaliser
 Per-token quantities (logprobs, advantages) use the same (N, T) layout, aligned with
 input_ids: column t holds the value for token t.
 """
@@ -12,8 +15,10 @@ from __future__ import annotations
 import torch
 
 
-def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Build input_ids / attention_mask / response_mask (N, P + R) from token lists (N each)."""
+def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+              loss_masks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
+    """Build input_ids / attention_mask / response_mask (N, P + R) from token lists (N each). ``loss_masks``
+    (N, each as long as its response): 0 on response tokens the model did not sample (agent_loop)."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts vs {len(response_ids)} responses")
     n = len(prompt_ids)
@@ -22,13 +27,15 @@ def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id
     input_ids = torch.full((n, p_len + r_len), pad_id, dtype=torch.long)
     attention = torch.zeros((n, p_len + r_len), dtype=torch.long)
     response = torch.zeros((n, p_len + r_len), dtype=torch.long)
+    if loss_masks is not None and [len(m) for m in loss_masks] != [len(r) for r in response_ids]:
+        raise ValueError("each loss mask must be as long as its response")
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         input_ids[i, p_len - len(p):p_len] = torch.tensor(p, dtype=torch.long)
         attention[i, p_len - len(p):p_len] = 1
         if r:
             input_ids[i, p_len:p_len + len(r)] = torch.tensor(r, dtype=torch.long)
             attention[i, p_len:p_len + len(r)] = 1
-            response[i, p_len:p_len + len(r)] = 1
+            response[i, p_len:p_len + len(r)] = 1 if loss_masks is None else torch.tensor(loss_masks[i], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response}
 
 

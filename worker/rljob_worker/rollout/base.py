@@ -16,6 +16,9 @@ class SamplingParams:
     top_k: int = -1
     max_new_tokens: int = 256
     seed: int | None = None
+    # Tokens that end a response like EOS and are kept as its last token (the agent loop's tool-call end,
+    # e.g. Qwen's `</tool_call>`); a stop must be one token, so the engine checks it inside its decode step.
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -24,7 +27,15 @@ class RolloutOutput:
 
     response_ids: list[list[int]]  # generated tokens, EOS included when produced
     response_logprobs: list[list[float]]  # log-prob of each generated token under the sampling distribution
-    finished: list[bool]  # True when the response ended with EOS, False when cut at max_new_tokens
+    finished: list[bool]  # True when the response ended with EOS or a stop token, False when cut at max_new_tokens
+
+
+def first_stop(row: list[int], stops: set[int]) -> int:
+    """The length of ``row`` up to and including its first token in ``stops``; len(row) when there is none."""
+    for i, tok in enumerate(row):
+        if tok in stops:
+            return i + 1
+    return len(row)
 
 
 class RolloutEngine(Protocol):

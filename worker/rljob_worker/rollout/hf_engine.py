@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rljob_worker.rollout.base import RolloutOutput, SamplingParams
+from rljob_worker.rollout.base import RolloutOutput, SamplingParams, first_stop
 from rljob_worker.rollout.sampling import sample_next
 
 
@@ -86,6 +86,7 @@ class HFEngine:
         logprobs = torch.empty((batch, 0), dtype=torch.float32, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         past, step_input, step_pos = None, input_ids, position_ids
+        stops = torch.tensor(sorted({self.eos, *params.stop_token_ids}), dtype=torch.long, device=self.device)
         for _ in range(params.max_new_tokens):
             result = self.model(input_ids=step_input, attention_mask=attention, position_ids=step_pos,
                                 use_cache=True, **{self._cache_kw: past})
@@ -95,16 +96,21 @@ class HFEngine:
             next_lp = torch.where(done, torch.zeros_like(next_lp), next_lp)
             tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
             logprobs = torch.cat([logprobs, next_lp[:, None]], dim=1)
-            done = done | (next_tok == self.eos)
+            done = done | torch.isin(next_tok, stops)
             if bool(done.all()):
                 break
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             step_input, step_pos = next_tok[:, None], step_pos[:, -1:] + 1
-        out = RolloutOutput([], [], [])
-        for i in range(batch):
-            row = tokens[i].tolist()
-            length = row.index(self.eos) + 1 if self.eos in row else len(row)
-            out.response_ids.append(row[:length])
-            out.response_logprobs.append(logprobs[i, :length].tolist())
-            out.finished.append(self.eos in row[:length])
-        return out
+        return rows_to_output(tokens.cpu(), logprobs.cpu(), {self.eos, *params.stop_token_ids})
+
+
+def rows_to_output(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> RolloutOutput:
+    """tokens, logprobs (B, steps) -> each row up to and including its first EOS / stop token."""
+    out = RolloutOutput([], [], [])
+    for i in range(tokens.shape[0]):
+        row = tokens[i].tolist()
+        length = first_stop(row, stops)
+        out.response_ids.append(row[:length])
+        out.response_logprobs.append(logprobs[i, :length].tolist())
+        out.finished.append(length > 0 and row[length - 1] in stops)
+    return out

@@ -46,12 +46,13 @@ import logging
 import torch
 
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
-from rljob_worker.rollout.hf_engine import HFEngine
+from rljob_worker.rollout.hf_engine import HFEngine, rows_to_output
 from rljob_worker.rollout.sampling import greedy_pick, race_sample, sample_next
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
+MAX_STOP_TOKENS = 8  # SamplingParams.stop_token_ids the decode step checks (a fixed-size buffer)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -106,6 +107,9 @@ class _Session:
         self.tokens = torch.full((batch, length), engine.pad, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros((batch, length), dtype=torch.float32, device=dev)
         self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        # tokens that finish a row: EOS and the call's stop tokens, padded with EOS to a fixed width so the
+        # captured step reads a buffer of one shape whatever the call's stops are
+        self.stops = torch.full((MAX_STOP_TOKENS + 1,), engine.eos, dtype=torch.long, device=dev)
         self.temperature = torch.ones((), dtype=torch.float32, device=dev)
         self.noise = torch.zeros((batch, engine.vocab), dtype=torch.float32, device=dev) if engine.sample_in_step else None
         self.gen = torch.Generator(device=dev) if engine.sample_in_step else None  # the in-step sampler's noise
@@ -266,7 +270,7 @@ class HFStaticEngine(HFEngine):
         at = s.count.view(1)
         s.tokens.index_copy_(1, at, tok[:, None])
         s.logprobs.index_copy_(1, at, lp[:, None])
-        s.done.logical_or_(tok == self.eos)
+        s.done.logical_or_((tok[:, None] == s.stops[None, :]).any(dim=-1))
         s.tok.copy_(tok[:, None])
         s.count.add_(1)
 
@@ -357,6 +361,9 @@ class HFStaticEngine(HFEngine):
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> RolloutOutput:
         batch, steps = len(prompts), params.max_new_tokens
+        if len(params.stop_token_ids) > MAX_STOP_TOKENS:
+            raise ValueError(f"the static-cache engine checks at most {MAX_STOP_TOKENS} stop tokens, "
+                             f"got {len(params.stop_token_ids)}")
         if steps <= 0:
             return RolloutOutput([[] for _ in prompts], [[] for _ in prompts], [False] * batch)
         width = _round_up(max(len(p) for p in prompts), 16)
@@ -391,6 +398,8 @@ class HFStaticEngine(HFEngine):
             s.logprobs.zero_()
             s.done.zero_()
             s.count.zero_()
+            s.stops.fill_(self.eos)
+            s.stops[1:1 + len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids, dtype=torch.long)
             s.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
             if self.sample_in_step and mode != "greedy":
                 s.gen.manual_seed(self._chunk_seed(gen))
@@ -430,11 +439,4 @@ class HFStaticEngine(HFEngine):
                     self._record(s, *sample_next(logits, params.temperature, params.top_k, params.top_p, gen))
                 taken += 1
             tokens, logprobs = s.tokens[:, :taken].cpu(), s.logprobs[:, :taken].cpu()
-        out = RolloutOutput([], [], [])
-        for i in range(batch):
-            row = tokens[i].tolist()
-            length_i = row.index(self.eos) + 1 if self.eos in row else len(row)
-            out.response_ids.append(row[:length_i])
-            out.response_logprobs.append(logprobs[i, :length_i].tolist())
-            out.finished.append(self.eos in row[:length_i])
-        return out
+        return rows_to_output(tokens, logprobs, {self.eos, *params.stop_token_ids})

@@ -413,8 +413,11 @@ class VLLMEngine:
             kw["top_k"] = params.top_k
         if params.seed is not None:
             kw["seed"] = params.seed + prompt_index * params.n
-        if self.eos is not None:
-            kw["stop_token_ids"] = [self.eos]
+        # vLLM keeps a stop token id as the sample's last token id (finish_reason "stop"), as the hf engines do;
+        # the agent loop's tool-call end arrives here with the EOS
+        stops = ([self.eos] if self.eos is not None else []) + [t for t in params.stop_token_ids if t != self.eos]
+        if stops:
+            kw["stop_token_ids"] = stops
         return self._vllm.SamplingParams(**kw)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:

@@ -1,0 +1,194 @@
+"""Multi-turn rollouts with tools over any token-in/token-out engine (spec.rollout.agent, spec.tools).
+
+Turn-batched: every live trajectory of the step generates its next turn in one engine call; the finished ones
+drop out. A turn ends at EOS (the trajectory is done), at the tool-call end marker (a stop token: the engine
+stops there inside its decode step), or at the token budget. After a call the tools run (concurrently), and
+each observation is rendered by the tokenizer's chat template as a tool message and appended.
+
+Token in, token out: a trajectory is the concatenation of the engine's sampled tokens, kept with the engine's
+own log-probs, and the tokens of the rendered tool responses. The sampled text is decoded only to find tool
+calls; nothing sampled is ever re-tokenized, so the trainer sees exactly the tokens that were sampled. Only the
+rendering of the tool response is tokenized: the chat-template text that follows an assistant turn and holds
+the tool messages (e.g. ChatML's ``<|im_end|>\\n<|im_start|>user\\n<tool_response>...``), tokens the model did not
+sample; their ``loss_mask`` is 0, so they carry no loss, advantage, KL or entropy (data.batching.pad_batch).
+
+Budget: spec.data.maxResponseLength bounds all turns and observations together. A trajectory that reaches it
+is cut there (``finished`` False; a cut observation keeps its first tokens) and scored like any other; its
+reward function sees ``trajectory["cut"]``. A trajectory whose turn makes a call at maxTurns ends there, the call
+not run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rljob_worker.rollout.base import RolloutOutput, SamplingParams
+from rljob_worker.rollout.tool_parser import ToolCall, ToolCallParser
+from rljob_worker.rollout.tools import ToolBox, ToolResult
+
+_MARK = "RLJOBASSISTANTTURNEND"  # the assistant content the rendering is cut after
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    max_turns: int = 4
+    max_tool_calls_per_turn: int = 1
+    max_response_length: int = 256
+
+
+@dataclass
+class Trajectory:
+    """One sample. response_ids, logprobs and loss_mask have one entry per token after the prompt."""
+
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the engine's for sampled tokens, 0.0 for rendered ones
+    loss_mask: list[int] = field(default_factory=list)  # 1: sampled by the model, 0: tool response / template
+    turns: list[dict] = field(default_factory=list)  # {"text", "tool_calls": [{name, arguments, output, outcome}]}
+    finished: bool = False  # ended at EOS (or a turn without a call)
+    cut: bool = False  # reached spec.data.maxResponseLength
+    done: bool = False
+
+    @property
+    def final_text(self) -> str:
+        """The text of the last model turn (what a reward scores as the answer)."""
+        return self.turns[-1]["text"] if self.turns else ""
+
+    def as_dict(self) -> dict:
+        """Plain data for the reward function (extra["trajectory"])."""
+        return {"turns": self.turns, "num_turns": len(self.turns), "cut": self.cut, "finished": self.finished,
+                "tool_calls": [c for t in self.turns for c in t["tool_calls"]]}
+
+    def _append(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.loss_mask += [1 if logprobs is not None else 0] * len(ids)
+
+
+class ToolResponseRenderer:
+    """Tool observations -> the token ids the chat template puts after an assistant turn that made calls, up to
+    and including the next assistant header (the generation prompt). Only this text is tokenized."""
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("spec.tools needs a tokenizer with a chat template that renders role 'tool' messages; "
+                             "set model.tokenizerPath to one that has it")
+        self.tokenizer = tokenizer
+        self.render_text([("tool", "probe")])  # a template without tool messages fails at start-up, not mid-run
+
+    def render_text(self, observations: list[tuple[str, str]]) -> str:
+        messages = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _MARK},
+                    *({"role": "tool", "name": name, "content": text} for name, text in observations)]
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template error is a configuration error
+            raise ValueError(f"the tokenizer's chat template cannot render tool messages: {exc}") from exc
+        if rendered.count(_MARK) != 1 or observations and observations[-1][1] not in rendered:
+            raise ValueError("the tokenizer's chat template does not render role 'tool' messages after an "
+                             "assistant turn; spec.tools needs one that does")
+        return rendered[rendered.index(_MARK) + len(_MARK):]
+
+    def render(self, observations: list[tuple[str, str]]) -> list[int]:
+        return list(self.tokenizer(self.render_text(observations), add_special_tokens=False)["input_ids"])
+
+
+def run_agent_loop(generate: Callable[[list[list[int]], SamplingParams], RolloutOutput],
+                   prompt_ids: list[list[int]], params: SamplingParams, *, parser: ToolCallParser, tools: ToolBox,
+                   renderer: ToolResponseRenderer, decode: Callable[[list[int], bool], str], call_end_id: int,
+                   eos_id: int, config: AgentConfig, contexts: list[dict]) -> tuple[list[Trajectory], dict]:
+    """Roll out len(prompt_ids) x params.n trajectories (sample j of prompt i at i*n + j, as the engines).
+
+    generate: the engine's generate; decode(ids, skip_special_tokens) -> text; contexts: one per prompt, passed
+    to function tools. Returns the trajectories and the step's ``tool/...`` metrics, with the per-(tool,
+    outcome) call counts under the key "outcomes" (a Counter, not a metric).
+    """
+    n = params.n
+    trajs = [Trajectory() for _ in range(len(prompt_ids) * n)]
+    prompts = [p for p in prompt_ids for _ in range(n)]
+    stops = tuple(dict.fromkeys((*params.stop_token_ids, call_end_id)))
+    start, tool_seconds, generated = time.perf_counter(), 0.0, 0
+    outcomes: Counter = Counter()
+    for turn in range(config.max_turns):
+        live = [i for i, t in enumerate(trajs) if not t.done]
+        if not live:
+            break
+        budget = {i: config.max_response_length - len(trajs[i].response_ids) for i in live}
+        seed = None if params.seed is None else params.seed + 7919 * turn
+        if turn == 0:  # n samples of each prompt in one request (vLLM fans them out from one prefill)
+            out = generate(prompt_ids, dataclasses.replace(params, max_new_tokens=config.max_response_length,
+                                                           stop_token_ids=stops, seed=seed))
+        else:  # one request per live trajectory: its prompt and every token so far
+            out = generate([prompts[i] + trajs[i].response_ids for i in live],
+                           dataclasses.replace(params, n=1, max_new_tokens=max(budget.values()),
+                                               stop_token_ids=stops, seed=seed))
+        pending: list[tuple[int, list[ToolCall]]] = []
+        for k, i in enumerate(live):
+            t, ids, lps = trajs[i], out.response_ids[k], out.response_logprobs[k]
+            ids, lps = ids[:budget[i]], lps[:budget[i]]  # the longest live budget was asked for
+            generated += len(ids)
+            t._append(ids, lps)
+            t.turns.append({"text": decode(ids, True), "tool_calls": []})
+            last = ids[-1] if ids else None
+            if last == call_end_id:
+                calls = parser.parse(decode(ids, False)) or [ToolCall(None, error=(
+                    f"no tool call was opened before {parser.end_marker}"))]
+                if turn + 1 >= config.max_turns:
+                    t.done = True  # no turn is left to read the answer
+                elif len(t.response_ids) >= config.max_response_length:
+                    t.done = t.cut = True
+                else:
+                    pending.append((i, calls))
+            elif last == eos_id or (last is not None and last in stops):
+                t.done = t.finished = True
+            else:  # cut at the budget
+                t.done = t.cut = True
+        if not pending:
+            continue
+        tool_start = time.perf_counter()
+        jobs, owners = [], []
+        for i, calls in pending:
+            for c, call in enumerate(calls):
+                if c < config.max_tool_calls_per_turn:
+                    jobs.append((call, contexts[i // n]))
+                owners.append((i, c))
+        results = iter(tools.call_all(jobs))
+        per_traj: dict[int, list[ToolResult]] = {}
+        for i, c in owners:
+            result = next(results) if c < config.max_tool_calls_per_turn else ToolResult(
+                "<over limit>", {}, "too_many_calls",
+                f"Error: at most {config.max_tool_calls_per_turn} tool calls per turn; this one was not run", 0.0)
+            per_traj.setdefault(i, []).append(result)
+            outcomes[(result.name, result.outcome)] += 1
+        tool_seconds += time.perf_counter() - tool_start
+        for i, results_i in per_traj.items():
+            t = trajs[i]
+            t.turns[-1]["tool_calls"] = [{"name": r.name, "arguments": r.arguments, "output": r.output,
+                                          "outcome": r.outcome, "seconds": r.seconds} for r in results_i]
+            rendered = renderer.render([(r.name, r.output) for r in results_i])
+            room = config.max_response_length - len(t.response_ids)
+            t._append(rendered[:room], None)
+            if len(rendered) >= room:  # no room left for an answer
+                t.done = t.cut = True
+    for t in trajs:
+        t.done = True
+    total = time.perf_counter() - start
+    calls = [sum(len(turn["tool_calls"]) for turn in t.turns) for t in trajs]
+    metrics = {
+        "tool/calls_per_trajectory": sum(calls) / max(len(trajs), 1),
+        "tool/trajectories_with_call": sum(c > 0 for c in calls) / max(len(trajs), 1),
+        "tool/turns_mean": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
+        "tool/errors": float(sum(v for (_, o), v in outcomes.items() if o != "ok")),
+        "tool/calls": float(sum(outcomes.values())),
+        "tool/time_share": tool_seconds / max(total, 1e-9),
+        "tool/cut_share": sum(t.cut for t in trajs) / max(len(trajs), 1),
+        "tool/model_tokens": float(generated),
+        "outcomes": outcomes,
+    }
+    return trajs, metrics
+
+
+def agent_output(trajs: list[Trajectory]) -> RolloutOutput:
+    """The trajectories as a RolloutOutput (logprobs of rendered tokens are 0; pair with the loss masks)."""
+    return RolloutOutput([t.response_ids for t in trajs], [t.logprobs for t in trajs], [t.finished for t in trajs])
