@@ -104,7 +104,8 @@ class ModelSpec(ApiModel):
             "s3://bucket/prefix (downloaded once per node), file:///path or /path on a mounted volume, "
             "or builtin://tiny-qwen2 (a tiny random-init Qwen2 model with a character tokenizer, for "
             "smoke tests and the quickstart; builtin://tiny-qwen2-hd64 is the same at head_dim 64, the shape vLLM "
-            "runs at rollout tensor-parallel 2). (verl: actor_rollout_ref.model.path)"
+            "runs at rollout tensor-parallel 2; builtin://tiny-qwen2-tools adds the tool-call tags and a chat template for "
+            "spec.tools). (verl: actor_rollout_ref.model.path)"
         ),
         pattern=MODEL_URI_PATTERN,
         max_length=1024,
@@ -122,10 +123,12 @@ class ModelSpec(ApiModel):
 
 
 class SyntheticDataSpec(ApiModel):
-    task: Literal["target-token", "digit-sum"] = _f(
+    task: Literal["target-token", "digit-sum", "tool-secret"] = _f(
         description=(
-            "Generated task: target-token (reward = fraction of generated tokens equal to a target character) "
-            "or digit-sum ('a+b=' answered by (a+b) mod 10 as the first generated token)."
+            "Generated task: target-token (reward = fraction of generated tokens equal to a target character), "
+            "digit-sum ('a+b=' answered by (a+b) mod 10 as the first generated token), or tool-secret (the answer "
+            "is a per-prompt secret digit only the tool rljob_worker.data.synthetic:secret_tool returns; with "
+            "builtin://tiny-qwen2-tools, rollout.agent and spec.tools, examples/secret-tool.yaml)."
         )
     )
     num_prompts: int = _f(256, "Number of distinct prompts generated for the training set.", ge=1, le=1_000_000)
@@ -522,8 +525,10 @@ class ToolSpec(ApiModel):
 class RewardSpec(ApiModel):
     function: str = _f(
         "gsm8k",
-        "Reward function: a built-in name (gsm8k, math-boxed, format, target-token, digit-sum) or module.path:function "
-        "importable in the worker image, called as f(prompt, completion, ground_truth, extra) -> float.",
+        "Reward function: a built-in name (gsm8k, math-boxed, format, target-token, digit-sum, tool-secret) or "
+        "module.path:function importable in the worker image, called as f(prompt, completion, ground_truth, extra) -> "
+        "float. With rollout.agent, completion is the last turn's text and extra['trajectory'] the whole trajectory "
+        "(turns, tool calls and outputs).",
         pattern=REWARD_FUNCTION_PATTERN,
         max_length=256,
     )

@@ -3,7 +3,9 @@
 They exist so that the quickstart, CI and smoke tests train a real Qwen2-architecture
 model through the whole stack without downloading anything. The tokenizer is
 character-level over a 16-symbol vocabulary (digits, '+', '=', ' ', '#', specials),
-which the synthetic tasks in `rljob_worker.data.synthetic` are written in.
+which the synthetic tasks in `rljob_worker.data.synthetic` are written in. tiny-qwen2-tools adds the
+tool-call tags as four more tokens and a chat template that renders a tool message as
+``<tool_response>OUTPUT`` (the tool-secret task, spec.tools).
 """
 from __future__ import annotations
 
@@ -13,6 +15,12 @@ from pathlib import Path
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 CHARS = list("0123456789+= #")
 VOCAB = [PAD, EOS, *CHARS]  # 16 symbols: uniform sampling hits one given symbol ~6% of the time
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOLS_VOCAB = [*VOCAB, *TOOL_TAGS]
+# A tool message is `<tool_response>OUTPUT` and the model's next turn follows the output directly: an answer that
+# repeats the output's last token is then the one a tied-embedding model leans to (the tool-secret task).
+TOOLS_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}"
+                       "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
 
 TINY_QWEN2_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -40,18 +48,28 @@ TINY_QWEN2_CONFIG = {
 TINY_QWEN2_HD64_CONFIG = {**TINY_QWEN2_CONFIG, "hidden_size": 128, "intermediate_size": 256,
                           "num_attention_heads": 2, "num_key_value_heads": 1}
 
-BUILTIN_MODELS = {"tiny-qwen2": TINY_QWEN2_CONFIG, "tiny-qwen2-hd64": TINY_QWEN2_HD64_CONFIG}
+TINY_QWEN2_TOOLS_CONFIG = {**TINY_QWEN2_CONFIG, "vocab_size": len(TOOLS_VOCAB)}
+
+BUILTIN_MODELS = {"tiny-qwen2": TINY_QWEN2_CONFIG, "tiny-qwen2-hd64": TINY_QWEN2_HD64_CONFIG,
+                  "tiny-qwen2-tools": TINY_QWEN2_TOOLS_CONFIG}
 
 
-def build_char_tokenizer():
-    """A character-level `PreTrainedTokenizerFast` over VOCAB (no files, no downloads)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_char_tokenizer(tools: bool = False):
+    """A character-level `PreTrainedTokenizerFast` over VOCAB (no files, no downloads); ``tools``: TOOLS_VOCAB,
+    the tags as special tokens (one token each) and TOOLS_CHAT_TEMPLATE."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(VOCAB)}, unk_token=PAD))
+    vocab = TOOLS_VOCAB if tools else VOCAB
+    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(vocab)}, unk_token=PAD))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left")
+    if tools:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_TAGS])
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left")
+    if tools:
+        out.chat_template = TOOLS_CHAT_TEMPLATE
+    return out
 
 
 def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
@@ -85,7 +103,7 @@ def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)  # HF convention: tied output weights live in embed_tokens
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    build_char_tokenizer().save_pretrained(tmp)
+    build_char_tokenizer(tools=name == "tiny-qwen2-tools").save_pretrained(tmp)
     (tmp / "rljob_builtin.json").write_text(json.dumps({"name": name, "seed": seed}))
     for child in tmp.iterdir():
         child.replace(out / child.name)

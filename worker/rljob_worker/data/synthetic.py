@@ -6,6 +6,11 @@ target-token: the prompt is a random digit string ending in '=', the answer is t
     rest as misses, so stopping early never pays).
 digit-sum:   the prompt is 'a+b=', reward 1 when the first generated token is
     (a + b) mod 10.
+tool-secret: the prompt is a random digit string ending in '=', the answer a per-prompt secret digit drawn
+    independently of it, which only the `secret` tool knows (`secret_tool`, spec.tools); reward 1 when the
+    final turn starts with the secret. Without the tool a model is at chance (1/10 at best); the built-in
+    tiny-qwen2-tools model calls it with a turn ending in </tool_call> (toolCallFormat bare) and reads the
+    answer from <tool_response>D.
 Rows follow verl's parquet layout so the same data path serves both.
 """
 from __future__ import annotations
@@ -22,11 +27,14 @@ def generate_rows(task: str, num_prompts: int, seed: int) -> list[dict]:
         if task == "target-token":
             prompt = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 8))) + "="
             truth = TARGET_CHAR
+        elif task == "tool-secret":
+            prompt = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6))) + "="
+            truth = str(rng.randint(0, 9))
         elif task == "digit-sum":
             a, b = rng.randint(0, 9), rng.randint(0, 9)
             prompt, truth = f"{a}+{b}=", str((a + b) % 10)
         else:
-            raise ValueError(f"data.synthetic.task {task!r} is unknown; use target-token or digit-sum")
+            raise ValueError(f"data.synthetic.task {task!r} is unknown; use target-token, digit-sum or tool-secret")
         rows.append({
             "prompt": prompt,
             "data_source": f"synthetic/{task}",
@@ -44,3 +52,14 @@ def target_token_reward(prompt: str, completion: str, ground_truth: str, extra: 
 
 def digit_sum_reward(prompt: str, completion: str, ground_truth: str, extra: dict | None = None) -> float:
     return 1.0 if completion[:1] == ground_truth else 0.0
+
+
+def tool_secret_reward(prompt: str, completion: str, ground_truth: str, extra: dict | None = None) -> float:
+    """1 when the final turn (``completion``) starts with the secret digit."""
+    return 1.0 if completion[:1] == ground_truth else 0.0
+
+
+def secret_tool(arguments: dict, context: dict) -> str:
+    """The tool of the tool-secret task (spec.tools function rljob_worker.data.synthetic:secret_tool): the
+    trajectory's secret, whatever the arguments."""
+    return str(context["ground_truth"])

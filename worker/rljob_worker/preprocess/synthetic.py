@@ -16,7 +16,7 @@ from rljob_worker.preprocess import write_parquet
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rljob_worker.preprocess.synthetic", description=__doc__.split("\n")[0])
-    parser.add_argument("--task", required=True, choices=["target-token", "digit-sum"])
+    parser.add_argument("--task", required=True, choices=["target-token", "digit-sum", "tool-secret"])
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="verl-format parquet file to write")

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from rljob_worker.data.synthetic import digit_sum_reward, target_token_reward
+from rljob_worker.data.synthetic import digit_sum_reward, target_token_reward, tool_secret_reward
 from rljob_worker.rewards.math import boxed_math_reward, format_reward, gsm8k_reward
 
 RewardFn = Callable[[str, str, str, dict], float]
@@ -19,6 +19,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "format": format_reward,
     "target-token": target_token_reward,
     "digit-sum": digit_sum_reward,
+    "tool-secret": tool_secret_reward,
 }
 
 
@@ -46,7 +47,7 @@ def resolve_reward(name: str) -> RewardFn:
 
 
 # Built-in rewards that score against reward_model.ground_truth (a custom function may or may not).
-NEEDS_GROUND_TRUTH = frozenset({"gsm8k", "math-boxed", "target-token", "digit-sum"})
+NEEDS_GROUND_TRUTH = frozenset({"gsm8k", "math-boxed", "target-token", "digit-sum", "tool-secret"})
 
 
 def _score_one(fn: RewardFn, prompt: str, completion: str, truth: str, extra: dict) -> float:

@@ -6,8 +6,9 @@ format names its end marker, which must be one token of the tokenizer: the engin
 
 hermes: Hermes / Qwen2.5 / Qwen3 style, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one JSON
     object per tag, any number of tags in a turn.
-bare:   ``<tool_call>TEXT</tool_call>`` for a job with exactly one tool: TEXT (stripped) is passed as
-    ``{"input": TEXT}``. For models too small to write JSON (the built-in tool task).
+bare:   ``[<tool_call>]TEXT</tool_call>`` for a job with exactly one tool: TEXT (stripped; from the opening tag,
+    which may be left out, else from the start of the turn) is passed as ``{"input": TEXT}``. For models too
+    small to write JSON (the built-in tool task): every turn that ends at the end tag is a call.
 """
 from __future__ import annotations
 
@@ -69,7 +70,11 @@ class BareParser:
         self.tool_name = tool_name
 
     def parse(self, text: str) -> list[ToolCall]:
-        return [ToolCall(self.tool_name, {"input": body.strip()}) for body in _TAGGED.findall(text)]
+        calls = []
+        for chunk in text.split(CALL_END)[:-1]:  # the text after the last end tag is no call
+            body = chunk.rsplit(CALL_START, 1)[-1]
+            calls.append(ToolCall(self.tool_name, {"input": body.strip()}))
+        return calls
 
 
 def make_parser(fmt: str, tool_names: list[str]) -> ToolCallParser:

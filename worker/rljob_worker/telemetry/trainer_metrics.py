@@ -270,6 +270,9 @@ class TrainerTelemetry:
                                 "Unix time the last checkpoint was committed.")
         self._ckpts = Counter("rljob_checkpoints", "Checkpoints committed by this process.", lab,
                               registry=reg).labels(**self._base)
+        # Tool calls of multi-turn rollouts (spec.tools), by tool and outcome (ok, timeout, error, ...).
+        self._tool_calls = Counter("rljob_tool_calls", "Tool calls of multi-turn rollouts, by tool and outcome.",
+                                   lab + ["tool", "outcome"], registry=reg)
         self._save_freq_gauge = gauge("rljob_checkpoint_save_freq_steps",
                                       "Checkpoint save frequency in steps (spec.checkpoint.saveFreq).")
         self._ckpt_interval = gauge(
@@ -429,6 +432,11 @@ class TrainerTelemetry:
             self._checkpoint_times.append(float(unix_time))
         self._update_checkpoint_estimate()
         self.heartbeat()
+
+    def record_tool_calls(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Add a rollout's tool calls, {(tool, outcome): count}, to rljob_tool_calls_total."""
+        for (tool, outcome), count in counts.items():
+            self._tool_calls.labels(**self._base, tool=str(tool), outcome=str(outcome)).inc(int(count))
 
     # ------------------------------------------------------------------ GPU memory
     def record_gpu_memory(self) -> None:

@@ -104,6 +104,7 @@ class GRPOTrainer(RunLoop):
         self.eos_id = self.tokenizer.eos_token_id
         self.train_set, self.val_set = load_datasets(spec.data, self.tokenizer, spec.training.seed,
                                                      fetch=self._fetcher(), reward=spec.reward.function)
+        self.agent = _build_agent(spec, self.tokenizer) if spec.rollout.agent is not None else None
         self.prompts_per_step = spec.training.train_batch_size_per_node * spec.nnodes
         self.sampler = EpochSampler(len(self.train_set), self.prompts_per_step, spec.training.seed, spec.data.shuffle)
         self.total_steps = self._total_steps()
@@ -151,6 +152,8 @@ class GRPOTrainer(RunLoop):
         self.rollout_layout = (plan_rollout_layout(world, actor_gpus_per_node(spec), m.tensor_model_parallel_size,
                                                    r.tensor_model_parallel_size)
                                if self.engine_everywhere and self.engine_is_vllm else None)
+        if self.agent is not None:
+            self.agent.tools.shared = self.engine_everywhere
         self.engine = None
         if self.is_main or self.engine_everywhere:
             self.engine = make_engine(self.engine_name, str(self.model_dir), dtype=self.dtype, device=self.device,
@@ -305,8 +308,12 @@ class GRPOTrainer(RunLoop):
         ob = spec.algorithm.overlong_buffer
         if ob.enable:
             shaped = shaped + algo.overlong_penalty(lengths, spec.data.max_response_length, ob.length, ob.penalty_factor)
-        batch = pad_batch([r.prompt_ids for r in prompts], out.response_ids, self.pad_id)
-        batch["rollout_logprobs"] = scatter_response_values(out.response_logprobs, batch["response_mask"])
+        loss_masks = [r[3] for r in responses] if self.agent is not None else None
+        batch = pad_batch([r.prompt_ids for r in prompts], out.response_ids, self.pad_id, loss_masks=loss_masks)
+        # the engine's log-probs of the tokens it sampled (a tool response has none): on the loss positions
+        sampled_logprobs = (out.response_logprobs if loss_masks is None else
+                            [[lp for lp, m in zip(lps, mask) if m] for lps, mask in zip(out.response_logprobs, loss_masks)])
+        batch["rollout_logprobs"] = scatter_response_values(sampled_logprobs, batch["response_mask"])
         batch["scores"] = shaped  # (N,) the shaped outcome reward of each response (PPO's critic reads them)
         a = spec.algorithm
         adv_metrics = {}
@@ -324,6 +331,7 @@ class GRPOTrainer(RunLoop):
             "response_length/clip_ratio": algo.response_length_clip_ratio(lengths, spec.data.max_response_length),
             "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
             **{f"advantage/{k}": v for k, v in adv_metrics.items()},
+            **(self._tool_metrics if self.agent is not None else {}),
         })
         return {"batch": batch, "metrics": metrics}
 
@@ -347,12 +355,14 @@ class GRPOTrainer(RunLoop):
                                 seed=spec.training.seed * 1_000_003 + self.step * 131 + self.sampler.position)
         with self.telemetry.stage("rollout"):
             start = time.perf_counter()
-            out = self._generate([r.prompt_ids for r in records], params)
+            out, texts, trajectories, loss_masks = self._rollout(records, params)
             seconds = time.perf_counter() - start
         prompts = [r for r in records for _ in range(n)]
-        texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         extras = [{**r.extra, "max_response_length": spec.data.max_response_length, "data_source": r.data_source}
                   for r in prompts]
+        if trajectories is not None:  # the reward sees the whole trajectory; `completion` is the last turn's text
+            for extra, trajectory in zip(extras, trajectories):
+                extra["trajectory"] = trajectory
         rewards = None
         if self.is_main:  # rank 0 scores; with vLLM on every rank its scores are shared so all ranks agree
             with self.telemetry.stage("reward"):
@@ -368,12 +378,42 @@ class GRPOTrainer(RunLoop):
                             "returns non-finite values", self.step, bad, rewards.numel(), spec.reward.function)
         if self.engine_everywhere:
             rewards = broadcast_object(rewards)
-        responses = list(zip(out.response_ids, out.response_logprobs, out.finished))
-        return records, responses, rewards, seconds, float(sum(len(r) for r in out.response_ids))
+        responses = list(zip(out.response_ids, out.response_logprobs, out.finished, loss_masks))
+        generated = sum(sum(m) for m in loss_masks) if self.agent is not None else sum(len(r) for r in out.response_ids)
+        return records, responses, rewards, seconds, float(generated)
 
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def _rollout(self, records, params: SamplingParams):
+        """Sample params.n responses per record: one turn, or the agent loop (spec.rollout.agent).
+
+        Returns (RolloutOutput (N,), final texts (N,), trajectories as dicts or None, loss masks (N,) or [None]s).
+        """
+        if self.agent is None:
+            out = self._generate([r.prompt_ids for r in records], params)
+            texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+            return out, texts, None, [None] * len(out.response_ids)
+        from rljob_worker.rollout.agent_loop import agent_output, run_agent_loop
+
+        a = self.agent
+        contexts = [{"prompt": r.prompt_text, "ground_truth": r.ground_truth, "extra": r.extra} for r in records]
+        try:
+            trajs, tool_metrics = run_agent_loop(
+                lambda ids, p: self._generate(ids, p, release=False), [r.prompt_ids for r in records], params,
+                parser=a.parser, tools=a.tools, renderer=a.renderer,
+                decode=lambda ids, skip: self.tokenizer.decode(ids, skip_special_tokens=skip),
+                call_end_id=a.call_end_id, eos_id=self.eos_id, config=a.config, contexts=contexts)
+        finally:
+            self._release_engine()
+        outcomes = tool_metrics.pop("outcomes")
+        if self.is_main:
+            self.telemetry.record_tool_calls(outcomes)
+        self._tool_metrics = tool_metrics
+        return (agent_output(trajs), [t.final_text for t in trajs], [t.as_dict() for t in trajs],
+                [t.loss_mask for t in trajs])
+
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, release: bool = True) -> RolloutOutput:
         """Sample with the engine. On every rank: each replica samples its share of whole prompts (seeds
-        offset per share), then the shares are gathered in prompt order."""
+        offset per share), then the shares are gathered in prompt order. ``release``: free the engine's memory
+        afterwards (the agent loop keeps it between turns and releases it once)."""
         if self.engine_is_vllm and self.engine.state != "awake":
             self.engine.wake_up()
         if not self.engine_everywhere:
@@ -394,12 +434,16 @@ class GRPOTrainer(RunLoop):
                 out.response_ids += piece.response_ids
                 out.response_logprobs += piece.response_logprobs
                 out.finished += piece.finished
+        if release:
+            self._release_engine()
+        return out
+
+    def _release_engine(self) -> None:
         if self.spec.rollout.free_cache_engine:
             if self.engine_is_vllm:
                 self.engine.sleep()  # the actor gets the GPU back until the next weight sync
             else:
                 self.engine.release_cache()  # the KV cache goes; the weights stay for the next sync
-        return out
 
     def _dynamic_sampling(self, records, responses, rewards, metrics):
         """DAPO: keep prompt groups whose rewards differ (the others carry no gradient) and refill
@@ -516,12 +560,13 @@ class GRPOTrainer(RunLoop):
         spec, records = self.spec, self.val_set.records
         params = SamplingParams(n=spec.rollout.val_n, temperature=spec.rollout.val_temperature,
                                 top_p=spec.rollout.top_p, max_new_tokens=spec.data.max_response_length, seed=12345)
-        out = self._generate([r.prompt_ids for r in records], params)
+        out, texts, trajectories, _ = self._rollout(records, params)
         if not self.is_main:
             return None
         prompts = [r for r in records for _ in range(spec.rollout.val_n)]
-        texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         extras = [{**r.extra, "max_response_length": spec.data.max_response_length} for r in prompts]
+        for extra, trajectory in zip(extras, trajectories or []):
+            extra["trajectory"] = trajectory
         scores = score_all(self.reward_fn, [r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
                            extras, pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds)
         scores = sanitize_rewards(torch.tensor(scores, dtype=torch.float32))[0].tolist()
@@ -552,6 +597,9 @@ class GRPOTrainer(RunLoop):
         return f"done: {self.step} steps, reward {np.mean(first):.3f} (first 5) -> {np.mean(last):.3f} (last 5)"
 
     def close(self) -> None:
+        agent = getattr(self, "agent", None)
+        if agent is not None:
+            agent.tools.box.close()
         pool = getattr(self, "reward_pool", None)
         if pool is not None:
             # A reward that hung past its timeout would keep the process alive: stop the workers.
@@ -559,6 +607,58 @@ class GRPOTrainer(RunLoop):
                 proc.kill()
             pool.shutdown(wait=False, cancel_futures=True)
         super().close()
+
+
+@dataclasses.dataclass
+class _Agent:
+    """What the agent loop needs from the spec and the tokenizer, built once (start-up errors surface early)."""
+
+    config: Any
+    parser: Any
+    tools: Any
+    renderer: Any
+    call_end_id: int
+
+
+def _build_agent(spec, tokenizer) -> _Agent:
+    from rljob_worker.rollout.agent_loop import AgentConfig, ToolResponseRenderer
+    from rljob_worker.rollout.tool_parser import make_parser
+    from rljob_worker.rollout.tools import ToolBox, ToolConfig
+
+    a = spec.rollout.agent
+    parser = make_parser(a.tool_call_format.value, [t.name for t in spec.tools])
+    end = tokenizer(parser.end_marker, add_special_tokens=False)["input_ids"]
+    if len(end) != 1:
+        raise ValueError(f"spec.rollout.agent.toolCallFormat {a.tool_call_format.value}: {parser.end_marker!r} is "
+                         f"{len(end)} tokens in this tokenizer; the engines stop a turn on one token, so pick a "
+                         "tokenizer that has it as one (Qwen2.5 / Qwen3 do)")
+
+    def truncate(text: str, max_tokens: int) -> str:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_tokens:
+            return text
+        return tokenizer.decode(ids[:max_tokens]) + f"\n[output cut at {max_tokens} tokens]"
+
+    tools = [ToolConfig(name=t.name, function=t.function, builtin=t.builtin, timeout_seconds=t.timeout_seconds,
+                        max_output_tokens=t.max_output_tokens, memory_mb=t.memory_mb) for t in spec.tools]
+    return _Agent(AgentConfig(max_turns=a.max_turns, max_tool_calls_per_turn=a.max_tool_calls_per_turn,
+                              max_response_length=spec.data.max_response_length),
+                  parser, _SharedToolBox(ToolBox(tools, truncate=truncate)), ToolResponseRenderer(tokenizer), end[0])
+
+
+class _SharedToolBox:
+    """Rank 0 runs the tools and every sampling rank gets its results, so ranks that sample shares of the batch
+    (spec.rollout.ranks every-rank, vLLM) continue the same trajectories and no tool call runs twice."""
+
+    def __init__(self, box):
+        self.box = box
+        self.shared = False  # set once the trainer knows whether every rank samples
+
+    def call_all(self, calls):
+        if not self.shared:
+            return self.box.call_all(calls)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        return broadcast_object(self.box.call_all(calls) if rank0 else None)
 
 
 def _reward_pool(num_workers: int):
