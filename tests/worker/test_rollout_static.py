@@ -411,3 +411,25 @@ def test_gpu_compile_cache_is_reused_by_a_second_process(tmp_path):
                                       check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
     assert runs[0].get("fxgraph_cache_miss", 0) >= 1 and runs[1].get("fxgraph_cache_hit", 0) >= 1, runs
     assert (tmp_path / "compile-cache" / "inductor").is_dir()
+
+
+@pytest.mark.parametrize("sample_in_step", [False, True])
+def test_stop_token_ends_a_row_inside_the_decode_step(sharp_model_dir, sample_in_step):
+    """SamplingParams.stop_token_ids end a row like EOS and stay its last token: greedy rows are the unstopped
+    rows up to and including their first stop token, in the HF engine and in the static engine's decode step
+    (its in-step bookkeeping, the part the CUDA graph captures, with sample_in_step)."""
+    kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    ref, static = HFEngine(str(sharp_model_dir), **kw), HFStaticEngine(str(sharp_model_dir), sample_in_step=sample_in_step, **kw)
+    free = ref.generate(PROMPTS, SamplingParams(n=1, temperature=0, max_new_tokens=20))
+    counts = {}
+    for row in free.response_ids:
+        for tok in row[1:]:
+            counts[tok] = counts.get(tok, 0) + 1
+    stop = max((t for t in counts if t != EOS_ID), key=counts.get)  # a token most rows produce mid-way
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=20, stop_token_ids=(stop,))
+    for out in (ref.generate(PROMPTS, params), static.generate(PROMPTS, params)):
+        for row, full, finished in zip(out.response_ids, free.response_ids, out.finished):
+            cut = full.index(stop) + 1 if stop in full else len(full)
+            assert row == full[:cut]
+            assert finished == (stop in full or EOS_ID in full[:cut])
+    assert any(stop in row for row in out.response_ids)

@@ -640,3 +640,29 @@ def test_real_vllm_engine_on_a_tiny_qwen2(tmp_path):
     same = sum(a[:4] == b[:4] for a, b in zip(got.response_ids, want.response_ids))
     assert same >= 8, (got.response_ids, want.response_ids)  # bf16 kernels differ; sharp weights keep argmax stable
     assert all(got.response_ids[2 * i] == got.response_ids[2 * i + 1] for i in range(len(prompts)))  # greedy n=2
+
+
+def test_stop_token_ids_reach_vllm_and_end_the_sample_on_them(fake_vllm, model_dir, monkeypatch):
+    """The agent loop's tool-call end goes to vLLM's stop_token_ids beside the EOS; vLLM keeps a stop token id as
+    the sample's last token (finish_reason "stop"), which the engine reports as finished."""
+    engine = new_engine(model_dir, eos_token_id=1)
+    real_generate = FakeLLM.generate
+
+    def stopping_generate(self, prompts, sampling_params, use_tqdm=True):
+        out = real_generate(self, prompts, sampling_params, use_tqdm)
+        for request, sp in zip(out, sampling_params):
+            for c in request.outputs:  # cut at the first stop token, as vLLM does
+                stops = set(sp.kwargs.get("stop_token_ids", []))
+                at = next((k for k, t in enumerate(c.token_ids) if t in stops), None)
+                if at is not None:
+                    c.token_ids, c.logprobs, c.finish_reason = c.token_ids[:at + 1], c.logprobs[:at + 1], "stop"
+        return out
+
+    monkeypatch.setattr(FakeLLM, "generate", stopping_generate)
+    # canned sample 2 of prompt [3] is 30+2, 30+3, 30+4, then EOS: stop at 33
+    out = engine.generate([[3]], SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=0, stop_token_ids=(33,)))
+    (sp,) = FakeLLM.instances[-1].generate_calls[-1][1]
+    assert sp.kwargs["stop_token_ids"] == [1, 33]
+    assert out.response_ids[2] == [32, 33] and out.finished[2]
+    assert out.response_ids[0] == [30, 1] and out.finished[0]
+    assert len(out.response_logprobs[2]) == 2
