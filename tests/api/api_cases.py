@@ -26,7 +26,19 @@ SYNTHETIC = {"spec.data.trainFiles": DELETE, "spec.data.synthetic": {"task": "ta
 S3_CREDS = {"name": "s3-credentials"}
 
 
+PY_TOOL = {"name": "python", "builtin": "python"}
 CROSS_INVALID = [
+    # multi-turn rollouts: rollout.agent and spec.tools need each other; one source per tool, unique names
+    ("agent-without-tools", {R + "agent": {"maxTurns": 2}}, {"spec.tools": ["no tools", "builtin: python"]}),
+    ("tools-without-agent", {"spec.tools": [PY_TOOL]}, {"spec.rollout.agent": ["only called in multi-turn", "add"]}),
+    ("tool-with-two-sources", {R + "agent": {}, "spec.tools": [{**PY_TOOL, "function": "m.tools:run"}]},
+     {"spec.tools[0]": ["exactly one of function"]}),
+    ("tool-with-no-source", {R + "agent": {}, "spec.tools": [{"name": "t"}]}, {"spec.tools[0]": ["exactly one"]}),
+    ("tool-names-repeat", {R + "agent": {}, "spec.tools": [PY_TOOL, PY_TOOL]},
+     {"spec.tools[1].name": ["names must be unique"]}),
+    ("bare-format-with-two-tools", {R + "agent": {"toolCallFormat": "bare"},
+                                    "spec.tools": [PY_TOOL, {"name": "f", "function": "m.tools:run"}]},
+     {"spec.rollout.agent.toolCallFormat": ["only", "use hermes"]}),
     # nnodes x gpusPerNode divisible by TP x PP x CP
     ("tp-not-dividing-gpus", {M + "tensorModelParallelSize": 3},
      {M + "tensorModelParallelSize": ["8 GPUs", "3x1x1", "choose parallel sizes whose product divides"]}),
@@ -188,6 +200,8 @@ CROSS_INVALID = [
 
 CROSS_VALID = [
     ("base", {}),
+    ("agent-with-python-and-function-tools", {R + "agent": {"maxTurns": 3, "maxToolCallsPerTurn": 2},
+                                              "spec.tools": [PY_TOOL, {"name": "f", "function": "m.tools:run"}]}),
     ("tp2-pp4-fills-node", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 4,
                             T + "microBatchSizePerGpu": 64}),
     ("tp8", {M + "tensorModelParallelSize": 8, T + "microBatchSizePerGpu": 128}),
@@ -318,7 +332,7 @@ SCHEMA_INVALID = [
     ("device-tpu", {"spec.device": "tpu"}, "spec.device", ["'gpu' or 'cpu'"], True),
     ("pull-policy-lowercase", {"spec.imagePullPolicy": "always"}, "spec.imagePullPolicy", ["'Always'"], True),
     ("synthetic-task-sort", {**SYNTHETIC, "spec.data.synthetic.task": "sort"}, "spec.data.synthetic.task",
-     ["'target-token' or 'digit-sum'"], True),
+     ["'target-token', 'digit-sum' or 'tool-secret'"], True),
     ("addressing-dns", {"spec.s3.addressingStyle": "dns"}, "spec.s3.addressingStyle", ["'path' or 'virtual'"], True),
     ("prompt-overflow-drop", {"spec.data.promptOverflow": "drop"}, "spec.data.promptOverflow", ["'filter'"], True),
     # unknown fields (typos, snake_case, fields of other tools)
