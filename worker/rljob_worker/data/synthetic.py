@@ -8,7 +8,8 @@ digit-sum:   the prompt is 'a+b=', reward 1 when the first generated token is
     (a + b) mod 10.
 tool-secret: the prompt is a random digit string ending in '=', the answer a per-prompt secret digit drawn
     independently of it, which only the `secret` tool knows (`secret_tool`, spec.tools); reward 1 when the
-    final turn starts with the secret. Without the tool a model is at chance (1/10 at best); the built-in
+    final turn starts with the secret after a successful call (an answer without one is a guess and scores 0,
+    so a model that never calls cannot do better than 0); the built-in
     tiny-qwen2-tools model calls it with a turn ending in </tool_call> (toolCallFormat bare) and reads the
     answer from <tool_response>D.
 Rows follow verl's parquet layout so the same data path serves both.
@@ -55,7 +56,11 @@ def digit_sum_reward(prompt: str, completion: str, ground_truth: str, extra: dic
 
 
 def tool_secret_reward(prompt: str, completion: str, ground_truth: str, extra: dict | None = None) -> float:
-    """1 when the final turn (``completion``) starts with the secret digit."""
+    """1 when the final turn (``completion``) starts with the secret digit and, in a multi-turn rollout
+    (``extra["trajectory"]``), the answer came after a successful tool call: an answer without one is a guess."""
+    trajectory = (extra or {}).get("trajectory")
+    if trajectory is not None and not any(c["outcome"] == "ok" for c in trajectory["tool_calls"]):
+        return 0.0
     return 1.0 if completion[:1] == ground_truth else 0.0
 
 
