@@ -151,7 +151,16 @@ def user_module(tmp_path, monkeypatch):
 def test_builtin_names_resolve_to_the_functions():
     assert resolve_reward("gsm8k") is gsm8k_reward
     assert resolve_reward("math-boxed") is boxed_math_reward
-    assert set(BUILTIN_REWARDS) == {"gsm8k", "math-boxed", "format", "target-token", "digit-sum"}
+    assert set(BUILTIN_REWARDS) == {"gsm8k", "math-boxed", "format", "target-token", "digit-sum", "tool-secret"}
+
+
+def test_tool_secret_reward_scores_the_answer_after_a_successful_call():
+    fn = resolve_reward("tool-secret")
+    called = {"trajectory": {"tool_calls": [{"outcome": "ok"}]}}
+    assert fn("12=", "7", "7", called) == 1.0 and fn("12=", "3", "7", called) == 0.0
+    assert fn("12=", "7", "7", {"trajectory": {"tool_calls": []}}) == 0.0  # a guess
+    assert fn("12=", "7", "7", {"trajectory": {"tool_calls": [{"outcome": "timeout"}]}}) == 0.0
+    assert fn("12=", "7", "7", {}) == 1.0  # single-turn rollouts: the answer alone
 
 
 def test_user_function_by_module_path(user_module):
