@@ -6,7 +6,8 @@ target-token: the prompt is a random digit string ending in '=', the answer is t
     rest as misses, so stopping early never pays).
 digit-sum:   the prompt is 'a+b=', reward 1 when the first generated token is
     (a + b) mod 10.
-tool-secret: the prompt is a random digit string ending in '=', the answer a per-prompt secret digit drawn
+tool-secret: the prompt is a random digit string ending in '=', the answer a per-prompt secret (one of
+    SECRET_CHARS) drawn
     independently of it, which only the `secret` tool knows (`secret_tool`, spec.tools); reward 1 when the
     final turn starts with the secret after a successful call (an answer without one is a guess and scores 0,
     so a model that never calls cannot do better than 0); the built-in
@@ -19,6 +20,7 @@ from __future__ import annotations
 import random
 
 TARGET_CHAR = "7"
+SECRET_CHARS = "0123"  # tool-secret's secrets: few, so each answer-from-output mapping is seen often
 
 
 def generate_rows(task: str, num_prompts: int, seed: int) -> list[dict]:
@@ -30,7 +32,7 @@ def generate_rows(task: str, num_prompts: int, seed: int) -> list[dict]:
             truth = TARGET_CHAR
         elif task == "tool-secret":
             prompt = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6))) + "="
-            truth = str(rng.randint(0, 9))
+            truth = rng.choice(SECRET_CHARS)
         elif task == "digit-sum":
             a, b = rng.randint(0, 9), rng.randint(0, 9)
             prompt, truth = f"{a}+{b}=", str((a + b) % 10)

@@ -16,6 +16,9 @@ Budget: spec.data.maxResponseLength bounds all turns and observations together. 
 is cut there (``finished`` False; a cut observation keeps its first tokens) and scored like any other; its
 reward function sees ``trajectory["cut"]``. A trajectory whose turn makes a call at maxTurns ends there, the call
 not run.
+
+Prefix reuse: a later turn's request is the prompt plus every token so far, so vLLM (prefix caching on by default
+in 0.26) reuses the KV of the earlier turns; the hf engines prefill the whole context again each turn.
 """
 from __future__ import annotations
 

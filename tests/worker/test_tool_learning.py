@@ -1,0 +1,31 @@
+"""The tool task learns on a CPU: a real multi-turn GRPO run of examples/secret-tool.yaml (tiny model, function
+tool, agent loop, loss masks, the whole trainer). The secret is drawn independently of the prompt, so the
+reward can only rise through the tool: it starts near chance and the share of trajectories that call the
+tool rises with it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+from test_learning import REPO, run_trainer
+
+
+def secret_tool_spec() -> dict:
+    spec = yaml.safe_load((REPO / "examples" / "secret-tool.yaml").read_text())["spec"]
+    spec["training"].update(testFreq=-1, valBeforeTrain=False)
+    spec["checkpoint"].update(saveFreq=-1, exportHf=False)
+    spec["metrics"] = {"enabled": False}
+    return spec
+
+
+@pytest.mark.slow
+def test_secret_tool_task_learns_to_call_the_tool(tmp_path):
+    records = run_trainer(secret_tool_spec(), tmp_path)
+    reward = np.array([r["reward/mean"] for r in records])
+    calls = np.array([r["tool/trajectories_with_call"] for r in records])
+    assert reward[:3].mean() < 0.2, reward  # near chance: the tool is needed and not yet used well
+    assert reward[-5:].mean() >= 0.9, reward
+    assert calls[-5:].mean() > calls[:3].mean() + 0.2, calls
+    assert all(r["tool/errors"] == 0 for r in records)  # the secret tool never fails
+    # the tool tokens were context, not loss: the batch's loss tokens are the model's own
+    assert all(r["tool/model_tokens"] < r["response_length/mean"] * 64 for r in records if r["tool/calls"] > 0)
