@@ -433,3 +433,26 @@ def test_stop_token_ends_a_row_inside_the_decode_step(sharp_model_dir, sample_in
             assert row == full[:cut]
             assert finished == (stop in full or EOS_ID in full[:cut])
     assert any(stop in row for row in out.response_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_stop_token_ends_rows_inside_the_graphed_step(sharp_model_dir, compiled):
+    """The stop tokens live in a session buffer the captured (and compiled) decode step reads: a call with stop
+    tokens after a call without them replays the same graphs and stops each row at its first stop token, as the
+    HF engine does; a later call without them runs to the end again."""
+    ref, static = _cuda_engines(sharp_model_dir, compile_decode=compiled, max_graphs=8)
+    free_params = SamplingParams(n=1, temperature=0, max_new_tokens=40)
+    free = static.generate(PROMPTS, free_params)
+    captures = static.graph_captures
+    counts = {}
+    for row in free.response_ids:
+        for tok in row[1:]:
+            counts[tok] = counts.get(tok, 0) + 1
+    stop = max(counts, key=counts.get)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=40, stop_token_ids=(stop,))
+    got, want = static.generate(PROMPTS, params), ref.generate(PROMPTS, params)
+    assert got.response_ids == want.response_ids and got.finished == want.finished
+    assert any(len(r) < 40 for r in got.response_ids)
+    assert static.graph_captures == captures  # no recapture for the stops
+    assert static.generate(PROMPTS, free_params).response_ids == free.response_ids
