@@ -18,7 +18,14 @@ from typing import Any
 import pydantic
 from pydantic import ValidationError
 
-from rljob_api.enums import AdvantageEstimator, AlgorithmName, CriticPlacement, ResumeMode, SFTDataFormat, ToolCallFormat
+from rljob_api.enums import (
+    AdvantageEstimator,
+    AlgorithmName,
+    CriticPlacement,
+    ResumeMode,
+    SFTDataFormat,
+    ToolCallFormat,
+)
 from rljob_api.models import (
     API_VERSION,
     KIND,

@@ -86,7 +86,7 @@ class ToolResponseRenderer:
                     *({"role": "tool", "name": name, "content": text} for name, text in observations)]
         try:
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template error is a configuration error
+        except Exception as exc:  # a template error is a configuration error
             raise ValueError(f"the tokenizer's chat template cannot render tool messages: {exc}") from exc
         if rendered.count(_MARK) != 1 or observations and observations[-1][1] not in rendered:
             raise ValueError("the tokenizer's chat template does not render role 'tool' messages after an "

@@ -59,7 +59,7 @@ def resolve_function(path: str, field: str) -> Callable:
         raise ValueError(f"{field} {path!r}: cannot import module {module_name!r}: {exc}") from None
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise ValueError(f"{field} {path!r}: module {module_name!r} has no function {func_name!r}")
+        raise ValueError(f"{field} {path!r}: module {module_name!r} has no function {func_name!r}")  # noqa: TRY004
     return func
 
 

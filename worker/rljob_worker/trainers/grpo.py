@@ -560,7 +560,7 @@ class GRPOTrainer(RunLoop):
         spec, records = self.spec, self.val_set.records
         params = SamplingParams(n=spec.rollout.val_n, temperature=spec.rollout.val_temperature,
                                 top_p=spec.rollout.top_p, max_new_tokens=spec.data.max_response_length, seed=12345)
-        out, texts, trajectories, _ = self._rollout(records, params)
+        _, texts, trajectories, _ = self._rollout(records, params)
         if not self.is_main:
             return None
         prompts = [r for r in records for _ in range(spec.rollout.val_n)]
