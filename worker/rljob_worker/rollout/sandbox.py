@@ -11,12 +11,11 @@ What a call gets, and what it does not:
 - a wall-clock limit: at the deadline the whole process group is killed (start_new_session), and the group is
   killed after every call, so a forked child never outlives its call;
 - no network when the kernel lets an unprivileged process create a user + network namespace
-  (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``: then only a down loopback exists). The worker image runs as root
-  without CAP_SYS_ADMIN under the default pod security context, where Docker's and containerd's default seccomp
-  profiles refuse unshare: there the sandbox has the pod's network, and a NetworkPolicy that denies egress of the
-  training pods is the operator's control. `SandboxResult.network_isolated` says which case ran. Run the pods as
-  a non-root user (podTemplate securityContext runAsUser) and RLIMIT_NPROC also stops fork bombs; as root the
-  process-group kill at the deadline ends them.
+  (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``: then only a down loopback exists). The container runtimes' default
+  seccomp profiles (RuntimeDefault) refuse unshare without CAP_SYS_ADMIN: there the sandbox has the pod's
+  network, and a NetworkPolicy that denies the training pods' egress is the cluster operator's control.
+  `SandboxResult.network_isolated` says which case ran. The worker image runs as uid 1000 (Dockerfile.worker),
+  so RLIMIT_NPROC at 0 refuses forks; as root that limit does not apply and the process-group kill ends them.
 Every failure becomes an outcome and a one-line observation for the model; nothing raises into the rollout.
 """
 from __future__ import annotations
