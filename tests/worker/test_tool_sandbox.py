@@ -27,7 +27,7 @@ def test_ok_output_and_a_clean_environment_in_an_empty_directory(monkeypatch):
 
     seen = json.loads(result.output)
     assert "AWS_SECRET_ACCESS_KEY" not in seen["env"] and not any(k.startswith("RLJOB") for k in seen["env"])
-    assert seen["cwd"] != os.getcwd() and "rljob-sandbox-" in seen["cwd"] and seen["files"] == ["main.py", ".output"]
+    assert seen["cwd"] != os.getcwd() and "rljob-sandbox-" in seen["cwd"] and sorted(seen["files"]) == [".output", "main.py"]
     assert not os.path.exists(seen["cwd"])  # removed after the call
 
 
