@@ -203,7 +203,7 @@ def parse_body(body: Mapping[str, Any]) -> tuple[RLJob | None, list[str]]:
         job = parse_rljob(doc)
     except RLJobValidationError as exc:
         return None, [str(e) for e in exc.errors]
-    errors = name_errors(job.metadata.name)
+    errors = name_errors(job.metadata.name, job.spec)
     if errors:
         return None, [str(e) for e in errors]
     return job, []

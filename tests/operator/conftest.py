@@ -21,7 +21,7 @@ import pytest
 @pytest.fixture(scope="module")
 def api_server() -> Iterator:
     """The test API server (kmock + harness), or the real one of RLJOB_TEST_KUBECONFIG (realserver.py),
-    with the RLJob and PyTorchJob CRDs applied."""
+    with the RLJob, PyTorchJob, JobSet and Kueue Workload CRDs applied."""
     import opschema
     from cluster import KubeClient
     from realserver import make_server
@@ -30,6 +30,8 @@ def api_server() -> Iterator:
     kube = KubeClient(server.url)
     kube.apply_crd(opschema.rljob_crd())
     kube.apply_crd(opschema.pytorchjob_crd())
+    kube.apply_crd(opschema.jobset_crd())
+    kube.apply_crd(opschema.workload_crd())
     yield server
     server.stop()
 
