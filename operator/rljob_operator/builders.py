@@ -170,6 +170,10 @@ def spec_hash(job: RLJob) -> str:
     """
     doc = spec_document(job)
     doc.pop("suspend", None)
+    # The default child kind leaves the hash as it was before spec.childKind existed, so upgrading the
+    # operator does not read every running PyTorchJob as launched from a different spec.
+    if doc.get("childKind") == ChildKind.PYTORCHJOB.value:
+        doc.pop("childKind")
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
