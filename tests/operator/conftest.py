@@ -89,7 +89,8 @@ def operator(api_server, tmp_path_factory) -> Iterator[OperatorHandle]:
     import cluster
 
     handle = OperatorHandle(api_server, tmp_path_factory.mktemp("operator"), namespaces=["rlj-*"],
-                            env={"RLJOB_RESYNC_SECONDS": str(cluster.RESYNC_SECONDS)}).start()
+                            env={"RLJOB_RESYNC_SECONDS": str(cluster.RESYNC_SECONDS),
+                                 "RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS": str(cluster.KUEUE_GRACE_SECONDS)}).start()
     yield handle
     handle.proc.stop()
 
