@@ -94,6 +94,10 @@ async def run_cycle(namespace: str, name: str, *, trigger: str, ensure_all: bool
                     result = "conflict"
                     continue
                 except kube_io.ApiError as exc:
+                    if exc.namespace_gone:  # a namespace deletion took the children first
+                        log.info("%s/%s: namespace is being deleted; nothing to do (%s)", namespace, name, exc)
+                        result = "gone"
+                        return
                     await _report_failure(api, body, plan, exc)
                     raise kopf.TemporaryError(str(exc), delay=_backoff(retry, exc)) from None
                 metrics.record_created(created)

@@ -73,6 +73,14 @@ class ApiError(Exception):
     def transient(self) -> bool:
         return self.status == 0 or self.status == 429 or self.status >= 500
 
+    @property
+    def namespace_gone(self) -> bool:
+        """A create in a namespace being deleted (403) or already gone (404 naming the namespace): nothing
+        to retry, the namespace's deletion takes everything."""
+        text = str(self)
+        return (self.status == 403 and "being terminated" in text) or (
+            self.status == 404 and 'namespaces "' in text and "not found" in text)
+
 
 class Conflict(ApiError):
     """409 on a write guarded by resourceVersion: someone changed the object since it was read."""
@@ -300,6 +308,8 @@ class KubeApi:
             await self._request("event", "POST", path_for("v1", "Event", obj["metadata"]["namespace"]), obj,
                                 content_type="application/json")
         except ApiError as exc:
+            if exc.namespace_gone:
+                return
             log.warning("could not post event %s on %s: %s", obj["reason"], obj["involvedObject"]["name"], exc)
 
     async def drain_events(self, timeout: float = 5.0) -> None:

@@ -563,6 +563,22 @@ def test_hand_deleted_jobset_is_recreated(kube: KubeClient, operator, eventually
     assert "JobSet js-again was missing" in eventually.event(ns, "js-again", c.EVENT_RECREATED)["message"]
 
 
+def test_deleting_a_namespace_is_quiet(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    """Deleting a namespace takes its RLJobs and their children in any order: a cycle that finds its
+    child gone and may not create one (403, the namespace is terminating) has nothing to do and nothing
+    to warn about."""
+    from cluster import NAMESPACES
+
+    start_running(kube, eventually, ns, "ns-a")
+    start_jobset(kube, eventually, ns, "ns-b")
+    logged = len(operator.logs())
+    kube.delete(NAMESPACES, None, ns)
+    eventually(lambda: kube.maybe_get(NAMESPACES, None, ns) is None, f"namespace {ns} gone", timeout=80)
+    time.sleep(2.0)
+    warnings = [line for line in operator.logs()[logged:].splitlines() if ns in line and "WARNING" in line]
+    assert warnings == []
+
+
 # ---------------------------------------------------------------------------- last: what every test sent
 
 
