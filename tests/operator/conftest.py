@@ -30,7 +30,10 @@ def api_server() -> Iterator:
     kube = KubeClient(server.url)
     kube.apply_crd(opschema.rljob_crd())
     kube.apply_crd(opschema.pytorchjob_crd())
-    kube.apply_crd(opschema.jobset_crd())
+    from realserver import real
+
+    jobset = opschema.without_empty_string_defaults(opschema.jobset_crd()) if real() else opschema.jobset_crd()
+    kube.apply_crd(jobset)
     kube.apply_crd(opschema.workload_crd())
     yield server
     server.stop()

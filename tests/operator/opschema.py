@@ -69,6 +69,18 @@ def workload_crd() -> dict[str, Any]:
     return load_yaml(VENDORED_WORKLOAD_CRD)
 
 
+def without_empty_string_defaults(node: Any) -> Any:
+    """A copy of a CRD without `default: ""` entries, for the real kube-apiserver 1.20 of scripts/kube-envtest:
+    it refuses them under an array's items (`default: Invalid value: "null": must be of type string`),
+    which newer servers accept. The vendored JobSet CRD has 33 (core/v1 `name` fields of secretRef,
+    configMapRef, ...); the operator always sets those names, so no defaulting is lost."""
+    if isinstance(node, list):
+        return [without_empty_string_defaults(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: without_empty_string_defaults(v) for k, v in node.items() if not (k == "default" and v == "")}
+
+
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
