@@ -73,12 +73,21 @@ def without_empty_string_defaults(node: Any) -> Any:
     """A copy of a CRD without `default: ""` entries, for the real kube-apiserver 1.20 of scripts/kube-envtest:
     it refuses them under an array's items (`default: Invalid value: "null": must be of type string`),
     which newer servers accept. The vendored JobSet CRD has 33 (core/v1 `name` fields of secretRef,
-    configMapRef, ...); the operator always sets those names, so no defaulting is lost."""
+    configMapRef, ...); the operator always sets those names, so no defaulting is lost. A list-map key
+    that had one (imagePullSecrets[].name) becomes required instead, as 1.20 asks."""
     if isinstance(node, list):
         return [without_empty_string_defaults(n) for n in node]
     if not isinstance(node, dict):
         return node
-    return {k: without_empty_string_defaults(v) for k, v in node.items() if not (k == "default" and v == "")}
+    out = {k: without_empty_string_defaults(v) for k, v in node.items() if not (k == "default" and v == "")}
+    items = node.get("items")
+    if node.get("x-kubernetes-list-map-keys") and isinstance(items, dict):
+        # A list-map key needs a default or must be required (e.g. imagePullSecrets[].name): required, then.
+        defaulted = [k for k in node["x-kubernetes-list-map-keys"]
+                     if (items.get("properties") or {}).get(k, {}).get("default") == ""]
+        if defaulted:
+            out["items"]["required"] = sorted({*out["items"].get("required", []), *defaulted})
+    return out
 
 
 def file_sha256(path: Path) -> str:
