@@ -26,17 +26,19 @@ def api_server() -> Iterator:
     from cluster import KubeClient
     from realserver import make_server
 
-    server = make_server(bookmark_interval=5.0)
-    kube = KubeClient(server.url)
-    kube.apply_crd(opschema.rljob_crd())
-    kube.apply_crd(opschema.pytorchjob_crd())
     from realserver import real
 
-    jobset = opschema.without_empty_string_defaults(opschema.jobset_crd()) if real() else opschema.jobset_crd()
-    kube.apply_crd(jobset)
-    kube.apply_crd(opschema.workload_crd())
-    yield server
-    server.stop()
+    server = make_server(bookmark_interval=5.0)
+    try:  # a failed CRD apply must not leave the server (or a real server's kubectl proxy) running
+        kube = KubeClient(server.url)
+        kube.apply_crd(opschema.rljob_crd())
+        kube.apply_crd(opschema.pytorchjob_crd())
+        jobset = opschema.without_empty_string_defaults(opschema.jobset_crd()) if real() else opschema.jobset_crd()
+        kube.apply_crd(jobset)
+        kube.apply_crd(opschema.workload_crd())
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
