@@ -61,6 +61,13 @@ class ImportanceLevel(StrEnum):
     SEQUENCE = "sequence"  # GSPO: length-normalised sequence-level ratio
 
 
+class ChildKind(StrEnum):
+    """The workload object the operator creates for an RLJob (see README, "Child kinds")."""
+
+    PYTORCHJOB = "PyTorchJob"  # Kubeflow training-operator v1: one Master, nnodes-1 Workers
+    JOBSET = "JobSet"  # jobset.x-k8s.io/v1alpha2: a `trainer` replicatedJob (Indexed Job of nnodes pods)
+
+
 class RolloutEngine(StrEnum):
     VLLM = "vllm"
     HF = "hf"

@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 from rljob_api.enums import (
     AdvantageEstimator,
     AlgorithmName,
+    ChildKind,
     CriticPlacement,
     ImportanceLevel,
     KLEstimator,
@@ -542,7 +543,9 @@ class MetricsSpec(ApiModel):
 
 
 class RunPolicySpec(ApiModel):
-    backoff_limit: int = _f(3, "Pod restarts before the PyTorchJob is failed.", ge=0, le=1000)
+    backoff_limit: int = _f(
+        3, "Restart budget: pod restarts before the PyTorchJob is failed; with childKind JobSet, whole-JobSet "
+        "restarts (failurePolicy.maxRestarts).", ge=0, le=1000)
     active_deadline_seconds: int | None = _f(None, "Wall-clock limit of the whole job.", ge=1)
     ttl_seconds_after_finished: int | None = _f(None, "Delete the PyTorchJob's pods this long after it finishes.", ge=0)
 
@@ -596,6 +599,12 @@ class RLJobSpec(ApiModel):
     gpus_per_node: int = _f(8, "GPUs per pod, one training process each; with device cpu, processes per pod. (verl: trainer.n_gpus_per_node)", ge=1, le=64)
     device: Literal["gpu", "cpu"] = _f("gpu", "gpu requests gpusPerNode GPUs per pod; cpu runs gloo processes (tests, quickstart).")
     suspend: bool = _f(False, "Suspend the job: a checkpoint is saved, pods are deleted; false resumes from it.")
+    child_kind: ChildKind = _f(
+        ChildKind.PYTORCHJOB,
+        "The workload the operator creates: PyTorchJob (Kubeflow training-operator v1; one Master, nnodes-1 "
+        "Workers) or JobSet (jobset.x-k8s.io/v1alpha2; one `trainer` replicatedJob, an Indexed Job of nnodes "
+        "pods). Kueue >= 0.19 manages JobSets by default but no longer PyTorchJobs. A launch-time field: "
+        "change it while suspended.")
     model: ModelSpec = _f(description="The policy model.")
     data: DataSpec = _f(default_factory=DataSpec, description="Training and validation data.")
     algorithm: AlgorithmSpec = _f(default_factory=AlgorithmSpec, description="RL algorithm and loss.")
@@ -612,7 +621,7 @@ class RLJobSpec(ApiModel):
     checkpoint: CheckpointSpec = _f(default_factory=CheckpointSpec, description="Checkpointing and resume.")
     s3: S3Spec = _f(default_factory=S3Spec, description="Object storage connection for s3:// URIs.")
     metrics: MetricsSpec = _f(default_factory=MetricsSpec, description="Prometheus metrics.")
-    run_policy: RunPolicySpec = _f(default_factory=RunPolicySpec, description="Retries and deadlines of the PyTorchJob.")
+    run_policy: RunPolicySpec = _f(default_factory=RunPolicySpec, description="Retries and deadlines of the child (PyTorchJob or JobSet).")
     pod_template: PodTemplateSpec = _f(default_factory=PodTemplateSpec, description="Overrides of the training pods.")
 
 
@@ -657,7 +666,8 @@ class TrainerStatus(ApiModel):
 class RLJobStatus(ApiModel):
     observed_generation: int | None = _f(None, "metadata.generation the operator last acted on.")
     conditions: list[Condition] = _f(default_factory=list, description="Current conditions, one per type.")
-    pytorch_job_name: str | None = _f(None, "Name of the PyTorchJob running this RLJob.")
+    pytorch_job_name: str | None = _f(None, "Name of the PyTorchJob running this RLJob (childKind PyTorchJob).")
+    job_set_name: str | None = _f(None, "Name of the JobSet running this RLJob (childKind JobSet).")
     start_time: str | None = _f(None, "When training pods first ran (RFC 3339).")
     completion_time: str | None = _f(None, "When the job succeeded or failed (RFC 3339).")
     trainer: TrainerStatus | None = _f(None, "Progress reported by the worker.")

@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import ValidationError
 
-from rljob_api.enums import AdvantageEstimator, AlgorithmName, CriticPlacement, ResumeMode, SFTDataFormat
+from rljob_api.enums import AdvantageEstimator, AlgorithmName, ChildKind, CriticPlacement, ResumeMode, SFTDataFormat
 from rljob_api.models import (
     API_VERSION,
     KIND,
@@ -228,11 +228,21 @@ def pool_ranks(spec: RLJobSpec) -> tuple[list[int], list[int]]:
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-def name_errors(name: str) -> list[FieldError]:
-    """The RLJob name becomes pod and service names (<name>-master-0): keep it a DNS label."""
+def name_errors(name: str, spec: RLJobSpec | None = None) -> list[FieldError]:
+    """The RLJob name becomes pod and service names (<name>-master-0): keep it a DNS label.
+
+    With childKind JobSet the pods' hostnames are <name>-trainer-0-<index> (a DNS label of at most
+    63 characters), which leaves less room for the name on large jobs."""
     if not _K8S_NAME.match(name) or len(name) > 50:
         return [FieldError("metadata.name", "must be a DNS label of at most 50 characters (lowercase letters, digits, '-'), "
                            "because pods are named <name>-worker-N")]
+    if spec is not None and spec.child_kind == ChildKind.JOBSET:
+        longest = f"{name}-trainer-0-{spec.nnodes - 1}"
+        if len(longest) > 63:
+            return [FieldError("metadata.name", (
+                f"is {len(name)} characters; with spec.childKind JobSet and {spec.nnodes} nodes the last pod's "
+                f"hostname {longest} would exceed 63 characters: shorten the name to at most "
+                f"{63 - len(longest) + len(name)} characters"))]
     return []
 
 

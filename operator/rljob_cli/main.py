@@ -46,7 +46,7 @@ def load_rljob(path: str):
     if len(docs) != 1:
         raise ValueError(f"{path}: expected exactly one RLJob document, found {len(docs)}")
     job = parse_rljob(docs[0])
-    errors = name_errors(job.metadata.name)
+    errors = name_errors(job.metadata.name, job.spec)
     if errors:
         raise RLJobValidationError(errors)
     return job
@@ -91,7 +91,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             label = path if len(docs) == 1 else f"{path}#{index}"
             try:
                 job = parse_rljob(doc)
-                errors = name_errors(job.metadata.name)
+                errors = name_errors(job.metadata.name, job.spec)
                 if errors:
                     raise RLJobValidationError(errors)
             except RLJobValidationError as exc:

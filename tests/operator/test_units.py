@@ -128,3 +128,26 @@ def test_operator_cli_needs_a_scope() -> None:
         build_parser().parse_args(["-A", "-n", "x"])
     args = build_parser().parse_args(["-n", "team-a", "--namespace", "rl-*", "--metrics-port", "0"])
     assert args.namespaces == ["team-a", "rl-*"] and args.metrics_port == 0 and args.peering is None
+
+
+def test_metrics_bind_address_and_kueue_grace_settings() -> None:
+    assert OperatorSettings().operator_metrics_address == "0.0.0.0"  # the default is unchanged: every interface
+    assert OperatorSettings().kueue_workload_grace_seconds == 60.0
+    s = OperatorSettings.from_env({"RLJOB_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
+                                   "RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS": "5"})
+    assert (s.operator_metrics_address, s.kueue_workload_grace_seconds) == ("127.0.0.1", 5.0)
+    assert OperatorSettings.from_env({"RLJOB_OPERATOR_METRICS_ADDRESS": "::"}).operator_metrics_address == "::"
+    with pytest.raises(ValueError, match="RLJOB_OPERATOR_METRICS_ADDRESS='localhost' is not an IP address"):
+        OperatorSettings.from_env({"RLJOB_OPERATOR_METRICS_ADDRESS": "localhost"})
+    with pytest.raises(ValueError, match="RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS"):
+        OperatorSettings.from_env({"RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS": "-1"})
+
+
+def test_the_metrics_server_binds_the_configured_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rljob_operator import metrics
+
+    calls = []
+    monkeypatch.setattr(metrics, "start_http_server", lambda port, addr: calls.append((port, addr)))
+    monkeypatch.setattr(metrics, "_server_started", False)
+    assert metrics.start_server(9999, "127.0.0.1") is True
+    assert calls == [(9999, "127.0.0.1")]

@@ -130,6 +130,16 @@ tests/chart/test_rbac.py asserts that these rules equal what the operator's code
 - apiGroups: ["kubeflow.org"]
   resources: ["pytorchjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The child JobSet (spec.childKind: JobSet): the same verbs as for PyTorchJobs.
+- apiGroups: ["jobset.x-k8s.io"]
+  resources: ["jobsets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Kueue's Workloads: a queue-labelled child that no Workload owns after
+# operator.kueueWorkloadGraceSeconds gets Admitted=False, reason NoKueueWorkload (kube_io lists them;
+# kopf watches them to notice one appearing). Read-only.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "watch"]
 # The <job>-spec ConfigMap: read, create, rewrite when a suspended job's spec changed.
 - apiGroups: [""]
   resources: ["configmaps"]
