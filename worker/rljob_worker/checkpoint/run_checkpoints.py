@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
@@ -100,8 +101,11 @@ class RunCheckpoints:
         self.spec, self.env = spec, env
         self.uri = ctx.checkpoint_uri or spec.checkpoint.uri
         self.store = open_store(self.uri, endpoint_url=spec.s3.endpoint, region=spec.s3.region)
+        # The owner of the steps this run saves: the RLJob's uid (its restarted pods continue its run
+        # even with resumeMode disable), or for `rljob run` the launcher's run id.
+        owner = os.environ.get("RLJOB_UID") or os.environ.get("RLJOB_RUN_ID") or None
         self.manager = CheckpointManager(self.store, base_prefix=f"{ctx.namespace}/{ctx.job_name}",
-                                         max_to_keep=spec.checkpoint.max_to_keep or None)
+                                         max_to_keep=spec.checkpoint.max_to_keep or None, owner=owner)
         self.local_root = Path(ctx.workdir) / "checkpoints"
         spec_json = spec.model_dump(mode="json", by_alias=True)
         self.spec_hash = spec_hash(spec_json)
