@@ -39,16 +39,23 @@ def _utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-# Settings a resume must not change: what the weights were trained from and on, the algorithm, and
-# what decides the data order the sampler position refers to. Learning rate, steps, saveFreq,
-# validation, metrics, resources and the parallel layout (megatron checkpoints reshard) may change.
+# Settings a resume must not change: what the weights were trained from and on (the policy's and the
+# critic's), their dtype and architecture overrides, the algorithm (SFT's objective included), and what
+# decides the data order the sampler position refers to. Learning rates and schedules, steps, saveFreq,
+# validation (data.valFiles, data.synthetic.numValPrompts), rollout engine settings, rewards, metrics,
+# resources and the parallel layout (megatron checkpoints reshard) may change. A top-level name stands
+# for its whole section; tests/checkpoint/test_resume_fields.py classifies every spec field.
 RESUME_FIXED_FIELDS = (
-    "model.path", "model.tokenizerPath",
-    "data.trainFiles", "data.synthetic", "data.promptKey", "data.maxPromptLength", "data.promptOverflow",
-    "data.applyChatTemplate", "data.shuffle",
+    "model.path", "model.tokenizerPath", "model.dtype",
+    "data.trainFiles", "data.synthetic.task", "data.synthetic.numPrompts", "data.promptKey",
+    "data.maxPromptLength", "data.promptOverflow", "data.applyChatTemplate", "data.shuffle",
     "algorithm",
+    "sft.format", "sft.responseKey", "sft.messagesKey", "sft.maxLength", "sft.overflow", "sft.lossOnPromptTokens",
+    "sft.packing",
     "rollout.samplesPerPrompt",
     "training.trainBatchSizePerNode", "training.seed",
+    "megatron.overrideTransformerConfig",
+    "critic.model.path", "critic.outputLayerIndex", "critic.cliprangeValue", "critic.megatron.overrideTransformerConfig",
 )
 
 
