@@ -61,6 +61,11 @@ class ImportanceLevel(StrEnum):
     SEQUENCE = "sequence"  # GSPO: length-normalised sequence-level ratio
 
 
+class WhitenScope(StrEnum):
+    BATCH = "batch"  # one mean and std over every response token of the step's batch (verl)
+    MINI_BATCH = "mini-batch"  # over each mini-batch's response tokens, just before its update
+
+
 class RolloutEngine(StrEnum):
     VLLM = "vllm"
     HF = "hf"
