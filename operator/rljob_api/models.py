@@ -49,6 +49,9 @@ CATEGORIES = ["ml"]
 STORAGE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*)$"
 # A model source additionally accepts builtin://NAME (a tiny model rljob builds from a shipped config).
 MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*|builtin://[a-z0-9\-]+)$"
+# The builtin://NAME models the worker builds (rljob_worker.data.builtin_models holds their configs; a test keeps
+# the two lists equal), here so that validation refuses an unknown name without the worker's dependencies.
+BUILTIN_MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-hd64")
 # module.path:function
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
