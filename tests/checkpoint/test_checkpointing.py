@@ -366,16 +366,20 @@ def _step_files(store, prefix):
     return sorted(o.key for o in store.list_prefix(prefix))
 
 
-def test_resume_from_seeds_only_the_first_start(store, tmp_path, helpers):
-    """resumeMode uri: the seed on the first start; after that the job's own newest committed step."""
+def test_resume_from_seeds_only_the_first_start(store, tmp_path, helpers, caplog):
+    """resumeMode uri: the seed on the first start; after that the job's own newest committed step, said at
+    WARNING (the worker log, which `rljob run` prints)."""
     seed_job = CheckpointManager(store, "ns/seed-job")
     seed = _save(seed_job, tmp_path / "seed", helpers, 50)
     manager = CheckpointManager(store, BASE, max_to_keep=2)
     first = restore_for_resume(manager, ResumeMode.URI, seed.uri, tmp_path / "r1")
     assert first.step == 50 and first.uri == seed.uri
     _save(manager, tmp_path, helpers, 55)  # the job trains on and commits step 55, then its pod restarts
-    again = restore_for_resume(manager, ResumeMode.URI, seed.uri, tmp_path / "r2")
+    with caplog.at_level("WARNING"):
+        again = restore_for_resume(manager, ResumeMode.URI, seed.uri, tmp_path / "r2")
     assert again.step == 55 and again.uri == manager.step_uri(55)
+    [warning] = [r for r in caplog.records if "not from resumeFrom" in r.getMessage()]
+    assert warning.levelname == "WARNING" and seed.uri in warning.getMessage()
     assert helpers.read_tree(tmp_path / "r2") == helpers.read_tree(tmp_path / "local_55")
 
 

@@ -243,3 +243,11 @@ def test_the_api_knows_every_builtin_model_the_worker_builds():
     from rljob_worker.data.builtin_models import BUILTIN_MODELS
 
     assert sorted(BUILTIN_MODEL_NAMES) == sorted(BUILTIN_MODELS)
+
+
+def test_a_job_whose_saved_progress_no_longer_loads_is_a_configuration_error():
+    """exit 2 with one line (the pod's entry point), like every other start-up refusal."""
+    from rljob_worker.checkpoint.commit import ProgressLost
+    from rljob_worker.startup_errors import is_configuration_error
+
+    assert is_configuration_error(ProgressLost("none of it loads"))
