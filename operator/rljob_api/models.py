@@ -532,7 +532,11 @@ class CheckpointSpec(ApiModel):
     save_freq: int = _f(30, "Save every this many steps (and at the end); -1 saves only at the end; 0 never saves (benchmarks: "
         "nothing to resume from). (verl: trainer.save_freq)", ge=-1)
     max_to_keep: int = _f(5, "Committed checkpoints kept; older ones are deleted after a newer one commits; 0 keeps all. (verl: trainer.max_actor_ckpt_to_keep)", ge=0)
-    resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom). (verl: trainer.resume_mode)")
+    resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom, "
+                                 "until the job has a step of its own). disable means not from an earlier job's "
+                                 "steps: they move to <job prefix>/superseded/<time>/ (the newest 2 such folders are "
+                                 "kept, all with maxToKeep 0), while a restart of the same RLJob (uid) continues its "
+                                 "own steps. (verl: trainer.resume_mode)")
     resume_from: str | None = _f(
         None, "Checkpoint step folder to resume from when resumeMode is uri. (verl: trainer.resume_from_path)", pattern=STORAGE_URI_PATTERN, max_length=1024
     )
