@@ -68,6 +68,11 @@ class ChildKind(StrEnum):
     JOBSET = "JobSet"  # jobset.x-k8s.io/v1alpha2: a `trainer` replicatedJob (Indexed Job of nnodes pods)
 
 
+class WhitenScope(StrEnum):
+    BATCH = "batch"  # one mean and std over every response token of the step's batch (verl)
+    MINI_BATCH = "mini-batch"  # over each mini-batch's response tokens, just before its update
+
+
 class RolloutEngine(StrEnum):
     VLLM = "vllm"
     HF = "hf"

@@ -34,6 +34,7 @@ from rljob_api.enums import (
     RolloutEngine,
     RolloutRanks,
     SFTDataFormat,
+    WhitenScope,
 )
 
 GROUP = "rljob.dev"
@@ -49,6 +50,9 @@ CATEGORIES = ["ml"]
 STORAGE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*)$"
 # A model source additionally accepts builtin://NAME (a tiny model rljob builds from a shipped config).
 MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*|builtin://[a-z0-9\-]+)$"
+# The builtin://NAME models the worker builds (rljob_worker.data.builtin_models holds their configs; a test keeps
+# the two lists equal), here so that validation refuses an unknown name without the worker's dependencies.
+BUILTIN_MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-hd64")
 # module.path:function
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
@@ -169,17 +173,30 @@ class RolloutCorrectionSpec(ApiModel):
         False,
         "Truncated importance sampling: weight each token's policy-gradient loss by min(pi_train / pi_rollout, "
         "threshold), pi_rollout being the rollout engine's own log-prob of the token (Yao et al. 2025; verl: "
-        "algorithm.rollout_corr token-level TIS; TRL: vllm_importance_sampling_mode token_truncate).",
+        "algorithm.rollout_correction.rollout_is token; TRL: vllm_importance_sampling_mode token_truncate).",
     )
     sequence_masking: bool = _f(
         False,
         "Drop from the policy-gradient loss every response whose sequence ratio, the geometric mean of its "
-        "token ratios pi_train / pi_rollout, lies outside [1 / threshold, threshold]; the response still "
-        "counts in the loss normaliser. (TRL: vllm_importance_sampling_mode sequence_mask)",
+        "token ratios pi_train / pi_rollout (exp of the mean token log-ratio), lies outside "
+        "[1 / sequenceMaskingThreshold, sequenceMaskingThreshold]; the response still counts in the loss "
+        "normaliser. This is verl's geometric rejection sampling (algorithm.rollout_correction.rollout_rs "
+        "geometric, rollout_rs_threshold, lower bound 1/threshold by default). TRL's sequence_mask is another rule: "
+        "it masks when the product of the token ratios exceeds its cap (upper side only), which on long "
+        "responses follows the length more than the mismatch.",
     )
     threshold: float = _f(
-        2.0, "C: the truncation cap of tokenTruncation and the band [1/C, C] of sequenceMasking (verl's and TRL's "
-        "default cap is 2).", gt=1, le=100,
+        2.0, "C: the truncation cap of tokenTruncation (verl's rollout_is_threshold defaults to 2; TRL's "
+        "vllm_importance_sampling_cap to 3).", gt=1, le=100,
+    )
+    sequence_masking_threshold: float = _f(
+        1.01, "The band [1/D, D] of sequenceMasking's geometric-mean ratio. 1.01 masks a response whose tokens are "
+        "on average 1% more (or less) likely under the trainer than under the engine: a systematic mismatch, "
+        "whose product ratio is e^(0.01 T) (e^10 at 1,000 tokens). Per-token differences of random sign, of the "
+        "order of 1e-2 nats for bf16 kernels, average out to about 1e-2 / sqrt(T) (3e-3 at 10 tokens, 3e-4 at "
+        "1,000), inside the band. A band as wide as the truncation cap 2 would need a drift of ln 2 = 0.69 nats "
+        "per token and practically never fire. verl suggests 1.0002-1.001 for its geometric rejection, which "
+        "also masks noise on short responses.", gt=1, le=100,
     )
 
 
@@ -209,6 +226,12 @@ class AlgorithmSpec(ApiModel):
         "(divisor G for a group of G), not Bessel's (G - 1) that verl's GRPO uses, so verl's advantages are these "
         "times sqrt((G - 1) / G). reinforce_plus_plus whitens over all response tokens of the batch (a response "
         "weighs its length), as the paper and verl. (verl: algorithm.norm_adv_by_std_in_grpo)"
+    )
+    whiten_scope: WhitenScope = _f(
+        WhitenScope.MINI_BATCH, "gae: which response tokens one whitening of the advantages (subtract the mean, "
+        "divide by the std) runs over: mini-batch (the default: each mini-batch's tokens, on every data-parallel "
+        "rank, just before its update) or batch (all of the step's tokens at once, as verl's compute_advantage "
+        "does). With one mini-batch per step the two are the same."
     )
     clip_ratio_low: float = _f(0.2, "PPO clip range below 1. (verl: actor.clip_ratio_low)", ge=0, le=1)
     clip_ratio_high: float = _f(0.2, "PPO clip range above 1; DAPO's clip-higher uses 0.28. (verl: actor.clip_ratio_high)", ge=0, le=10)
@@ -510,7 +533,11 @@ class CheckpointSpec(ApiModel):
     save_freq: int = _f(30, "Save every this many steps (and at the end); -1 saves only at the end; 0 never saves (benchmarks: "
         "nothing to resume from). (verl: trainer.save_freq)", ge=-1)
     max_to_keep: int = _f(5, "Committed checkpoints kept; older ones are deleted after a newer one commits; 0 keeps all. (verl: trainer.max_actor_ckpt_to_keep)", ge=0)
-    resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom). (verl: trainer.resume_mode)")
+    resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom, "
+                                 "until the job has a step of its own). disable means not from an earlier job's "
+                                 "steps: they move to <job prefix>/superseded/<time>/ (the newest 2 such folders are "
+                                 "kept, all with maxToKeep 0), while a restart of the same RLJob (uid) continues its "
+                                 "own steps. (verl: trainer.resume_mode)")
     resume_from: str | None = _f(
         None, "Checkpoint step folder to resume from when resumeMode is uri. (verl: trainer.resume_from_path)", pattern=STORAGE_URI_PATTERN, max_length=1024
     )

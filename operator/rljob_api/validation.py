@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from rljob_api.enums import AdvantageEstimator, AlgorithmName, ChildKind, CriticPlacement, ResumeMode, SFTDataFormat
 from rljob_api.models import (
     API_VERSION,
+    BUILTIN_MODEL_NAMES,
     KIND,
     MODEL_URI_PATTERN,
     REWARD_FUNCTION_PATTERN,
@@ -251,6 +252,7 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     errs: list[FieldError] = []
     m, t, r, a = spec.megatron, spec.training, spec.rollout, spec.algorithm
     errs.extend(critic_pool_errors(spec))
+    errs.extend(builtin_model_errors(spec))
     actor_gpus = actor_gpus_per_node(spec)
     if actor_gpus <= 0:  # critic.gpus takes the whole node: reported above
         actor_gpus = spec.gpus_per_node
@@ -471,6 +473,20 @@ def sft_errors(spec: RLJobSpec, dp: int | None) -> list[FieldError]:
     if spec.data.synthetic is not None and s.format != SFTDataFormat.PROMPT_RESPONSE:
         errs.append(FieldError("spec.sft.format", "data.synthetic generates prompt-response rows; set format: "
                                "prompt-response or give trainFiles"))
+    return errs
+
+
+def builtin_model_errors(spec: RLJobSpec) -> list[FieldError]:
+    """A builtin://NAME model source must name a model the worker builds."""
+    errs = []
+    paths = [("spec.model.path", spec.model.path)]
+    if spec.critic is not None:
+        paths.append(("spec.critic.model.path", spec.critic.model.path))
+    for where, path in paths:
+        if path and path.startswith("builtin://") and path[len("builtin://"):] not in BUILTIN_MODEL_NAMES:
+            errs.append(FieldError(where, f"{path} is not a built-in model; choose one of "
+                                   + ", ".join(f"builtin://{n}" for n in BUILTIN_MODEL_NAMES)
+                                   + ", or give an s3:// or local Hugging Face folder"))
     return errs
 
 

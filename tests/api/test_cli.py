@@ -55,15 +55,16 @@ def test_console_script_is_declared():
 
 def test_validate_examples_one_ok_line_each():
     code, out = rljob("validate", *[p.relative_to(ROOT) for p in EXAMPLE_PATHS])
-    assert code == 0, out
-    lines = [line for line in out.strip().splitlines() if not line.startswith("  NOT RUNNABLE")]
+    assert code == 1, out  # the trinity example is valid but not runnable by this worker release
+    lines = [line for line in out.strip().splitlines() if not line.startswith(("  NOT RUNNABLE", "note: "))]
     assert len(lines) == len(EXAMPLE_PATHS), out
     for path, line in zip(EXAMPLE_PATHS, lines):
-        assert line.startswith(f"OK {path.relative_to(ROOT)}: "), line
+        word = "NOT RUNNABLE" if path.name == "trinity-ppo-megatron.yaml" else "OK"
+        assert line.startswith(f"{word} {path.relative_to(ROOT)}: "), line
     # valid, but this worker runs a shared critic only at the actor's layout (a split critic has its own)
-    refused = out.split("OK examples/trinity-ppo-megatron.yaml")[1].split("\nOK ")[0]
+    refused = out.split("NOT RUNNABLE examples/trinity-ppo-megatron.yaml")[1].split("\nOK ")[0]
     assert "NOT RUNNABLE by this worker release: spec.critic.megatron.tensorModelParallelSize" in refused, out
-    assert out.count("NOT RUNNABLE") == refused.count("NOT RUNNABLE"), out  # the split example runs
+    assert out.count("NOT RUNNABLE") == refused.count("NOT RUNNABLE") + 1, out  # the split example runs
     assert "qwen3-8b-grpo: grpo on s3://models/Qwen/Qwen3-8B, 1x8 gpu, TP2 PP4 CP1" in out
 
 
@@ -170,7 +171,7 @@ def test_validate_multi_document_file(tmp_path):
                                                       for n in ("a", "b")) + "---\n")
     code, out = rljob("validate", both_ok)
     assert code == 0, out
-    assert out.strip().splitlines() == [f"OK {both_ok}#0: " + out.split(f"OK {both_ok}#0: ")[1].splitlines()[0],
+    assert [ln for ln in out.strip().splitlines() if not ln.startswith("note: ")] == [f"OK {both_ok}#0: " + out.split(f"OK {both_ok}#0: ")[1].splitlines()[0],
                                         f"OK {both_ok}#1: " + out.split(f"OK {both_ok}#1: ")[1].splitlines()[0]]
 
 
@@ -193,6 +194,79 @@ def test_validate_stdin():
 def test_validate_needs_a_file():
     code, out = rljob("validate")
     assert code == 2 and "usage: rljob validate" in out, out
+
+
+def _local_job(tmp_path: Path, **spec: object) -> dict:
+    """The quickstart's shape (builtin model, CPU) with its checkpoints under tmp_path, changed by `spec`."""
+    job = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["checkpoint"]["uri"] = f"file://{tmp_path}/ckpt"
+    for path, value in spec.items():
+        section, _, field = path.partition(".")
+        job["spec"].setdefault(section, {})[field] = value
+    return job
+
+
+def test_validate_refuses_an_unknown_builtin_model_everywhere(tmp_path):
+    code, out = rljob("validate", write(tmp_path, "j.yaml", _local_job(tmp_path, **{"model.path": "builtin://tiny-qwen3"})))
+    assert code == 1, out
+    assert "INVALID" in out and "spec.model.path: builtin://tiny-qwen3 is not a built-in model" in out, out
+    assert "builtin://tiny-qwen2, builtin://tiny-qwen2-hd64" in out, out
+
+
+def test_validate_local_checks_what_rljob_run_would_find_missing_on_this_machine(tmp_path):
+    """A missing local data file and an unusable checkpoint folder fail `rljob run` 13-33 s in; `validate
+    --local` says so at once, naming the field, and says what it could not check (s3:// objects)."""
+    (tmp_path / "afile").write_text("not a folder")
+    job = _local_job(tmp_path, **{"data.trainFiles": [str(tmp_path / "missing.parquet")],
+                                  "data.valFiles": ["s3://bucket/val.parquet"],
+                                  "checkpoint.uri": f"file://{tmp_path}/afile/ckpt"})
+    job["spec"]["data"].pop("synthetic")
+    path = write(tmp_path, "j.yaml", job)
+    code, out = rljob("validate", "--local", path)
+    assert code == 1, out
+    assert f"spec.data.trainFiles[0]: {tmp_path}/missing.parquet does not exist on this machine" in out, out
+    assert (f"spec.checkpoint.uri: file://{tmp_path}/afile/ckpt cannot be created: {tmp_path}/afile is a file, "
+            "not a folder") in out, out
+    assert "not checked: spec.data.valFiles[0] s3://bucket/val.parquet (s3:// objects are read at run time)" in out
+    # the same spec for a cluster: paths are the pods', so plain validate says it did not check them
+    code, out = rljob("validate", path)
+    assert code == 0, out
+    assert "note: local paths not checked (they are the pods'; `rljob validate --local` checks them for `rljob run`)" in out
+    # a good local spec passes --local
+    code, out = rljob("validate", "--local", write(tmp_path, "ok.yaml", _local_job(tmp_path)))
+    assert code == 0 and out.startswith("OK "), out
+
+
+def test_run_refuses_a_missing_local_data_file_before_starting(tmp_path):
+    import time
+
+    job = _local_job(tmp_path, **{"data.trainFiles": [str(tmp_path / "missing.parquet")]})
+    job["spec"]["data"].pop("synthetic")
+    started = time.monotonic()
+    code, out = rljob("run", write(tmp_path, "j.yaml", job), "--workdir", tmp_path / "work")
+    assert code == 2, out
+    assert f"rljob: spec.data.trainFiles[0]: {tmp_path}/missing.parquet does not exist on this machine" in out, out
+    assert time.monotonic() - started < 20, "the check runs before the worker starts"  # the run failed at 13-33 s
+    assert not (tmp_path / "work").exists()
+
+
+def test_validate_local_names_a_folder_this_user_cannot_write(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("this user (root) writes anywhere: a read-only folder cannot be made here")
+        code, out = rljob("validate", "--local", write(tmp_path, "j.yaml", _local_job(
+            tmp_path, **{"checkpoint.uri": f"file://{locked}/ckpt"})))
+    finally:
+        locked.chmod(0o700)
+    assert code == 1 and f"{locked} is not writable by this user" in out, out
+
+
+def test_validate_exits_non_zero_on_a_spec_this_worker_cannot_run():
+    code, out = rljob("validate", "examples/trinity-ppo-megatron.yaml")
+    assert code == 1 and "NOT RUNNABLE by this worker release" in out, out
 
 
 # --------------------------------------------------------------------------- crd and explain

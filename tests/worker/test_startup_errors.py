@@ -235,3 +235,19 @@ def test_a_start_up_error_through_torchrun_is_one_line_with_exit_2(tmp_path):
     errors = [line for line in non_log_lines(proc.stderr) if not line.startswith("rljob: ")]
     assert len(errors) == 1 and errors[0].startswith("rljob worker: spec.reward.function"), proc.stderr
     assert "finished with exit code 2" in proc.stdout
+
+
+def test_the_api_knows_every_builtin_model_the_worker_builds():
+    """rljob_api validates builtin:// names without the worker's dependencies; the two lists must agree."""
+    from rljob_api.models import BUILTIN_MODEL_NAMES
+    from rljob_worker.data.builtin_models import BUILTIN_MODELS
+
+    assert sorted(BUILTIN_MODEL_NAMES) == sorted(BUILTIN_MODELS)
+
+
+def test_a_job_whose_saved_progress_no_longer_loads_is_a_configuration_error():
+    """exit 2 with one line (the pod's entry point), like every other start-up refusal."""
+    from rljob_worker.checkpoint.commit import ProgressLost
+    from rljob_worker.startup_errors import is_configuration_error
+
+    assert is_configuration_error(ProgressLost("none of it loads"))

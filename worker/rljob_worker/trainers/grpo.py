@@ -440,7 +440,8 @@ class GRPOTrainer(RunLoop):
             # pi_train / pi_rollout: the trainer's log-probs of the sampling policy against the engine's own
             weights, correction_metrics = algo.rollout_correction_weights(
                 old, micro["rollout_logprobs"], mask, threshold=correction.threshold,
-                token_truncation=correction.token_truncation, sequence_masking=correction.sequence_masking)
+                token_truncation=correction.token_truncation, sequence_masking=correction.sequence_masking,
+                mask_threshold=correction.sequence_masking_threshold)
             loss, metrics = algo.grpo_loss(logprobs, old, micro["advantages"], mask, config,
                                            ref_logprobs=micro.get("ref_logprobs"), entropy=entropy,
                                            token_weights=weights if correct else None,
