@@ -317,3 +317,18 @@ def test_run_refuses_steps_below_one(tmp_path, steps, words):
     code, out = rljob("run", QUICKSTART, "--workdir", tmp_path / "w", "--steps", steps)
     assert code == 2 and "--steps" in out and words in out, out
     assert not (tmp_path / "w").exists()
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    """`<<: *anchor` merges a mapping (kubectl accepts it); a key set beside the merge overrides the
+    merged one. A key written twice by hand is still refused."""
+    from rljob_cli.yaml_load import load_all
+
+    assert load_all("base: &b {x: 1, y: 2}\nm: {<<: *b, y: 3}\nn:\n  <<: [*b, {z: 4}]\n") == [
+        {"base": {"x": 1, "y": 2}, "m": {"x": 1, "y": 3}, "n": {"x": 1, "y": 2, "z": 4}}]
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'y'"):
+        load_all("base: &b {x: 1}\nm: {<<: *b, y: 3, y: 4}\n")
+    merged = (HEAD.replace("model: {path: /m}", "model: &policy {path: /m}")
+              + "  algorithm: {advantageEstimator: gae}\n  critic: {model: {<<: *policy}}\n")
+    code, out = rljob("validate", write(tmp_path, "merge.yaml", merged))
+    assert code == 0 and out.startswith("OK "), out
