@@ -650,7 +650,10 @@ class TrainerStatus(ApiModel):
         None, "Samples whose reward came back NaN or +-Inf so far (scored 0); above 0 the reward function has a bug.")
     last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")
     quarantined_checkpoints: list[QuarantinedCheckpointStatus] | None = _f(
-        None, "Corrupt checkpoint steps moved to quarantine/ at start-up; the previous committed step loaded.")
+        None, "Corrupt checkpoint steps moved to quarantine/ at start-up; the previous committed step loaded. "
+        "The newest ones that fit the worker's 4 KiB progress report, oldest first.")
+    quarantined_checkpoints_omitted: int | None = _f(
+        None, "Older quarantined steps not listed in quarantinedCheckpoints (see the job prefix's quarantine/).")
     last_updated_time: str | None = _f(None, "When the worker last reported (RFC 3339).")
 
 
