@@ -27,6 +27,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import random
 import secrets
@@ -61,6 +62,11 @@ if any(os.environ.get(v) for v in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "h
         os.environ[_v] = ",".join(x for x in (os.environ.get(_v), "127.0.0.1", "localhost") if x)
 
 _NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+# torch's structured-trace logger writes an empty DEBUG record per compile event; a failing compiled
+# test's report carried ~670 of them. No test reads it; TORCH_TRACE (tlparse) keeps it.
+if not os.environ.get("TORCH_TRACE"):
+    logging.getLogger("torch.__trace").disabled = True
 
 
 # --------------------------------------------------------------------------- markers and hooks

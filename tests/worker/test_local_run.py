@@ -139,3 +139,43 @@ def test_sigterm_through_torchrun_after_a_periodic_save_commits_and_exits_143(tm
     assert f"resumed from step {last}" in resumed.stdout + resumed.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == last + 1 and steps.count(last + 1) == 1
+
+
+def test_ctrl_c_with_piped_output_whose_reader_is_gone_still_saves_and_exits_143(tmp_path):
+    """`rljob run job.yaml | tee log`, then Ctrl-C: the terminal's SIGINT ends the reader too. The next progress
+    line met a closed pipe (BrokenPipeError, exit 1, no preemption save); now output goes on into
+    <workdir>/output.log, the step is committed and the run exits 143."""
+    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["metrics"]["enabled"] = False
+    job["spec"]["checkpoint"].update(saveFreq=100, exportHf=False)
+    job["spec"]["training"].update(testFreq=-1, valBeforeTrain=False)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    root, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(root),
+                             "--checkpoint-uri", f"file://{ckpt}", "--steps", "200"],
+                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 400
+        while not any(line.startswith("step 2/") for line in seen):
+            line = proc.stdout.readline()
+            assert line, f"rljob run ended before step 2: {seen[-20:]}"
+            assert time.monotonic() < deadline, "no step 2 within 400 s"
+            seen.append(line)
+        proc.stdout.close()  # the reader (tee) is gone
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = (root / "output.log").read_text() if (root / "output.log").exists() else ""
+    assert proc.returncode in (130, 143), (proc.returncode, log[-3000:])
+    assert "BrokenPipeError" not in log and "Traceback" not in log, log[-3000:]
+    metrics = root / "work" / "metrics.jsonl"
+    last = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+    assert last >= 2 and committed(ckpt)[-1] == last, (committed(ckpt), last, log[-3000:])
+    assert "output continues here" in log and f"step {last}/" in log, log[-3000:]
