@@ -294,6 +294,34 @@ def test_fresh_deletes_only_what_the_run_wrote(tmp_path):
     assert (ckpt / "default" / "other" / "step_000001" / "COMMIT").exists()
 
 
+def test_fresh_refuses_while_a_live_run_holds_the_lease(tmp_path):
+    """--fresh used to delete a running job's checkpoints and its LEASE before any lease check. This test's
+    process holds the lease (a live holder on this host): --fresh deletes nothing and names the holder."""
+    from rljob_cli.main import load_rljob
+    from rljob_worker.checkpoint.lease import CheckpointLease
+    from rljob_worker.checkpoint.store import open_store
+    from rljob_worker.runtime.launcher import FreshRefused, claim_workdir, clear_previous_run, record_written
+
+    job = load_rljob(str(QUICKSTART))
+    root, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    claim_workdir(job, root)
+    (root / "spec.json").write_text("{}")
+    record_written(job, root, {"spec.json"})
+    step = ckpt / "default" / "quickstart" / "step_000001" / "COMMIT"
+    step.parent.mkdir(parents=True)
+    step.write_text("{}")
+    lease = CheckpointLease(open_store(f"file://{ckpt}"), "default/quickstart", settle_s=0.0)
+    lease.acquire()
+    try:
+        with pytest.raises(FreshRefused, match=f"in use by another run: pid {os.getpid()}"):
+            clear_previous_run(job, root, f"file://{ckpt}")
+        assert step.exists() and (ckpt / "default" / "quickstart" / "LEASE").exists() and (root / "spec.json").exists()
+    finally:
+        lease.release()
+    clear_previous_run(job, root, f"file://{ckpt}")  # released: --fresh goes ahead
+    assert not step.exists() and not (root / "spec.json").exists()
+
+
 def test_a_run_never_writes_over_a_file_it_did_not_create(tmp_path):
     """`--workdir .` in a project that has its own spec.json: the run refuses (exit 2) naming the file, and
     the file is untouched; a folder the run claimed earlier is reused."""

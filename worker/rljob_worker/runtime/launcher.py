@@ -168,9 +168,14 @@ def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
     Checks the workdir first, so a refusal deletes nothing at all."""
     from rljob_worker.checkpoint.store import open_store
 
+    from rljob_worker.checkpoint.lease import CheckpointLease
+
     targets = fresh_targets(job, root)
     store = open_store(checkpoint_uri, endpoint_url=job.spec.s3.endpoint, region=job.spec.s3.region)
     prefix = f"{job.metadata.namespace}/{job.metadata.name}/"
+    held = CheckpointLease(store, prefix).refusal_if_held()  # a running job's steps and LEASE stay
+    if held is not None:
+        raise FreshRefused(f"--fresh: deleting nothing: {held}")
     store.delete_prefix(prefix)
     for path in targets:
         path.unlink(missing_ok=True)
