@@ -493,9 +493,10 @@ class RewardSpec(ApiModel):
     )
     num_workers: int = _f(0, "Processes scoring rewards off the training loop; 0 scores inline.", ge=0, le=256)
     timeout_seconds: float = _f(
-        30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index. Holds with numWorkers 0 "
-        "too (an alarm interrupts Python code; a reward stuck inside C code, such as a pathological regex, is "
-        "only stopped with numWorkers > 0).", gt=0)
+        30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index. Only numWorkers > 0 "
+        "bounds every reward. With numWorkers 0 an alarm interrupts Python code, but a reward stuck inside C code "
+        "(such as a pathological regex), one that catches the alarm (a bare except) or one that sets its own SIGALRM "
+        "runs on; when it returns after the limit, the sample fails as timed out.", gt=0)
 
 
 class CheckpointSpec(ApiModel):

@@ -125,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # start-up errors are configuration errors: one clear line, no traceback wall
-        from rljob_worker.startup_errors import is_configuration_error
+        from rljob_worker.startup_errors import disk_full_message, is_configuration_error
 
+        full = disk_full_message(exc)
+        if full:  # a full disk during a save: the path and the free space, not 65 lines of traceback
+            print(f"rljob worker: {full}", file=sys.stderr)
+            return 1
         if is_configuration_error(exc):
             print(f"rljob worker: {exc}", file=sys.stderr)
             return 2
