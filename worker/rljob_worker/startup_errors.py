@@ -32,7 +32,7 @@ def disk_full_message(exc: BaseException) -> str | None:
             continue
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return _disk_full_line(e.filename)
+            return _disk_full_line(e.filename2 or e.filename)  # a copy names (source, destination)
         if text_hit is None and "[Errno 28]" in str(e):
             text_hit = str(e)
         stack += [e.__cause__, e.__context__]
