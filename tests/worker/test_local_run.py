@@ -228,5 +228,5 @@ def test_start_up_names_each_phase_and_a_finished_job_stops_before_building_the_
     assert first.stdout.index("start-up: resume") < first.stdout.index("step 1/2"), first.stdout[-3000:]
     again = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "nothing to train: resumed at step 2 of 2" in again.stdout, again.stdout[-3000:]
+    assert "nothing to train: the newest committed step is 2 of 2" in again.stdout, again.stdout[-3000:]
     assert "start-up: checkpoint store" in again.stdout and "start-up: model build" not in again.stdout, again.stdout

@@ -179,10 +179,6 @@ class RunLoop:
         t = self._phase("distributed init", t)
         self.build_data()  # configuration first (cheap, and the usual mistakes)
         t = self._phase("data", t)
-        if self.device.type == "cpu":
-            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
-
-            apply_cpu_patches()
         from rljob_worker.checkpoint.run_checkpoints import RunCheckpoints
 
         self.checkpoints = RunCheckpoints(spec, self.ctx, self.env)
@@ -192,6 +188,10 @@ class RunLoop:
         if self.finished_at is not None:  # a re-run with nothing left: say so before building any model
             self.step = self.finished_at
             return
+        if self.device.type == "cpu":  # (imports megatron: part of the model's build)
+            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
+
+            apply_cpu_patches()
         self.build_model()
         t = self._phase("model build", t)
         self.telemetry = self._make_telemetry()
@@ -250,10 +250,14 @@ class RunLoop:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[StepResult]:
         spec, t = self.spec, self.spec.training
-        if self.step >= self.total_steps and self.is_main:
+        if self.step >= self.total_steps and self.is_main and getattr(self, "finished_at", None) is None:
             print(f"nothing to train: resumed at step {self.step} of {self.total_steps} from {self.checkpoints.uri}; "
                   "delete that checkpoint folder (or `rljob run --fresh`) to train again", flush=True)
         if getattr(self, "finished_at", None) is not None:
+            if self.is_main:
+                print(f"nothing to train: the newest committed step is {self.step} of {self.total_steps}, under "
+                      f"{self.checkpoints.uri}; delete that checkpoint folder (or `rljob run --fresh`) to train again",
+                      flush=True)
             return self.history
         if t.val_before_train and self.val_set is not None and self.step == 0:
             logged = self.validate_for_log()
