@@ -43,8 +43,12 @@ def test_sigkilled_rljob_run_leaves_no_process_and_stale_temp_files_go(tmp_path)
     # and one in the local checkpoint folder
     stale = [ckpt / "default" / "quickstart" / "step_000004" / ".__0_0.distcp.rljob-tmp-0123abcd",
              work / "checkpoints" / "step_000004" / ".common.pt.rljob-tmp-4567ef01"]
+    from rljob_cli.main import load_rljob
+    from rljob_worker.runtime.launcher import claim_workdir
+
+    claim_workdir(load_rljob(str(path)), root)  # the killed run had claimed its workdir (manifest .rljob-run)
     for p in stale:
-        p.parent.mkdir(parents=True)
+        p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x" * 1000)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
     proc = subprocess.Popen([sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(root),
