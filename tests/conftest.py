@@ -27,6 +27,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import random
 import secrets
@@ -62,8 +63,17 @@ if any(os.environ.get(v) for v in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "h
 
 _NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
+# torch's structured-trace logger writes an empty DEBUG record per compile event; a failing compiled
+# test's report carried ~670 of them. No test reads it; TORCH_TRACE (tlparse) keeps it.
+if not os.environ.get("TORCH_TRACE"):
+    logging.getLogger("torch.__trace").disabled = True
+
 
 # --------------------------------------------------------------------------- markers and hooks
+
+# A process the suite started that outlives it fails the run (tests/leak_check.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from leak_check import pytest_configure, pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401
 
 _SERVICE_FIXTURES = {
     "s3_server", "s3_bucket", "prometheus_server", "prometheus_server_session",

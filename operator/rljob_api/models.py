@@ -517,9 +517,10 @@ class RewardSpec(ApiModel):
     )
     num_workers: int = _f(0, "Processes scoring rewards off the training loop; 0 scores inline.", ge=0, le=256)
     timeout_seconds: float = _f(
-        30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index. Holds with numWorkers 0 "
-        "too (an alarm interrupts Python code; a reward stuck inside C code, such as a pathological regex, is "
-        "only stopped with numWorkers > 0).", gt=0)
+        30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index. Only numWorkers > 0 "
+        "bounds every reward. With numWorkers 0 an alarm interrupts Python code, but a reward stuck inside C code "
+        "(such as a pathological regex), one that catches the alarm (a bare except) or one that sets its own SIGALRM "
+        "runs on; when it returns after the limit, the sample fails as timed out.", gt=0)
 
 
 class CheckpointSpec(ApiModel):
@@ -686,7 +687,10 @@ class TrainerStatus(ApiModel):
         None, "Samples whose reward came back NaN or +-Inf so far (scored 0); above 0 the reward function has a bug.")
     last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")
     quarantined_checkpoints: list[QuarantinedCheckpointStatus] | None = _f(
-        None, "Corrupt checkpoint steps moved to quarantine/ at start-up; the previous committed step loaded.")
+        None, "Corrupt checkpoint steps moved to quarantine/ at start-up; the previous committed step loaded. "
+        "The newest ones that fit the worker's 4 KiB progress report, oldest first.")
+    quarantined_checkpoints_omitted: int | None = _f(
+        None, "Older quarantined steps not listed in quarantinedCheckpoints (see the job prefix's quarantine/).")
     last_updated_time: str | None = _f(None, "When the worker last reported (RFC 3339).")
 
 

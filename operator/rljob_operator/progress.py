@@ -93,13 +93,34 @@ def encode_progress(
         doc["nonfiniteRewards"] = _count(nonfinite_rewards, "nonfiniteRewards")
     if last_checkpoint is not None:
         doc["lastCheckpoint"] = _checkpoint(last_checkpoint)
-    if quarantined:
-        doc["quarantinedCheckpoints"] = _quarantined(quarantined)
     doc["time"] = time or utc_now()
-    text = json.dumps(doc, separators=(",", ":"), sort_keys=False)
+    text = _dumps(doc)
     if len(text.encode()) > MAX_VALUE_BYTES:
         raise ProgressError(f"progress annotation is {len(text.encode())} bytes; the limit is {MAX_VALUE_BYTES}")
+    if quarantined:
+        text = _with_quarantined(doc, _quarantined(quarantined, limit=None))
     return text
+
+
+def _dumps(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=False)
+
+
+def _with_quarantined(doc: dict[str, Any], entries: list[dict[str, Any]]) -> str:
+    """`doc` plus the newest quarantined entries that fit the cap (at most MAX_QUARANTINED) and a
+    count of the rest. The list gives way, never the step: long URIs or many entries only shorten it."""
+    head = {k: v for k, v in doc.items() if k != "time"}
+    for keep in range(min(len(entries), MAX_QUARANTINED), -1, -1):
+        trial = dict(head)
+        if keep:
+            trial["quarantinedCheckpoints"] = entries[-keep:]
+        if keep < len(entries):
+            trial["quarantinedCheckpointsOmitted"] = len(entries) - keep
+        trial["time"] = doc["time"]
+        text = _dumps(trial)
+        if len(text.encode()) <= MAX_VALUE_BYTES:
+            return text
+    return _dumps(doc)
 
 
 def _count(value: Any, name: str) -> int:
@@ -127,12 +148,13 @@ def _checkpoint(raw: Any) -> dict[str, Any]:
 MAX_QUARANTINED = 8  # newest kept; keeps the annotation small
 
 
-def _quarantined(raw: Any) -> list[dict[str, Any]]:
-    """Checkpoint steps the worker moved to quarantine/: [{"step", "uri", "reason"?}], newest last."""
+def _quarantined(raw: Any, limit: int | None = MAX_QUARANTINED) -> list[dict[str, Any]]:
+    """Checkpoint steps the worker moved to quarantine/: [{"step", "uri", "reason"?}], newest last;
+    the newest `limit` of them (all with None)."""
     if not isinstance(raw, (list, tuple)):
         raise ProgressError(f"quarantinedCheckpoints must be a list, got {type(raw).__name__}")
     out = []
-    for item in list(raw)[-MAX_QUARANTINED:]:
+    for item in list(raw)[-limit if limit else 0:]:
         entry = _checkpoint({"step": item.get("step"), "uri": item.get("uri")} if isinstance(item, Mapping) else item)
         reason = item.get("reason")
         if reason:
@@ -180,6 +202,9 @@ def decode_progress(value: str) -> dict[str, Any]:
         trainer["lastCheckpoint"] = _checkpoint(doc["lastCheckpoint"])
     if doc.get("quarantinedCheckpoints"):
         trainer["quarantinedCheckpoints"] = _quarantined(doc["quarantinedCheckpoints"])
+    if doc.get("quarantinedCheckpointsOmitted"):
+        trainer["quarantinedCheckpointsOmitted"] = _count(doc["quarantinedCheckpointsOmitted"],
+                                                          "quarantinedCheckpointsOmitted")
     trainer["lastUpdatedTime"] = time
     return trainer
 

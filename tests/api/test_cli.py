@@ -340,26 +340,86 @@ def test_fresh_refuses_a_workdir_the_run_did_not_create(tmp_path):
 
 
 def test_fresh_deletes_only_what_the_run_wrote(tmp_path):
+    """The manifest lists what runs wrote; a file the user put into work/ later (notes.txt) stays."""
     from rljob_cli.main import load_rljob
-    from rljob_worker.runtime.launcher import clear_previous_run, mark_workdir, write_spec
+    from rljob_worker.runtime.launcher import claim_workdir, clear_previous_run, files_under, record_written, write_spec
 
     job = load_rljob(str(QUICKSTART))
     root = tmp_path / "project"
     (root / "notes").mkdir(parents=True)
     (root / "notes" / "todo.txt").write_text("mine")
     (root / "job.yaml").write_text("mine")
-    mark_workdir(job, root)  # as an earlier `rljob run --workdir project` did
+    before = claim_workdir(job, root, nnodes=2)  # as an earlier `rljob run --workdir project` did
     write_spec(job, root)
     (root / "work" / "checkpoints").mkdir(parents=True)
+    (root / "work" / "checkpoints" / "x.pt").write_text("ckpt")
+    (root / "work" / "metrics.jsonl").write_text("{}")
     (root / "pod-1.log").write_text("log")
+    record_written(job, root, {"spec.json", "pod-1.log"} | (files_under(root / "work", root) - before))
+    (root / "work" / "notes.txt").write_text("the user's, written after the run")
     ckpt = tmp_path / "ckpt"
     for name in ("quickstart", "other"):
         (ckpt / "default" / name / "step_000001").mkdir(parents=True)
         (ckpt / "default" / name / "step_000001" / "COMMIT").write_text("{}")
     clear_previous_run(job, root, f"file://{ckpt}")
-    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == ["job.yaml", "notes", "notes/todo.txt"]
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == [
+        "job.yaml", "notes", "notes/todo.txt", "work", "work/notes.txt"]
     assert not [p for p in (ckpt / "default" / "quickstart").rglob("*") if p.is_file()]
     assert (ckpt / "default" / "other" / "step_000001" / "COMMIT").exists()
+
+
+def test_fresh_refuses_while_a_live_run_holds_the_lease(tmp_path):
+    """--fresh used to delete a running job's checkpoints and its LEASE before any lease check. This test's
+    process holds the lease (a live holder on this host): --fresh deletes nothing and names the holder."""
+    from rljob_cli.main import load_rljob
+    from rljob_worker.checkpoint.lease import CheckpointLease
+    from rljob_worker.checkpoint.store import open_store
+    from rljob_worker.runtime.launcher import FreshRefused, claim_workdir, clear_previous_run, record_written
+
+    job = load_rljob(str(QUICKSTART))
+    root, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    claim_workdir(job, root)
+    (root / "spec.json").write_text("{}")
+    record_written(job, root, {"spec.json"})
+    step = ckpt / "default" / "quickstart" / "step_000001" / "COMMIT"
+    step.parent.mkdir(parents=True)
+    step.write_text("{}")
+    lease = CheckpointLease(open_store(f"file://{ckpt}"), "default/quickstart", settle_s=0.0)
+    lease.acquire()
+    try:
+        with pytest.raises(FreshRefused, match=f"in use by another run: pid {os.getpid()}"):
+            clear_previous_run(job, root, f"file://{ckpt}")
+        assert step.exists() and (ckpt / "default" / "quickstart" / "LEASE").exists() and (root / "spec.json").exists()
+    finally:
+        lease.release()
+    clear_previous_run(job, root, f"file://{ckpt}")  # released: --fresh goes ahead
+    assert not step.exists() and not (root / "spec.json").exists()
+
+
+def test_a_run_never_writes_over_a_file_it_did_not_create(tmp_path):
+    """`--workdir .` in a project that has its own spec.json: the run refuses (exit 2) naming the file, and
+    the file is untouched; a folder the run claimed earlier is reused."""
+    from rljob_cli.main import load_rljob
+    from rljob_worker.runtime.launcher import WorkdirRefused, claim_workdir, record_written
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "job.yaml").write_text(QUICKSTART.read_text())
+    (project / "spec.json").write_text('{"mine": true}')
+    code, out = rljob("run", "job.yaml", "--workdir", ".", "--checkpoint-uri", f"file://{tmp_path / 'ckpt'}",
+                      cwd=project)
+    assert code == 2 and f"{project / 'spec.json'} exists and was not written by `rljob run`" in out, out
+    assert (project / "spec.json").read_text() == '{"mine": true}'
+    assert sorted(p.name for p in project.iterdir()) == ["job.yaml", "spec.json"]
+    job = load_rljob(str(QUICKSTART))
+    claim_workdir(job, tmp_path / "run")
+    record_written(job, tmp_path / "run", {"spec.json"})
+    (tmp_path / "run" / "spec.json").write_text("{}")
+    claim_workdir(job, tmp_path / "run")  # its own files: no refusal
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "work").mkdir()
+    with pytest.raises(WorkdirRefused, match="work exists"):
+        claim_workdir(job, tmp_path / "other")
 
 
 # --------------------------------------------------------------------------- YAML as kubectl reads it
@@ -391,3 +451,18 @@ def test_run_refuses_steps_below_one(tmp_path, steps, words):
     code, out = rljob("run", QUICKSTART, "--workdir", tmp_path / "w", "--steps", steps)
     assert code == 2 and "--steps" in out and words in out, out
     assert not (tmp_path / "w").exists()
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    """`<<: *anchor` merges a mapping (kubectl accepts it); a key set beside the merge overrides the
+    merged one. A key written twice by hand is still refused."""
+    from rljob_cli.yaml_load import load_all
+
+    assert load_all("base: &b {x: 1, y: 2}\nm: {<<: *b, y: 3}\nn:\n  <<: [*b, {z: 4}]\n") == [
+        {"base": {"x": 1, "y": 2}, "m": {"x": 1, "y": 3}, "n": {"x": 1, "y": 2, "z": 4}}]
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'y'"):
+        load_all("base: &b {x: 1}\nm: {<<: *b, y: 3, y: 4}\n")
+    merged = (HEAD.replace("model: {path: /m}", "model: &policy {path: /m}")
+              + "  algorithm: {advantageEstimator: gae}\n  critic: {model: {<<: *policy}}\n")
+    code, out = rljob("validate", write(tmp_path, "merge.yaml", merged))
+    assert code == 0 and out.startswith("OK "), out

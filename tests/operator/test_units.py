@@ -151,3 +151,51 @@ def test_the_metrics_server_binds_the_configured_address(monkeypatch: pytest.Mon
     monkeypatch.setattr(metrics, "_server_started", False)
     assert metrics.start_server(9999, "127.0.0.1") is True
     assert calls == [(9999, "127.0.0.1")]
+
+
+def test_progress_with_many_long_quarantined_entries_still_reports_the_step() -> None:
+    """200 quarantined steps with long URIs: the report goes through (a real PATCH to a server on
+    127.0.0.1) within the annotation's cap; the list keeps the newest entries and counts the rest."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rljob_operator.progress import ANNOTATION, MAX_VALUE_BYTES
+    from rljob_worker.telemetry.status_report import StatusReporter
+
+    received: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802 - http.server's naming
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(body["metadata"]["annotations"][ANNOTATION])
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        prefix = "s3://bucket/" + "deep/" * 60 + "ns/job/quarantine/"
+        quarantined = [{"step": s, "uri": f"{prefix}step_{s:06d}-20260101T000000Z", "reason": "sha256 mismatch " * 20}
+                       for s in range(1, 201)]
+        reporter = StatusReporter("job", "ns", f"http://127.0.0.1:{server.server_port}", enabled=True)
+        assert reporter.report(step=1234, total_steps=2000, reward_mean=0.5, val_reward_mean=None, force=True,
+                               last_checkpoint={"step": 1230, "uri": prefix + "x" * 900}, quarantined=quarantined)
+    finally:
+        server.shutdown()
+        server.server_close()
+    (value,) = received
+    assert len(value.encode()) <= MAX_VALUE_BYTES
+    doc = decode_progress(value)
+    assert doc["step"] == 1234 and doc["lastCheckpoint"]["step"] == 1230
+    listed = [q["step"] for q in doc["quarantinedCheckpoints"]]
+    assert 1 <= len(listed) < 200 and listed == list(range(201 - len(listed), 201))  # the newest, oldest first
+    assert doc["quarantinedCheckpointsOmitted"] == 200 - len(listed)
+    # a short list is sent whole, with no count of omitted entries
+    small = decode_progress(encode_progress(3, quarantined=quarantined[:2], time=T0))
+    assert [q["step"] for q in small["quarantinedCheckpoints"]] == [1, 2] and "quarantinedCheckpointsOmitted" not in small

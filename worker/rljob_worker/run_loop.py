@@ -154,9 +154,19 @@ class RunLoop:
             telemetry.close()
 
     # ------------------------------------------------------------------ set-up
+    def _phase(self, name: str, since: float) -> float:
+        """One line per start-up phase with its time (rank 0), so a start-up is never a silent minute."""
+        now = time.monotonic()
+        if self.env.rank == 0:
+            print(f"start-up: {name} {now - since:.1f}s", flush=True)
+        return now
+
     def setup(self) -> None:
         """Everything that can fail on bad input fails here, before any training."""
+        from rljob_worker import STARTED
+
         spec, env = self.spec, self.env
+        t = self._phase("imports", STARTED)
         init_distributed(env)
         self.is_main = env.rank == 0
         self.device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -166,19 +176,49 @@ class RunLoop:
         torch.manual_seed(seed)
         self.dtype = torch_dtype(spec.model.dtype.value, self.device)
 
+        t = self._phase("distributed init", t)
         self.build_data()  # configuration first (cheap, and the usual mistakes)
-        if self.device.type == "cpu":
-            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
-
-            apply_cpu_patches()
+        t = self._phase("data", t)
         from rljob_worker.checkpoint.run_checkpoints import RunCheckpoints
 
         self.checkpoints = RunCheckpoints(spec, self.ctx, self.env)
         self.checkpoints.check_access()
+        self.finished_at = self._finished_step()
+        t = self._phase("checkpoint store", t)
+        if self.finished_at is not None:  # a re-run with nothing left: say so before building any model
+            self.step = self.finished_at
+            return
+        if self.device.type == "cpu":  # (imports megatron: part of the model's build)
+            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
+
+            apply_cpu_patches()
         self.build_model()
+        t = self._phase("model build", t)
         self.telemetry = self._make_telemetry()
         signal.signal(signal.SIGTERM, self._request_stop)
         self._resume()
+        self._phase("resume", t)
+
+    def _finished_step(self) -> int | None:
+        """The job's newest committed step when it is >= total_steps and would be resumed (resumeMode auto or
+        uri, the same resume-fixed settings), read from the store's listing and meta.json; else None. The
+        same answer on every rank."""
+        from rljob_worker.runtime.distributed import broadcast_object
+
+        found = None
+        # (not with a split critic: its pool serves the actor's steps and waits for them)
+        if (self.env.rank == 0 and self.spec.checkpoint.resume_mode.value != "disable"
+                and getattr(self, "pools", None) is None):
+            try:
+                ref = self.checkpoints.manager.latest_committed()
+            except Exception as exc:  # noqa: BLE001 - the full resume path reports storage problems properly
+                log.info("could not list the committed steps early (%s); deciding at resume", exc)
+                ref = None
+            if ref is not None and ref.step >= self.total_steps and not any(
+                    k in self.checkpoints.spec_fields and ref.spec_fields[k] != self.checkpoints.spec_fields[k]
+                    for k in ref.spec_fields):
+                found = ref.step
+        return broadcast_object(found)
 
     def _make_telemetry(self):
         from rljob_worker.telemetry.trainer_metrics import TrainerTelemetry
@@ -210,9 +250,15 @@ class RunLoop:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[StepResult]:
         spec, t = self.spec, self.spec.training
-        if self.step >= self.total_steps and self.is_main:
+        if self.step >= self.total_steps and self.is_main and getattr(self, "finished_at", None) is None:
             print(f"nothing to train: resumed at step {self.step} of {self.total_steps} from {self.checkpoints.uri}; "
                   "delete that checkpoint folder (or `rljob run --fresh`) to train again", flush=True)
+        if getattr(self, "finished_at", None) is not None:
+            if self.is_main:
+                print(f"nothing to train: the newest committed step is {self.step} of {self.total_steps}, under "
+                      f"{self.checkpoints.uri}; delete that checkpoint folder (or `rljob run --fresh`) to train again",
+                      flush=True)
+            return self.history
         if t.val_before_train and self.val_set is not None and self.step == 0:
             logged = self.validate_for_log()
             if logged:

@@ -134,6 +134,14 @@ class CheckpointLease:
             f"other's checkpoints: stop the other run first (if it died, its lease expires {self.stale_after_s:.0f} s "
             "after its last heartbeat), or give this one another job name or spec.checkpoint.uri")
 
+    def refusal_if_held(self) -> LeaseHeld | None:
+        """Read only: the refusal a run of this identity would meet now (None when the prefix is free or its
+        holder may be taken over). `rljob run --fresh` asks before deleting anything."""
+        holder = self.read()
+        if holder is None or self._may_take(holder) is not None:
+            return None
+        return self._refusal(holder)
+
     def acquire(self) -> None:
         for _attempt in range(5):  # each retry follows a write that lost a race, so the next read sees the winner
             holder, etag = self._read_tagged()
