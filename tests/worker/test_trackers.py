@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -21,9 +20,8 @@ pytest.importorskip("mlflow", reason="the tracking extra: pip install -e '.[trac
 pytest.importorskip("wandb", reason="the tracking extra: pip install -e '.[tracking]'")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_learning import HARNESS, logged_steps, quickstart_spec  # noqa: E402
-
-from rljob_worker.telemetry.trackers import STEP_KEY, _Delivery, wandb_offline_history  # noqa: E402
+from rljob_worker.telemetry.trackers import STEP_KEY, _Delivery, wandb_offline_history
+from test_learning import HARNESS, logged_steps, quickstart_spec
 
 JOB = "test/test"  # the harness runs job "test" in namespace "test": the default run name
 
@@ -177,13 +175,16 @@ def test_tracking_server_killed_mid_run_costs_no_step_and_gets_the_queue_when_ba
     # the end of the run waits (bounded) for a server still restarting: restarts take minutes on a loaded machine
     proc = start(spec, tmp_path, {"RLJOB_TRACKER_FLUSH_S": "900"})
     wait_for_step(tmp_path, 2, proc)
+    up_at: list[float] = []
     try:
         mlflow_server.stop(kill=True)
+        down_since = time.monotonic()
         down_at = max(logged_steps(tmp_path / "metrics.jsonl"))
         time.sleep(20)
         during = max(logged_steps(tmp_path / "metrics.jsonl"))
     finally:
-        restart = threading.Thread(target=mlflow_server.start)  # training goes on while the server starts
+        # training goes on while the server starts
+        restart = threading.Thread(target=lambda: (mlflow_server.start(), up_at.append(time.monotonic())))
         restart.start()
     code, out = finish(proc)
     restart.join()
@@ -195,7 +196,8 @@ def test_tracking_server_killed_mid_run_costs_no_step_and_gets_the_queue_when_ba
     run = the_mlflow_run(client, experiment)
     assert_holds_one_line_per_step(mlflow_rows(client, run.info.run_id, set(lines[1][0])), lines, range(1, 15))
     failures = [line for line in out.splitlines() if "tracker call failed" in line]
-    assert 1 <= len(failures) <= 2, failures  # once a minute at most
+    assert up_at, "the tracking server did not come back"
+    assert 1 <= len(failures) <= 1 + (up_at[0] - down_since) // 60, failures  # once a minute at most
     assert "tracker reachable again" in out and "dropped" not in out
 
 
@@ -217,7 +219,7 @@ def test_wrong_tracking_uri_is_a_one_line_warning_or_with_required_an_error(tmp_
     env = {**os.environ, "RLJOB_WORKDIR": str(work), "RLJOB_CHECKPOINT_URI": f"file://{work}/ckpt",
            "RLJOB_METRICS_PORT": "0"}
     proc = subprocess.run([sys.executable, "-m", "rljob_worker", "--spec", str(work / "spec.json")],
-                          capture_output=True, text=True, env=env, timeout=900)
+                          check=False, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert re.search(r"rljob worker: spec\.tracking\.mlflow: cannot open a run at .*required is true", proc.stderr)
     assert "Traceback" not in proc.stderr and not (work / "metrics.jsonl").exists()

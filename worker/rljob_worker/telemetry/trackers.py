@@ -223,14 +223,13 @@ class MlflowBackend:
             client.update_run(run_id, status="RUNNING")
             history = client.get_metric_history(run_id, STEP_KEY)
             return max((m.step for m in history), default=None)
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param
 
         run = client.create_run(self._experiment_id(), run_name=self.run_name, tags=self.tags)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         items = [Param(k, v[:6000]) for k, v in params.items()]
         for lo in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(self.run_id, params=items[lo:lo + 100])
-        client.log_batch(self.run_id, tags=[RunTag("mlflow.note.content", "rljob run")])
         return None
 
     def _experiment_id(self) -> str:
