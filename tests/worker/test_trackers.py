@@ -136,7 +136,8 @@ def test_run_logs_every_step_to_mlflow_and_wandb_equal_to_metrics_jsonl(tmp_path
 
     rows = wandb_rows(tmp_path)
     assert_holds_one_line_per_step(rows, lines, range(1, 7))
-    assert [s for s, row in sorted(rows.items()) if "validation/samples" in row] == [0, 3, 6]
+    tables = {s: row for s, row in rows.items() if row.get("validation/samples/_type") == "table-file"}
+    assert sorted(tables) == [0, 3, 6] and all(t["validation/samples/nrows"] == 8 for t in tables.values())
     assert "tracker call failed" not in out and "MLFLOW_TRACKING_TOKEN" not in out
 
 
@@ -186,7 +187,7 @@ def test_tracking_server_killed_mid_run_costs_no_step_and_gets_the_queue_when_ba
         # training goes on while the server starts
         restart = threading.Thread(target=lambda: (mlflow_server.start(), up_at.append(time.monotonic())))
         restart.start()
-    code, out = finish(proc)
+    code, out = finish(proc, timeout=1500)
     restart.join()
     assert code == 0, out[-4000:]
     assert during > down_at, f"training stalled while the tracker was down: step {down_at} -> {during}"
