@@ -570,6 +570,45 @@ class MetricsSpec(ApiModel):
     tensorboard_dir: str | None = _f(None, "Also write TensorBoard scalars here (a path on a mounted volume).", max_length=1024)
 
 
+class TrackerSecretRef(ApiModel):
+    name: str = _f(description="Secret name in the RLJob's namespace.", min_length=1, max_length=253)
+    key: str = _f(description="Key of the credential in the Secret.", min_length=1, max_length=253)
+
+
+class MlflowSpec(ApiModel):
+    tracking_uri: str = _f(
+        description="MLflow tracking server, http(s)://host[:port][/path]. The token (if the server needs one) comes "
+        "from tokenSecretRef as MLFLOW_TRACKING_TOKEN.",
+        pattern=r"^https?://[^\s]+$",
+        max_length=1024,
+    )
+    experiment: str = _f("rljob", "Experiment the run is logged under (created when missing).", min_length=1, max_length=500)
+    run_name: str | None = _f(None, "Run name; unset uses <namespace>/<RLJob name>.", max_length=250)
+    token_secret_ref: TrackerSecretRef | None = _f(
+        None, "Secret key holding the server's bearer token; injected as the env MLFLOW_TRACKING_TOKEN, never copied "
+        "or logged.")
+
+
+class WandbSpec(ApiModel):
+    project: str = _f(description="Weights & Biases project.", min_length=1, max_length=128)
+    entity: str | None = _f(None, "Team or user owning the project; unset uses the API key's default entity.", max_length=128)
+    mode: Literal["online", "offline"] = _f(
+        "online", "online sends to W&B as the run goes; offline writes the run under <workdir>/wandb for a later "
+        "`wandb sync` (air-gapped clusters, tests).")
+    run_name: str | None = _f(None, "Display name of the run; unset uses <namespace>/<RLJob name>.", max_length=128)
+    api_key_secret_ref: TrackerSecretRef | None = _f(
+        None, "Secret key holding the W&B API key; injected as the env WANDB_API_KEY, never copied or logged. Needed "
+        "in online mode.")
+
+
+class TrackingSpec(ApiModel):
+    mlflow: MlflowSpec | None = _f(None, "Log the run to an MLflow tracking server.")
+    wandb: WandbSpec | None = _f(None, "Log the run to Weights & Biases.")
+    required: bool = _f(
+        False, "A tracker that cannot be reached or authenticated at start fails the job (exit 2) instead of a "
+        "one-line warning; an outage later never stops training either way.")
+
+
 class RunPolicySpec(ApiModel):
     backoff_limit: int = _f(
         3, "Restart budget: pod restarts before the PyTorchJob is failed; with childKind JobSet, whole-JobSet "
@@ -649,6 +688,9 @@ class RLJobSpec(ApiModel):
     checkpoint: CheckpointSpec = _f(default_factory=CheckpointSpec, description="Checkpointing and resume.")
     s3: S3Spec = _f(default_factory=S3Spec, description="Object storage connection for s3:// URIs.")
     metrics: MetricsSpec = _f(default_factory=MetricsSpec, description="Prometheus metrics.")
+    tracking: TrackingSpec = _f(
+        default_factory=TrackingSpec, description="Experiment trackers (MLflow, Weights & Biases) beside Prometheus; "
+        "rank 0 logs every step's metrics, the spec and the validation samples.")
     run_policy: RunPolicySpec = _f(default_factory=RunPolicySpec, description="Retries and deadlines of the child (PyTorchJob or JobSet).")
     pod_template: PodTemplateSpec = _f(default_factory=PodTemplateSpec, description="Overrides of the training pods.")
 
@@ -677,6 +719,12 @@ class QuarantinedCheckpointStatus(ApiModel):
     reason: str | None = _f(None, "What failed.")
 
 
+class TrackerRunStatus(ApiModel):
+    tracker: Literal["mlflow", "wandb"] = _f(description="mlflow or wandb.")
+    run_id: str = _f(description="The tracker's run id.")
+    url: str | None = _f(None, "Where the run is shown (none for a W&B offline run).")
+
+
 class TrainerStatus(ApiModel):
     step: int = _f(0, "Last finished training step.")
     total_steps: int | None = _f(None, "Steps the run will take.")
@@ -691,6 +739,8 @@ class TrainerStatus(ApiModel):
         "The newest ones that fit the worker's 4 KiB progress report, oldest first.")
     quarantined_checkpoints_omitted: int | None = _f(
         None, "Older quarantined steps not listed in quarantinedCheckpoints (see the job prefix's quarantine/).")
+    tracker_runs: list[TrackerRunStatus] | None = _f(
+        None, "The experiment-tracker runs this job logs to (one per tracker; the same run across restarts).")
     last_updated_time: str | None = _f(None, "When the worker last reported (RFC 3339).")
 
 

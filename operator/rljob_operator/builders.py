@@ -212,6 +212,12 @@ def _env(job: RLJob, extra: list[dict[str, Any]] | None = None) -> list[dict[str
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.access_key_id_key}}})
         env.append({"name": "AWS_SECRET_ACCESS_KEY",
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.secret_access_key_key}}})
+    # Tracker credentials: env references to the Secret, never the values.
+    mlflow, wandb = spec.tracking.mlflow, spec.tracking.wandb
+    for var, secret in (("MLFLOW_TRACKING_TOKEN", mlflow.token_secret_ref if mlflow else None),
+                        ("WANDB_API_KEY", wandb.api_key_secret_ref if wandb else None)):
+        if secret is not None:
+            env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
     # User entries win over ours with the same name; new names are appended in their order.
     user = [copy.deepcopy(e) for e in spec.pod_template.env]
     user_names = {e.get("name") for e in user}

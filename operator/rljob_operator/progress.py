@@ -73,6 +73,7 @@ def encode_progress(
     time: str | None = None,
     nonfinite_rewards: int | None = None,
     quarantined: Any = None,
+    tracker_runs: Any = None,
 ) -> str:
     """The annotation value (compact JSON). `last_checkpoint` is {"step", "uri", "time"?}.
 
@@ -93,6 +94,8 @@ def encode_progress(
         doc["nonfiniteRewards"] = _count(nonfinite_rewards, "nonfiniteRewards")
     if last_checkpoint is not None:
         doc["lastCheckpoint"] = _checkpoint(last_checkpoint)
+    if tracker_runs:
+        doc["trackerRuns"] = _tracker_runs(tracker_runs)
     doc["time"] = time or utc_now()
     text = _dumps(doc)
     if len(text.encode()) > MAX_VALUE_BYTES:
@@ -165,6 +168,29 @@ def _quarantined(raw: Any, limit: int | None = MAX_QUARANTINED) -> list[dict[str
     return out
 
 
+TRACKERS = ("mlflow", "wandb")
+
+
+def _tracker_runs(raw: Any) -> list[dict[str, Any]]:
+    """The experiment-tracker runs: [{"tracker", "runId", "url"?}], one per tracker."""
+    if not isinstance(raw, (list, tuple)):
+        raise ProgressError(f"trackerRuns must be a list, got {type(raw).__name__}")
+    out = []
+    for item in list(raw)[:len(TRACKERS)]:
+        if not isinstance(item, Mapping) or item.get("tracker") not in TRACKERS:
+            raise ProgressError(f"trackerRuns[].tracker must be one of {', '.join(TRACKERS)}")
+        run_id, url = item.get("runId"), item.get("url")
+        if not isinstance(run_id, str) or not run_id or len(run_id) > 128:
+            raise ProgressError("trackerRuns[].runId must be a non-empty string of at most 128 characters")
+        entry = {"tracker": item["tracker"], "runId": run_id}
+        if url is not None:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 1024:
+                raise ProgressError("trackerRuns[].url must be an http(s) URL of at most 1024 characters")
+            entry["url"] = url
+        out.append(entry)
+    return out
+
+
 def decode_progress(value: str) -> dict[str, Any]:
     """The annotation value as a camelCase `status.trainer` dict, with progressPercentage and
     lastUpdatedTime. Raises ProgressError on anything malformed."""
@@ -205,6 +231,8 @@ def decode_progress(value: str) -> dict[str, Any]:
     if doc.get("quarantinedCheckpointsOmitted"):
         trainer["quarantinedCheckpointsOmitted"] = _count(doc["quarantinedCheckpointsOmitted"],
                                                           "quarantinedCheckpointsOmitted")
+    if doc.get("trackerRuns"):
+        trainer["trackerRuns"] = _tracker_runs(doc["trackerRuns"])
     trainer["lastUpdatedTime"] = time
     return trainer
 

@@ -317,6 +317,24 @@ def test_explain_unknown_field_is_helpful(capsys):
     assert code == 1 and "does not exist in spec.megatron" in out and "tensorModelParallelSize" in out, out
 
 
+def test_render_wires_tracker_credentials_from_secrets_never_values(tmp_path):
+    job = yaml.safe_load(HEAD)
+    job["spec"]["tracking"] = {
+        "mlflow": {"trackingUri": "http://mlflow.ml.svc:5000", "tokenSecretRef": {"name": "mlflow", "key": "token"}},
+        "wandb": {"project": "rl", "apiKeySecretRef": {"name": "wandb", "key": "api-key"}}}
+    code, out = rljob("render", write(tmp_path, "job.yaml", job))
+    assert code == 0, out
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    ptj = next(d for d in docs if d["kind"] == "PyTorchJob")
+    env = {e["name"]: e for e in ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_TRACKING_TOKEN"] == {"name": "MLFLOW_TRACKING_TOKEN",
+                                            "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "token"}}}
+    assert env["WANDB_API_KEY"] == {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}}
+    job["spec"]["tracking"]["mlflow"]["trackingUri"] = "mlflow.ml.svc:5000"
+    code, out = rljob("validate", write(tmp_path, "bad.yaml", job))
+    assert code == 1 and "spec.tracking.mlflow.trackingUri" in out, out
+
+
 # --------------------------------------------------------------------------- run --fresh
 
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"

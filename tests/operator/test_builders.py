@@ -61,6 +61,9 @@ def multinode_doc() -> dict[str, Any]:
         "shmSize": "64Gi",
     }
     spec["s3"]["credentialsSecretRef"] = {"name": "s3-creds", "accessKeyIdKey": "id", "secretAccessKeyKey": "secret"}
+    spec["tracking"] = {
+        "mlflow": {"trackingUri": "http://mlflow.ml.svc:5000", "tokenSecretRef": {"name": "mlflow", "key": "token"}},
+        "wandb": {"project": "rl", "apiKeySecretRef": {"name": "wandb", "key": "api-key"}}}
     return doc
 
 

@@ -65,6 +65,20 @@ def test_progress_carries_the_count_of_non_finite_rewards() -> None:
         decode_progress('{"step": 1, "time": "t", "nonfiniteRewards": -1}')
 
 
+def test_progress_carries_the_tracker_runs_and_the_status_model_takes_them() -> None:
+    from rljob_api.models import TrainerStatus
+
+    runs = [{"tracker": "mlflow", "runId": "abc", "url": "http://mlflow:5000/#/experiments/1/runs/abc"},
+            {"tracker": "wandb", "runId": "r1"}]  # a W&B offline run has no URL
+    doc = decode_progress(encode_progress(3, tracker_runs=runs, time=T0))
+    assert doc["trackerRuns"] == runs
+    assert TrainerStatus.model_validate(doc).tracker_runs[0].url == runs[0]["url"]
+    for bad in ([{"tracker": "neptune", "runId": "x"}], [{"tracker": "mlflow", "runId": ""}],
+                [{"tracker": "mlflow", "runId": "x", "url": "javascript:alert(1)"}]):
+        with pytest.raises(ProgressError, match="trackerRuns"):
+            decode_progress(json.dumps({"step": 1, "time": T0, "trackerRuns": bad}))
+
+
 @pytest.mark.parametrize("value", [
     "not json", "[]", '{"time": "t"}', '{"step": -1, "time": "t"}', '{"step": 1}', '{"step": true, "time": "t"}',
     '{"step": 1, "time": "t", "totalSteps": 0}', '{"step": 1, "time": "t", "rewardMean": "high"}',

@@ -280,6 +280,14 @@ class TrainerTelemetry:
         if self._save_freq is not None:
             self._save_freq_gauge.labels(**self._base).set(self._save_freq)
 
+        # Experiment trackers (telemetry.trackers): calls that failed, records given up on.
+        self._tracker_errors = Counter(
+            "rljob_tracker_errors", "Failed experiment-tracker calls (MLflow, W&B), by tracker; training goes on.",
+            lab + ["tracker"], registry=reg)
+        self._tracker_dropped = Counter(
+            "rljob_tracker_dropped", "Records (a step's metrics, a table) never delivered to an experiment tracker: "
+            "its queue was full, or the run ended before the tracker came back.", lab + ["tracker"], registry=reg)
+
         # GPU memory (record_gpu_memory / set_gpu_memory).
         self._gpu = {
             "allocated": gauge("rljob_gpu_memory_allocated_bytes",
@@ -429,6 +437,15 @@ class TrainerTelemetry:
             self._checkpoint_times.append(float(unix_time))
         self._update_checkpoint_estimate()
         self.heartbeat()
+
+    # ------------------------------------------------------------------ experiment trackers
+    def record_tracker_error(self, tracker: str) -> None:
+        """One failed call to an experiment tracker (``tracker``: mlflow or wandb)."""
+        self._tracker_errors.labels(**self._base, tracker=tracker).inc()
+
+    def record_tracker_dropped(self, tracker: str, records: int = 1) -> None:
+        """Records the tracker will never get (queue full, or undelivered at the end)."""
+        self._tracker_dropped.labels(**self._base, tracker=tracker).inc(records)
 
     # ------------------------------------------------------------------ GPU memory
     def record_gpu_memory(self) -> None:

@@ -75,6 +75,7 @@ from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
 from rljob_worker.telemetry.flops import active_parameters
 
 log = logging.getLogger("rljob.trainer")
+VALIDATION_TABLE_ROWS = 64  # validation samples (prompt, response, ground truth, reward) sent to the trackers
 
 
 class GRPOTrainer(RunLoop):
@@ -526,9 +527,15 @@ class GRPOTrainer(RunLoop):
         scores = score_all(self.reward_fn, [r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
                            extras, pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds)
         scores = sanitize_rewards(torch.tensor(scores, dtype=torch.float32))[0].tolist()
+        self._validation_rows = [[r.prompt_text, text, str(r.ground_truth), float(score)] for r, text, score in
+                                 zip(prompts[:VALIDATION_TABLE_ROWS], texts, scores)]
         return {"val/reward_mean": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
 
     # ------------------------------------------------------------------ the loop's hooks
+    def validation_table(self) -> tuple[list[str], list[list]] | None:
+        rows = getattr(self, "_validation_rows", None)
+        return (["prompt", "response", "ground_truth", "reward"], rows) if rows else None
+
     def after_resume(self) -> None:
         self._sync_weights()  # the rollout engine samples from the resumed policy
 
