@@ -280,6 +280,24 @@ class TrainerTelemetry:
         if self._save_freq is not None:
             self._save_freq_gauge.labels(**self._base).set(self._save_freq)
 
+        # Remote rewards (record_remote_reward), by route: "*" (spec.reward) or the data source of bySource.
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, lab + ["route"], registry=reg)
+
+        self._remote = {
+            "requests": counter("rljob_reward_remote_requests", "HTTP requests sent to a remote reward, retries included."),
+            "retries": counter("rljob_reward_remote_retries", "Retried requests to a remote reward (errors, timeouts, "
+                               "HTTP 408/429/5xx, malformed answers)."),
+            "failures": counter("rljob_reward_remote_failures", "Samples a remote reward could not score after every "
+                                "retry (onFailure then applied)."),
+            "zeroed": counter("rljob_reward_remote_zeroed", "Failed remote samples scored 0 (onFailure zero)."),
+            "dropped": counter("rljob_reward_remote_dropped", "Failed remote samples whose group was dropped from the "
+                               "gradient (onFailure drop-group)."),
+        }
+        self._remote_seconds = Histogram("rljob_reward_remote_seconds",
+                                         "Wall time of scoring one batch at a remote reward, by route.",
+                                         lab + ["route"], buckets=DURATION_BUCKETS, registry=reg)
+
         # GPU memory (record_gpu_memory / set_gpu_memory).
         self._gpu = {
             "allocated": gauge("rljob_gpu_memory_allocated_bytes",
@@ -429,6 +447,14 @@ class TrainerTelemetry:
             self._checkpoint_times.append(float(unix_time))
         self._update_checkpoint_estimate()
         self.heartbeat()
+
+    def record_remote_reward(self, route: str, *, requests: int, retries: int, failures: int, zeroed: int,
+                             dropped: int, seconds: float) -> None:
+        """Count one scoring call at a remote reward (``route``: ``*`` for spec.reward, else the data source)."""
+        for key, value in (("requests", requests), ("retries", retries), ("failures", failures),
+                           ("zeroed", zeroed), ("dropped", dropped)):
+            self._remote[key].labels(**self._base, route=str(route)).inc(int(value))
+        self._remote_seconds.labels(**self._base, route=str(route)).observe(float(seconds))
 
     # ------------------------------------------------------------------ GPU memory
     def record_gpu_memory(self) -> None:
