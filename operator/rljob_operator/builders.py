@@ -183,10 +183,25 @@ def _env(job: RLJob) -> list[dict[str, Any]]:
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.access_key_id_key}}})
         env.append({"name": "AWS_SECRET_ACCESS_KEY",
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.secret_access_key_key}}})
+    env.extend(reward_header_env(spec))
     # User entries win over ours with the same name; new names are appended in their order.
     user = [copy.deepcopy(e) for e in spec.pod_template.env]
     user_names = {e.get("name") for e in user}
     return [e for e in env if e["name"] not in user_names] + user
+
+
+def reward_header_env(spec) -> list[dict[str, Any]]:
+    """The Secret keys of spec.reward's remote headers (and its bySource routes') as env references; the
+    worker reads them by the same names (HeadersSecretRef.env_names). Values are never copied."""
+    remotes = [spec.reward.remote] + [route.remote for route in spec.reward.by_source.values()]
+    out: dict[str, dict[str, Any]] = {}
+    for remote in remotes:
+        ref = remote.headers_secret_ref if remote is not None else None
+        if ref is None:
+            continue
+        for header, env in ref.env_names().items():
+            out[env] = {"name": env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.headers[header]}}}
+    return list(out.values())
 
 
 def _resources(job: RLJob) -> dict[str, Any]:

@@ -34,6 +34,11 @@ def target_token(sample: dict) -> float:
     return sum(ch == sample["ground_truth"] for ch in sample["completion"][:max_len]) / max_len
 
 
+class _Quiet(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):  # a dropped connection is the point of "drop"
+        pass
+
+
 class Server:
     """Common part: the listening server, its thread, fault list and records."""
 
@@ -64,7 +69,7 @@ class Server:
             def do_POST(self):
                 owner._post(self)
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._httpd = _Quiet(("127.0.0.1", port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         threading.Thread(target=self._httpd.serve_forever, daemon=True).start()

@@ -150,7 +150,9 @@ class RemoteScorer:
                         f"{header}) is not set; create the Secret with that key (the operator injects it), or export "
                         f"{env} when running locally")
                 self._headers[header] = value
-        self._secrets = [v for k, v in self._headers.items() if k != "Content-Type"]
+        # each value, and its words long enough to be a token (a server may quote "sk-..." without "Bearer")
+        values = [v for k, v in self._headers.items() if k != "Content-Type"]
+        self._secrets = sorted({*values, *(w for v in values for w in v.split() if len(w) >= 8)}, key=len, reverse=True)
         base = remote.url.rstrip("/")
         if self.protocol == RemoteProtocol.OPENAI_CHAT:
             base = base[:-3] if base.endswith("/v1") else base
@@ -188,8 +190,8 @@ class RemoteScorer:
                         "runs") from None
                 time.sleep(self._backoff(attempt, exc.wait_s))
             except RemoteRewardError as exc:
-                raise RemoteRewardError(f"{self.path}.url: {self.probe_url}: {exc}; check the URL, the endpoint "
-                                        "and the headers") from None
+                raise RemoteRewardError(f"{self.path}.url: {self.probe_url}: {self._scrub(str(exc))}; check the URL, "
+                                        "the endpoint and the headers") from None
 
     # ------------------------------------------------------------------ scoring
     def score(self, samples: Sequence[Sample]) -> RemoteOutcome:
