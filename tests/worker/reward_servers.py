@@ -154,8 +154,9 @@ class Server:
 class Verifier(Server):
     """http-json: {"samples": [...]} -> {"scores": [...]}."""
 
-    def __init__(self, score=target_token, **kw):
+    def __init__(self, score=target_token, required_headers: dict | None = None, **kw):
         self.score = score
+        self.required_headers = required_headers or {}
         self.batch_sizes: list[int] = []
         super().__init__(**kw)
 
@@ -163,6 +164,10 @@ class Verifier(Server):
         self._enter()
         try:
             body = self._read(handler)
+            if any(handler.headers.get(k) != v for k, v in self.required_headers.items()):
+                self._record(handler, "401")
+                self._send(handler, 401, {"error": "unauthorized"})
+                return
             fault = self._next_fault()
             if self.delay_s:
                 time.sleep(self.delay_s)

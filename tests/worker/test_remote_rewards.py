@@ -252,12 +252,12 @@ def test_probe_refuses_an_endpoint_that_is_not_a_verifier():
 
 def test_missing_secret_env_names_the_field():
     remote = {"url": "http://127.0.0.1:9/x", "headersSecretRef": {"name": "judge-key", "headers": {"Authorization": "token"}}}
-    with pytest.raises(Exception) as err:
+    with pytest.raises(RewardError) as err:  # a configuration error: one line at start-up
         router(remote, environ={"UNRELATED": "1"})
     message = str(err.value)
     assert message.startswith("spec.reward.remote.headersSecretRef: env RLJOB_REWARD_HEADER_JUDGE_KEY_TOKEN_")
     assert "Secret 'judge-key' key 'token'" in message and "\n" not in message
-    with pytest.raises(Exception, match=r"^spec.reward.bySource.math.remote.headersSecretRef: env "):
+    with pytest.raises(RewardError, match=r"^spec.reward.bySource.math.remote.headersSecretRef: env "):
         RewardRouter(RewardSpec.model_validate({"function": "gsm8k", "bySource": {"math": {"remote": remote}}}),
                      environ={})
 
@@ -371,3 +371,27 @@ def test_pass_at_k_metrics_per_source():
     assert m["val/s/pass@4"] == pytest.approx(0.5) and m["val/t/pass@4"] == 1.0
     assert m["val/s/mean@4"] == pytest.approx(2.5 / 8) and m["val/s/prompts"] == 2
     assert m["val/pass@1"] == pytest.approx((0.5 + 0 + 1) / 3) == m["val/accuracy"]
+
+
+def test_the_readme_verifier_serves_the_protocol():
+    """The ten-line verifier of the README, run as written (on a free port), passes the probe and scores."""
+    import re
+    import threading
+    from http.server import HTTPServer
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "class Verifier(" in b]
+    lines = code.strip().splitlines()
+    assert len(lines) <= 13 and lines[-1] == 'HTTPServer(("0.0.0.0", 8000), Verifier).serve_forever()'
+    namespace: dict = {}
+    exec("\n".join(lines[:-1]), namespace)  # noqa: S102 - the README's own code
+    httpd = HTTPServer(("127.0.0.1", 0), namespace["Verifier"])
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        r = router({"url": f"http://127.0.0.1:{httpd.server_address[1]}/"})
+        r.probe()
+        out = score(r, (["q", "q"], [" 4", "5"], ["4", "4"], ["s", "s"], [{}, {}]))
+        assert out.scores == [1.0, 0.0]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

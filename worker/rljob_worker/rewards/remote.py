@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 from rljob_api.enums import JudgeScoreRule, RemoteProtocol
 
+from rljob_worker.rewards.registry import RewardError
+
 log = logging.getLogger("rljob.rewards.remote")
 
 MAX_BACKOFF_S = 60.0
@@ -45,7 +47,7 @@ _SCORE_TAG = re.compile(rf"<score>\s*({_NUMBER})\s*</score>", re.IGNORECASE)
 _ANY_NUMBER = re.compile(_NUMBER)
 
 
-class RemoteRewardError(RuntimeError):
+class RemoteRewardError(RewardError):
     """A request failed for good, or the endpoint is misconfigured; the message is one line, without secrets."""
 
 
