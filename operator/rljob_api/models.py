@@ -759,6 +759,9 @@ class TrainerStatus(ApiModel):
     progress_percentage: int | None = _f(None, "step / totalSteps in percent.")
     reward_mean: float | None = _f(None, "Mean training reward of the last step.")
     val_reward_mean: float | None = _f(None, "Mean validation reward of the last validation.")
+    val_pass_at_k: dict[str, float] | None = _f(
+        None, "The last validation over all data sources, by key pass@k (k = 1, 2, 4, ... and rollout.valN; "
+        "unbiased estimator, a sample correct when its reward is >= 1) and mean@n (mean reward of the n samples).")
     nonfinite_rewards: int | None = _f(
         None, "Samples whose reward came back NaN or +-Inf so far (scored 0); above 0 the reward function has a bug.")
     last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")

@@ -379,11 +379,14 @@ def reward_errors(spec: RLJobSpec) -> list[FieldError]:
                                    "remote (an endpoint)"))
         if route.remote is not None:
             errs.extend(remote_reward_errors(route.remote, f"{path}.remote"))
-    if spec.algorithm.dynamic_sampling:
+    a = spec.algorithm
+    conflict = ("algorithm.dynamicSampling (which already drops groups)" if a.dynamic_sampling else
+                "algorithm.advantageEstimator gae (the critic, not the group, makes the advantages)"
+                if a.advantage_estimator == AdvantageEstimator.GAE else None)
+    if conflict:
         remotes = [("spec.reward.remote", rw.remote)] + [
             (f"spec.reward.bySource.{k}.remote", r.remote) for k, r in rw.by_source.items()]
-        errs.extend(FieldError(f"{path}.onFailure", "drop-group is not supported with algorithm.dynamicSampling "
-                               "(which already drops groups); use zero or fail")
+        errs.extend(FieldError(f"{path}.onFailure", f"drop-group is not supported with {conflict}; use zero or fail")
                     for path, remote in remotes if remote is not None and remote.on_failure.value == "drop-group")
     return errs
 

@@ -621,8 +621,10 @@ class GRPOTrainer(RunLoop):
         return f"reward {metrics.get('reward/mean', 0):.3f}"
 
     def status_values(self, metrics: dict[str, float]) -> dict[str, float | None]:
-        return {"reward_mean": metrics.get("reward/mean"),
-                "val_reward_mean": (getattr(self, "last_validation", None) or {}).get("val/reward_mean")}
+        last = getattr(self, "last_validation", None) or {}
+        return {"reward_mean": metrics.get("reward/mean"), "val_reward_mean": last.get("val/reward_mean"),
+                "val_pass_at_k": {k[4:]: v for k, v in last.items() if k.startswith(("val/pass@", "val/mean@"))}
+                or None}
 
     def summary_line(self) -> str | None:
         first = [r.metrics["reward/mean"] for r in self.history[:5]]
