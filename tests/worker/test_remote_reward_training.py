@@ -4,6 +4,7 @@ validation's pass@k too, and the secret appears in no output, metrics line or ch
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,7 @@ def assert_secret_nowhere(secret: str, output: str, workdir: Path) -> int:
     return len(files)
 
 
+@pytest.mark.slow
 def test_quickstart_scored_over_http_matches_in_process(tmp_path):
     """4 steps and a validation with 4 samples per prompt: the rewards, advantages' effect (the next steps'
     rewards) and pass@k are identical to the in-process reward's; the checkpoint holds no secret."""
@@ -57,13 +59,15 @@ def test_quickstart_scored_over_http_matches_in_process(tmp_path):
     try:
         env = {secret_header_env("verifier-key", "token"): f"Bearer {SECRET}"}
         remote, output = run(remote_spec(spec, server.url), tmp_path / "remote", env)
-        local, _ = run(spec, tmp_path / "local")
+        local, local_output = run(spec, tmp_path / "local")
     finally:
         server.close()
     np.testing.assert_array_equal(rewards(remote), rewards(local))  # same seed: the same floats
-    val = {k: v for k, v in local[-1].items() if k.startswith("val/")}
-    assert {"val/pass@1", "val/pass@2", "val/pass@4", "val/mean@4", "val/synthetic/target-token/pass@4"} <= set(val)
-    assert {k: remote[-1][k] for k in val} == val
+    # validation goes to telemetry and the status, and its log line: reward, accuracy, pass@valN
+    validation = [re.sub(r"^.*(validation at step)", r"\1", line) for line in local_output.splitlines()
+                  if "validation at step" in line]
+    assert len(validation) == 1 and "pass@4 " in validation[0], local_output[-3000:]
+    assert validation[0] in output
     first = remote[0]
     # 32 samples in batches of 16, nothing retried; the probe's empty batch is not a scoring request
     assert (first["reward/remote_requests"], first["reward/remote_retries"], first["reward/remote_failures"]) == (2, 0, 0)
@@ -71,6 +75,8 @@ def test_quickstart_scored_over_http_matches_in_process(tmp_path):
     assert first["reward/synthetic/target-token/mean"] == first["reward/mean"]
     assert sorted(set(server.scored.values())) == [1]  # every sample id answered once
     assert len(server.scored) == 4 * 32 + 8 * 4  # 4 steps of 32 samples, one validation of 8 prompts x 4
+    ckpt = tmp_path / "remote" / "ckpt"
+    assert any(ckpt.rglob("COMMIT")), "the run should have committed a checkpoint to search"
     assert all(r["outcome"] == "ok" for r in server.requests)  # the header came along every time
     assert assert_secret_nowhere(SECRET, output, tmp_path / "remote") > 5  # metrics.jsonl, checkpoint files
 
@@ -88,6 +94,7 @@ def test_quickstart_learns_with_its_reward_over_http(tmp_path):
     assert r[:5].mean() < 0.3 and r[-5:].mean() > 0.9, r
 
 
+@pytest.mark.slow
 def test_remote_faults_during_training_are_counted_and_zeroed(tmp_path):
     """A verifier that fails every try for one batch (onFailure zero) and drops a connection once: the run
     goes on, the failed samples are scored 0 and counted, the retried batch is scored exactly once."""
