@@ -533,11 +533,27 @@ class JudgeSpec(ApiModel):
                             ge=0, le=10)
 
 
+JUDGE_PORT = 8000
+
+
+def judge_service_name(job_name: str) -> str:
+    """The Service (and Deployment) of the judge the operator runs for spec.reward.server."""
+    return f"{job_name[:57]}-judge"
+
+
+def judge_url(job_name: str, namespace: str) -> str:
+    """Where the worker reaches the operator-run judge (spec.reward.server) when remote.url is unset."""
+    return f"http://{judge_service_name(job_name)}.{namespace}.svc:{JUDGE_PORT}"
+
+
 class RemoteRewardSpec(ApiModel):
-    url: str = _f(
-        description="Endpoint: for http-json the URL batches are POSTed to (e.g. http://verifier.ml.svc:8000/score); "
+    url: str | None = _f(
+        None,
+        "Endpoint: for http-json the URL batches are POSTed to (e.g. http://verifier.ml.svc:8000/score); "
         "for openai-chat the server's base URL (e.g. http://judge:8000; /v1/chat/completions is appended, a "
-        "trailing /v1 is accepted). Credentials go in headersSecretRef, never in the URL.",
+        "trailing /v1 is accepted). Credentials go in headersSecretRef, never in the URL. Required, except on "
+        "spec.reward.remote with spec.reward.server, whose Service it then points at "
+        "(http://<job>-judge.<namespace>.svc:8000).",
         pattern=REMOTE_URL_PATTERN, max_length=2048,
     )
     protocol: RemoteProtocol = _f(
@@ -577,6 +593,20 @@ class RemoteRewardSpec(ApiModel):
     judge: JudgeSpec | None = _f(None, "The LLM judge of protocol openai-chat (required there, refused with http-json).")
 
 
+class JudgeServerSpec(ApiModel):
+    model: str = _f(description="The judge model vLLM serves: a Hugging Face id or a path in the image or on a "
+                    "podTemplate volume (vllm serve MODEL).", min_length=1, max_length=1024)
+    image: str = _f("vllm/vllm-openai:v0.26.0", "Image of the judge server (an OpenAI-compatible vLLM image).",
+                    max_length=1024)
+    gpus: int = _f(1, "GPUs of the judge's pod (nvidia.com/gpu); its vLLM tensor parallel size unless vllmArgs "
+                   "says otherwise.", ge=0, le=64)
+    vllm_args: list[str] = _f(default_factory=list, description="Extra `vllm serve` arguments, e.g. "
+                              "[--max-model-len, '8192', --gpu-memory-utilization, '0.9'].", max_length=256)
+    ready_timeout_seconds: int = _f(
+        1800, "How long the worker waits at start-up for the judge to answer (model download and load) before it "
+        "stops with an error naming spec.reward.server.", ge=1, le=86400)
+
+
 class RewardRouteSpec(ApiModel):
     function: str | None = _f(
         None, "A built-in reward or module.path:function for this data source (as spec.reward.function).",
@@ -602,6 +632,11 @@ class RewardSpec(ApiModel):
     remote: RemoteRewardSpec | None = _f(
         None, "Score over HTTP instead of with function: a verifier service (http-json) or an OpenAI-compatible LLM "
         "judge (openai-chat). The worker probes the endpoint at start-up.")
+    server: JudgeServerSpec | None = _f(
+        None, "Run the judge for this job: the operator creates a vLLM OpenAI-compatible server (a Deployment "
+        "and a Service <job>-judge on port 8000, owned by the RLJob, deleted with it) and spec.reward.remote "
+        "(protocol openai-chat) reaches it when its url is unset; the worker waits for it to answer before "
+        "training.")
     by_source: dict[str, RewardRouteSpec] = _f(
         default_factory=dict,
         description="Rewards by data source (the data_source column; synthetic tasks use the task name): "

@@ -370,6 +370,12 @@ def reward_errors(spec: RLJobSpec) -> list[FieldError]:
     """spec.reward.remote and every spec.reward.bySource route: exactly one reward each, endpoints well-formed."""
     rw = spec.reward
     errs = remote_reward_errors(rw.remote, "spec.reward.remote") if rw.remote is not None else []
+    if rw.server is not None and (rw.remote is None or rw.remote.protocol.value != "openai-chat"):
+        errs.append(FieldError("spec.reward.server", "the judge it runs is reached by spec.reward.remote with "
+                               "protocol openai-chat and a judge; add them (url may stay unset)"))
+    if rw.remote is not None and rw.remote.url is None and rw.server is None:
+        errs.append(FieldError("spec.reward.remote.url", "is required (or add spec.reward.server to run the judge "
+                               "for this job)"))
     for source, route in rw.by_source.items():
         path = f"spec.reward.bySource.{source}"
         if not source.strip() or len(source) > 253:
@@ -379,6 +385,9 @@ def reward_errors(spec: RLJobSpec) -> list[FieldError]:
                                    "remote (an endpoint)"))
         if route.remote is not None:
             errs.extend(remote_reward_errors(route.remote, f"{path}.remote"))
+            if route.remote.url is None:
+                errs.append(FieldError(f"{path}.remote.url", "is required (spec.reward.server serves spec.reward."
+                                       "remote only)"))
     a = spec.algorithm
     conflict = ("algorithm.dynamicSampling (which already drops groups)" if a.dynamic_sampling else
                 "algorithm.advantageEstimator gae (the critic, not the group, makes the advantages)"

@@ -378,6 +378,9 @@ def build_children(job: RLJob, settings: OperatorSettings) -> list[dict[str, Any
         children.append(build_progress_role(job, settings))
         children.append(build_progress_rolebinding(job, settings))
     children.append(build_spec_configmap(job, settings))
+    from rljob_operator.judge_builder import build_judge_children  # (imports this module)
+
+    children.extend(build_judge_children(job, settings))  # spec.reward.server: before the job that waits for it
     children.append(build_pytorchjob(job, settings))
     if job.spec.metrics.enabled and settings.metrics_service:
         children.append(build_metrics_service(job, settings))

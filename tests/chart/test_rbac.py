@@ -137,7 +137,8 @@ def test_derivation_exercises_every_request_kube_io_can_make(monkeypatch: pytest
     recorded_methods = {method for method, _, _ in recording.requests}
     assert source_methods <= recorded_methods, f"not exercised: {source_methods - recorded_methods}"
     kinds = {b["kind"] for b in recording.created}
-    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob", "Service", "PodMonitor", "Event"}
+    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob", "Service", "PodMonitor", "Event",
+                     "Deployment"}
     verbs = {(g, r, v) for g, r, v in recording.needs}
     assert ("kubeflow.org", "pytorchjobs", "delete") in verbs and ("", "configmaps", "patch") in verbs
     assert ("rljob.dev", "rljobs/status", "patch") in verbs

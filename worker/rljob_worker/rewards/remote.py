@@ -137,8 +137,12 @@ class RemoteScorer:
     `path` is the spec path of the remote block, used in every error. Reads the header values from
     `environ` now: a missing variable is a RemoteRewardError naming headersSecretRef."""
 
-    def __init__(self, remote, path: str, environ: Mapping[str, str] | None = None):
+    def __init__(self, remote, path: str, environ: Mapping[str, str] | None = None, url: str | None = None,
+                 ready_timeout_s: float | None = None):
+        """`url` stands in for an unset remote.url (the operator-run judge); with `ready_timeout_s` the probe
+        keeps trying that long (a judge still loading its model) instead of `retries` times."""
         environ = os.environ if environ is None else environ
+        self.ready_timeout_s = ready_timeout_s
         self.spec, self.path = remote, path
         self.protocol = RemoteProtocol(remote.protocol)
         self._headers: dict[str, str] = {"Content-Type": "application/json"}
@@ -155,12 +159,13 @@ class RemoteScorer:
         # each value, and its words long enough to be a token (a server may quote "sk-..." without "Bearer")
         values = [v for k, v in self._headers.items() if k != "Content-Type"]
         self._secrets = sorted({*values, *(w for v in values for w in v.split() if len(w) >= 8)}, key=len, reverse=True)
-        base = remote.url.rstrip("/")
+        self.url = remote.url or url
+        base = self.url.rstrip("/")
         if self.protocol == RemoteProtocol.OPENAI_CHAT:
             base = base[:-3] if base.endswith("/v1") else base
             self.endpoint, self.probe_url = base + "/v1/chat/completions", base + "/v1/models"
         else:
-            self.endpoint = self.probe_url = remote.url
+            self.endpoint = self.probe_url = self.url
         self.limiter = RateLimiter(remote.rate_limit)
         self._pool = ThreadPoolExecutor(remote.concurrency, thread_name_prefix="rljob-reward")
 
@@ -175,7 +180,8 @@ class RemoteScorer:
         """Reach the endpoint once (http-json: an empty batch must come back as {"scores": []}; openai-chat:
         GET /v1/models), retrying as a scoring request would. Raises RemoteRewardError naming the url field."""
         counts, s = _Counts(), self.spec
-        for attempt in range(s.retries + 1):
+        deadline = time.monotonic() + self.ready_timeout_s if self.ready_timeout_s else None
+        for attempt in range(10**9 if deadline else s.retries + 1):
             try:
                 if self.protocol == RemoteProtocol.HTTP_JSON:
                     scores = self._post_json(self.endpoint, {"samples": []}, "probe", counts).get("scores")
@@ -185,7 +191,10 @@ class RemoteScorer:
                     self._request(self.probe_url, None, "probe", counts)
                 return
             except _Retryable as exc:
-                if attempt == s.retries:
+                if deadline is not None and time.monotonic() < deadline:
+                    time.sleep(min(10.0, max(0.0, deadline - time.monotonic())))
+                    continue
+                if deadline is not None or attempt == s.retries:
                     raise RemoteRewardError(
                         f"{self.path}.url: {self.probe_url} does not answer as a {self.protocol.value} endpoint "
                         f"({self._scrub(str(exc))}, after {attempt + 1} tries); check the URL and that the service "

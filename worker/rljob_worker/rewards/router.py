@@ -45,9 +45,9 @@ class Scored:
 
 
 class _Route:
-    def __init__(self, name: str, path: str, function: str | None, remote, environ):
+    def __init__(self, name: str, path: str, function: str | None, remote, environ, **remote_kw):
         self.name, self.path = name, path
-        self.remote = RemoteScorer(remote, f"{path}.remote", environ) if remote is not None else None
+        self.remote = RemoteScorer(remote, f"{path}.remote", environ, **remote_kw) if remote is not None else None
         try:
             self.fn = resolve_reward(function) if remote is None else None
         except RewardError as exc:  # name the route's own field
@@ -94,9 +94,13 @@ class PendingScores:
 class RewardRouter:
     """spec.reward as callables and endpoints, built once (resolves functions, reads header env now)."""
 
-    def __init__(self, reward, *, pool=None, environ: Mapping[str, str] | None = None):
+    def __init__(self, reward, *, pool=None, environ: Mapping[str, str] | None = None, judge_url: str | None = None):
+        """`judge_url`: where the operator-run judge (spec.reward.server) answers, for a remote without url."""
         self.spec, self.pool = reward, pool
-        self.default = _Route(DEFAULT_ROUTE, "spec.reward", reward.function, reward.remote, environ)
+        server = reward.server
+        self.default = _Route(DEFAULT_ROUTE, "spec.reward", reward.function, reward.remote, environ,
+                              url=judge_url if server is not None else None,
+                              ready_timeout_s=server.ready_timeout_seconds if server is not None else None)
         self.routes: dict[str, _Route] = {DEFAULT_ROUTE: self.default}
         for source, route in reward.by_source.items():
             self.routes[source] = _Route(source, f"spec.reward.bySource.{source}", route.function, route.remote,
@@ -121,6 +125,10 @@ class RewardRouter:
                 try:
                     route.remote.probe()
                 except RemoteRewardError as exc:
+                    if route is self.default and self.spec.server is not None:
+                        raise RewardError(f"spec.reward.server: the judge at {route.remote.url} did not answer within "
+                                          f"readyTimeoutSeconds={self.spec.server.ready_timeout_seconds} ({exc}); see "
+                                          "its Deployment's pods") from None
                     raise RewardError(str(exc)) from None
 
     def submit(self, prompts: Sequence[str], completions: Sequence[str], ground_truths: Sequence[str],

@@ -89,7 +89,10 @@ class GRPOTrainer(RunLoop):
         spec, env = self.spec, self.env
         self.reward_pool = _reward_pool(spec.reward.num_workers) if self.is_main else None
         # every rank resolves the functions and reads the remote headers' env; rank 0 scores and probes
-        self.rewards = RewardRouter(spec.reward, pool=self.reward_pool)
+        from rljob_api.models import judge_url
+
+        self.rewards = RewardRouter(spec.reward, pool=self.reward_pool,
+                                    judge_url=judge_url(self.ctx.job_name, self.ctx.namespace))
         if self.is_main:
             self.rewards.probe()
         from rljob_worker.data.model_source import resolve_model_dir
