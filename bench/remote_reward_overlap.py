@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "worker"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from reward_servers import Verifier  # noqa: E402
-from test_learning import quickstart_spec, run_trainer  # noqa: E402
+from reward_servers import Verifier
+from test_learning import quickstart_spec, run_trainer
 
 
 def spec_for(url: str, steps: int, overlap: bool) -> dict:

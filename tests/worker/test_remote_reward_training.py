@@ -27,7 +27,7 @@ def run(spec: dict, workdir: Path, env: dict | None = None) -> tuple[list[dict],
     workdir.mkdir(parents=True)
     (workdir / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(HARNESS), str(workdir / "spec.json"), str(workdir)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}, check=False)
     assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return read_metrics(workdir), proc.stdout + proc.stderr
 

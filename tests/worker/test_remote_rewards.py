@@ -380,7 +380,7 @@ def test_the_readme_verifier_serves_the_protocol():
     from http.server import HTTPServer
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "class Verifier(" in b]
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "class Verifier(" in b]
     lines = code.strip().splitlines()
     assert len(lines) <= 13 and lines[-1] == 'HTTPServer(("0.0.0.0", 8000), Verifier).serve_forever()'
     namespace: dict = {}

@@ -162,7 +162,7 @@ class RemoteScorer:
         self.url = remote.url or url
         base = self.url.rstrip("/")
         if self.protocol == RemoteProtocol.OPENAI_CHAT:
-            base = base[:-3] if base.endswith("/v1") else base
+            base = base.removesuffix("/v1")
             self.endpoint, self.probe_url = base + "/v1/chat/completions", base + "/v1/models"
         else:
             self.endpoint = self.probe_url = self.url

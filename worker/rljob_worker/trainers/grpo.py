@@ -637,6 +637,9 @@ class GRPOTrainer(RunLoop):
         return f"done: {self.step} steps, reward {np.mean(first):.3f} (first 5) -> {np.mean(last):.3f} (last 5)"
 
     def close(self) -> None:
+        rewards = getattr(self, "rewards", None)
+        if rewards is not None:
+            rewards.close()  # remote scoring threads
         pool = getattr(self, "reward_pool", None)
         if pool is not None:
             # A reward that hung past its timeout would keep the process alive: stop the workers.
