@@ -583,7 +583,8 @@ class RemoteRewardSpec(ApiModel):
         RemoteFailurePolicy.FAIL,
         "A sample whose request failed after every retry: fail (the step fails with an error naming the endpoint), "
         "zero (scored 0), or drop-group (its prompt group gets zero advantages, so it adds no gradient, and is left "
-        "out of the reward metrics). Each is counted (reward/remote_failures, rljob_reward_remote_failures_total).",
+        "out of the reward metrics; not with algorithm.dynamicSampling, klPlacement reward or the gae estimator). Each is "
+        "counted (reward/remote_failures, rljob_reward_remote_failures_total). In validation a failed sample counts 0.",
     )
     overlap: bool = _f(
         True, "Score while the trainer computes the old/reference log-probs (joined before the advantages), so the "

@@ -391,7 +391,9 @@ def reward_errors(spec: RLJobSpec) -> list[FieldError]:
     a = spec.algorithm
     conflict = ("algorithm.dynamicSampling (which already drops groups)" if a.dynamic_sampling else
                 "algorithm.advantageEstimator gae (the critic, not the group, makes the advantages)"
-                if a.advantage_estimator == AdvantageEstimator.GAE else None)
+                if a.advantage_estimator == AdvantageEstimator.GAE else
+                "algorithm.klPlacement reward (its advantages are computed after the reference pass)"
+                if a.kl_coef > 0 and a.kl_placement.value == "reward" else None)
     if conflict:
         remotes = [("spec.reward.remote", rw.remote)] + [
             (f"spec.reward.bySource.{k}.remote", r.remote) for k, r in rw.by_source.items()]
