@@ -123,3 +123,25 @@ class PromptOverflow(StrEnum):
     TRUNCATE_LEFT = "truncate-left"
     TRUNCATE_RIGHT = "truncate-right"
     ERROR = "error"
+
+
+class RemoteProtocol(StrEnum):
+    """How spec.reward.remote talks to its endpoint."""
+
+    HTTP_JSON = "http-json"  # POST {"samples": [...]} -> {"scores": [...]}, in order
+    OPENAI_CHAT = "openai-chat"  # one /v1/chat/completions call per sample with the judge's prompt template
+
+
+class RemoteFailurePolicy(StrEnum):
+    """What a sample whose remote scoring failed after every retry becomes."""
+
+    FAIL = "fail"  # the step fails with a one-line error
+    ZERO = "zero"  # the sample is scored 0
+    DROP_GROUP = "drop-group"  # the sample's prompt group gets zero advantages (no gradient) and leaves the metrics
+
+
+class JudgeScoreRule(StrEnum):
+    """How an LLM judge's reply becomes a number in [0, 1]."""
+
+    SCORE_TAG = "score-tag"  # the number inside the last <score>...</score>
+    LAST_NUMBER = "last-number"  # the last number in the reply

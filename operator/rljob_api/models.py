@@ -21,6 +21,7 @@ from rljob_api.enums import (
     ChildKind,
     CriticPlacement,
     ImportanceLevel,
+    JudgeScoreRule,
     KLEstimator,
     KLPlacement,
     LossAggregation,
@@ -29,6 +30,8 @@ from rljob_api.enums import (
     PromptOverflow,
     RecomputeGranularity,
     RecomputeMethod,
+    RemoteFailurePolicy,
+    RemoteProtocol,
     ResumeMode,
     RolloutCompile,
     RolloutEngine,
@@ -57,6 +60,8 @@ BUILTIN_MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-hd64")
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
 SHM_SIZE_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti)?$"
+# An http(s) endpoint without credentials in it (those come from headersSecretRef).
+REMOTE_URL_PATTERN = r"^https?://[^\s/@]+(/[^\s]*)?$"
 
 
 def _quantity(value: Any) -> Any:
@@ -507,11 +512,140 @@ class CriticSpec(ApiModel):
 # --------------------------------------------------------------------------- reward, checkpoint, storage, metrics
 
 
+class HeadersSecretRef(ApiModel):
+    name: str = _f(description="Secret name in the RLJob's namespace.", min_length=1, max_length=253)
+    headers: dict[str, str] = _f(
+        description="HTTP header name -> key in the Secret, e.g. {Authorization: token} (the value is sent as it "
+        "is, so store 'Bearer sk-...' for a bearer token). The operator injects each key as a worker env "
+        "variable (RLJOB_REWARD_HEADER_<secret>_<key>_<hash>) from the Secret, never copying its value; the worker "
+        "sends it only in request headers, never in logs, metrics, errors or checkpoints.",
+        min_length=1,
+    )
+
+    def env_names(self) -> dict[str, str]:
+        """HTTP header -> the worker env variable holding its value (the operator and the worker agree on it)."""
+        return {header: secret_header_env(self.name, key) for header, key in self.headers.items()}
+
+
+def secret_header_env(secret: str, key: str) -> str:
+    """The env variable a Secret key is injected as: readable, and distinct for distinct (secret, key) pairs."""
+    import hashlib
+    import re
+
+    tag = hashlib.sha256(f"{secret}\0{key}".encode()).hexdigest()[:8].upper()
+    return f"RLJOB_REWARD_HEADER_{re.sub(r'[^A-Za-z0-9]', '_', f'{secret}_{key}').upper()}_{tag}"
+
+
+class JudgeSpec(ApiModel):
+    model: str = _f(description="Model name sent in each chat completion request (the name the server serves).",
+                    min_length=1, max_length=256)
+    prompt_template: str = _f(
+        description="The judge's user message, rendered per sample: {prompt}, {completion}, {ground_truth} and "
+        "{data_source} are replaced by the sample's values; any other braces are kept as written.",
+        min_length=1, max_length=65536,
+    )
+    system_prompt: str | None = _f(None, "Optional system message sent before the rendered template.",
+                                   max_length=65536)
+    score_rule: JudgeScoreRule = _f(
+        JudgeScoreRule.SCORE_TAG,
+        "How the reply becomes a score: score-tag takes the number inside the last <score>x</score>, "
+        "last-number the last number anywhere in the reply (e.g. 'so the answer is correct: 1'). The number must "
+        "lie in [0, 1]; a reply without one, or with one outside [0, 1], is a failed sample (onFailure applies).",
+    )
+    max_tokens: int = _f(256, "max_tokens of each judge request.", ge=1, le=131072)
+    temperature: float = _f(0.0, "Sampling temperature of the judge (0: deterministic where the server allows).",
+                            ge=0, le=10)
+
+
+JUDGE_PORT = 8000
+
+
+def judge_service_name(job_name: str) -> str:
+    """The Service (and Deployment) of the judge the operator runs for spec.reward.server."""
+    return f"{job_name[:57]}-judge"
+
+
+def judge_url(job_name: str, namespace: str) -> str:
+    """Where the worker reaches the operator-run judge (spec.reward.server) when remote.url is unset."""
+    return f"http://{judge_service_name(job_name)}.{namespace}.svc:{JUDGE_PORT}"
+
+
+class RemoteRewardSpec(ApiModel):
+    url: str | None = _f(
+        None,
+        "Endpoint: for http-json the URL batches are POSTed to (e.g. http://verifier.ml.svc:8000/score); "
+        "for openai-chat the server's base URL (e.g. http://judge:8000; /v1/chat/completions is appended, a "
+        "trailing /v1 is accepted). Credentials go in headersSecretRef, never in the URL. Required, except on "
+        "spec.reward.remote with spec.reward.server, whose Service it then points at "
+        "(http://<job>-judge.<namespace>.svc:8000).",
+        pattern=REMOTE_URL_PATTERN, max_length=2048,
+    )
+    protocol: RemoteProtocol = _f(
+        RemoteProtocol.HTTP_JSON,
+        "http-json: POST {\"samples\": [{\"prompt\", \"completion\", \"ground_truth\", \"data_source\", "
+        "\"extra_info\"}, ...]} and read {\"scores\": [float, ...]} in the same order, batchSize samples per "
+        "request. openai-chat: one /v1/chat/completions request per sample with judge.promptTemplate, scored by "
+        "judge.scoreRule.",
+    )
+    headers_secret_ref: HeadersSecretRef | None = _f(
+        None, "HTTP headers (API keys, bearer tokens) taken from a Secret through the worker's environment.")
+    concurrency: int = _f(8, "Requests in flight at once, at most.", ge=1, le=1024)
+    batch_size: int = _f(32, "http-json: samples per request (openai-chat sends one sample per request).",
+                         ge=1, le=65536)
+    timeout_seconds: float = _f(60.0, "Timeout of one request (connect and read); a timed-out request is retried.",
+                                gt=0, le=3600)
+    retries: int = _f(
+        3, "Retries of a request that failed (connection error, timeout, HTTP 408/429/5xx, a malformed answer) "
+        "before its samples count as failed; HTTP 4xx other than 408/429 is not retried.", ge=0, le=100)
+    backoff_seconds: float = _f(
+        1.0, "Wait before the first retry; doubled for each further retry of the same request (at most 60 s).",
+        ge=0, le=600)
+    rate_limit: float | None = _f(
+        None, "Requests started per second, at most, over all of the job's requests to this endpoint; unset: no "
+        "limit beyond concurrency.", gt=0, le=100000)
+    on_failure: RemoteFailurePolicy = _f(
+        RemoteFailurePolicy.FAIL,
+        "A sample whose request failed after every retry: fail (the step fails with an error naming the endpoint), "
+        "zero (scored 0), or drop-group (its prompt group gets zero advantages, so it adds no gradient, and is left "
+        "out of the reward metrics; not with algorithm.dynamicSampling, klPlacement reward or the gae estimator). Each is "
+        "counted (reward/remote_failures, rljob_reward_remote_failures_total). In validation a failed sample counts 0.",
+    )
+    overlap: bool = _f(
+        True, "Score while the trainer computes the old/reference log-probs (joined before the advantages), so the "
+        "endpoint's latency hides behind work the step does anyway. Off: scoring blocks after the rollout. With "
+        "algorithm.dynamicSampling or klPlacement reward the scores are needed first, and scoring always blocks.",
+    )
+    judge: JudgeSpec | None = _f(None, "The LLM judge of protocol openai-chat (required there, refused with http-json).")
+
+
+class JudgeServerSpec(ApiModel):
+    model: str = _f(description="The judge model vLLM serves: a Hugging Face id or a path in the image or on a "
+                    "podTemplate volume (vllm serve MODEL).", min_length=1, max_length=1024)
+    image: str = _f("vllm/vllm-openai:v0.26.0", "Image of the judge server (an OpenAI-compatible vLLM image).",
+                    max_length=1024)
+    gpus: int = _f(1, "GPUs of the judge's pod (nvidia.com/gpu); its vLLM tensor parallel size unless vllmArgs "
+                   "says otherwise.", ge=0, le=64)
+    vllm_args: list[str] = _f(default_factory=list, description="Extra `vllm serve` arguments, e.g. "
+                              "[--max-model-len, '8192', --gpu-memory-utilization, '0.9'].", max_length=256)
+    ready_timeout_seconds: int = _f(
+        1800, "How long the worker waits at start-up for the judge to answer (model download and load) before it "
+        "stops with an error naming spec.reward.server.", ge=1, le=86400)
+
+
+class RewardRouteSpec(ApiModel):
+    function: str | None = _f(
+        None, "A built-in reward or module.path:function for this data source (as spec.reward.function).",
+        pattern=REWARD_FUNCTION_PATTERN, max_length=256,
+    )
+    remote: RemoteRewardSpec | None = _f(None, "A remote verifier or judge for this data source (as spec.reward.remote).")
+
+
 class RewardSpec(ApiModel):
     function: str = _f(
         "gsm8k",
         "Reward function: a built-in name (gsm8k, math-boxed, format, target-token, digit-sum) or module.path:function "
-        "importable in the worker image, called as f(prompt, completion, ground_truth, extra) -> float.",
+        "importable in the worker image, called as f(prompt, completion, ground_truth, extra) -> float. Unused when "
+        "remote is set.",
         pattern=REWARD_FUNCTION_PATTERN,
         max_length=256,
     )
@@ -521,6 +655,21 @@ class RewardSpec(ApiModel):
         "bounds every reward. With numWorkers 0 an alarm interrupts Python code, but a reward stuck inside C code "
         "(such as a pathological regex), one that catches the alarm (a bare except) or one that sets its own SIGALRM "
         "runs on; when it returns after the limit, the sample fails as timed out.", gt=0)
+    remote: RemoteRewardSpec | None = _f(
+        None, "Score over HTTP instead of with function: a verifier service (http-json) or an OpenAI-compatible LLM "
+        "judge (openai-chat). The worker probes the endpoint at start-up.")
+    server: JudgeServerSpec | None = _f(
+        None, "Run the judge for this job: the operator creates a vLLM OpenAI-compatible server (a Deployment "
+        "and a Service <job>-judge on port 8000, owned by the RLJob, deleted with it) and spec.reward.remote "
+        "(protocol openai-chat) reaches it when its url is unset; the worker waits for it to answer before "
+        "training.")
+    by_source: dict[str, RewardRouteSpec] = _f(
+        default_factory=dict,
+        description="Rewards by data source (the data_source column; synthetic tasks use the task name): "
+        "{<data_source>: {function} or {remote}}; samples of other sources use function / remote above. Metrics "
+        "are reported per source (reward/<source>/mean, reward/<source>/count, val/<source>/...).",
+        max_length=64,
+    )
 
 
 class CheckpointSpec(ApiModel):
@@ -731,6 +880,9 @@ class TrainerStatus(ApiModel):
     progress_percentage: int | None = _f(None, "step / totalSteps in percent.")
     reward_mean: float | None = _f(None, "Mean training reward of the last step.")
     val_reward_mean: float | None = _f(None, "Mean validation reward of the last validation.")
+    val_pass_at_k: dict[str, float] | None = _f(
+        None, "The last validation over all data sources, by key pass@k (k = 1, 2, 4, ... and rollout.valN; "
+        "unbiased estimator, a sample correct when its reward is >= 1) and mean@n (mean reward of the n samples).")
     nonfinite_rewards: int | None = _f(
         None, "Samples whose reward came back NaN or +-Inf so far (scored 0); above 0 the reward function has a bug.")
     last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")

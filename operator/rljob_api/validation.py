@@ -24,6 +24,7 @@ from rljob_api.models import (
     BUILTIN_MODEL_NAMES,
     KIND,
     MODEL_URI_PATTERN,
+    REMOTE_URL_PATTERN,
     REWARD_FUNCTION_PATTERN,
     S3_ENDPOINT_PATTERN,
     SHM_SIZE_PATTERN,
@@ -56,6 +57,8 @@ _PATTERN_HINTS = {
     MODEL_URI_PATTERN: "must be s3://bucket/prefix, file:///abs/path, /abs/path or builtin://name",
     REWARD_FUNCTION_PATTERN: "must be a built-in reward name (e.g. gsm8k) or module.path:function",
     S3_ENDPOINT_PATTERN: "must be an http:// or https:// URL such as http://minio.minio.svc:9000",
+    REMOTE_URL_PATTERN: "must be an http:// or https:// URL without user:password@ (put credentials in "
+                        "headersSecretRef), such as http://verifier.ml.svc:8000/score",
     SHM_SIZE_PATTERN: "must be a size such as 16Gi: an integer with an optional Ki, Mi, Gi or Ti suffix",
 }
 
@@ -93,7 +96,11 @@ def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]
             got = _JSON_TYPE_NAMES.get(type(err.get("input")), type(err.get("input")).__name__)
             message = f"must be a mapping of fields, got {got}"
         elif err["type"] == "string_pattern_mismatch":
-            message = _PATTERN_HINTS.get(err.get("ctx", {}).get("pattern", ""), message) + f" (got {err['input']!r})"
+            pattern = err.get("ctx", {}).get("pattern", "")
+            got = err["input"]
+            if pattern == REMOTE_URL_PATTERN and isinstance(got, str):  # never echo a password written in a URL
+                got = re.sub(r"//[^/@\s]*@", "//***@", got)
+            message = _PATTERN_HINTS.get(pattern, message) + f" (got {got!r})"
         elif "input" in err and err["type"] not in {"model_type", "dict_type"}:
             message = f"{message} (got {err['input']!r})"
         out.append(FieldError(f"{prefix}{path}", message))
@@ -347,6 +354,8 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             "set lossAggregation: seq-mean-token-mean (or importanceLevel: token)"))
     if not sft and r.val_n > 1 and r.val_temperature == 0:
         errs.append(FieldError("spec.rollout.valN", "valN > 1 with valTemperature 0 repeats the same greedy answer; raise valTemperature"))
+    if not sft:
+        errs.extend(reward_errors(spec))
     pt = spec.pod_template
     errs.extend(FieldError(path, message) for path, message in
                 pod_template_errors(pt.volumes, pt.volume_mounts, on_gpu=spec.device == "gpu"))
@@ -354,6 +363,54 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError(
             "spec.s3.credentialsSecretRef",
             "an S3-compatible endpoint is set but no credentials; name a Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"))
+    return errs
+
+
+def remote_reward_errors(remote, path: str) -> list[FieldError]:
+    """One remote reward endpoint: the judge belongs to openai-chat, and only there."""
+    errs = []
+    if remote.protocol.value == "openai-chat" and remote.judge is None:
+        errs.append(FieldError(f"{path}.judge", "protocol openai-chat needs a judge (model, promptTemplate); add it "
+                               "or use protocol http-json"))
+    if remote.protocol.value == "http-json" and remote.judge is not None:
+        errs.append(FieldError(f"{path}.judge", "is only used by protocol openai-chat; remove it or set "
+                               "protocol: openai-chat"))
+    return errs
+
+
+def reward_errors(spec: RLJobSpec) -> list[FieldError]:
+    """spec.reward.remote and every spec.reward.bySource route: exactly one reward each, endpoints well-formed."""
+    rw = spec.reward
+    errs = remote_reward_errors(rw.remote, "spec.reward.remote") if rw.remote is not None else []
+    if rw.server is not None and (rw.remote is None or rw.remote.protocol.value != "openai-chat"):
+        errs.append(FieldError("spec.reward.server", "the judge it runs is reached by spec.reward.remote with "
+                               "protocol openai-chat and a judge; add them (url may stay unset)"))
+    if rw.remote is not None and rw.remote.url is None and rw.server is None:
+        errs.append(FieldError("spec.reward.remote.url", "is required (or add spec.reward.server to run the judge "
+                               "for this job)"))
+    for source, route in rw.by_source.items():
+        path = f"spec.reward.bySource.{source}"
+        if not source.strip() or len(source) > 253:
+            errs.append(FieldError(path, "a data source name must be 1-253 characters, not blank"))
+        if (route.function is None) == (route.remote is None):
+            errs.append(FieldError(path, "give exactly one of function (a built-in or module.path:function) and "
+                                   "remote (an endpoint)"))
+        if route.remote is not None:
+            errs.extend(remote_reward_errors(route.remote, f"{path}.remote"))
+            if route.remote.url is None:
+                errs.append(FieldError(f"{path}.remote.url", "is required (spec.reward.server serves spec.reward."
+                                       "remote only)"))
+    a = spec.algorithm
+    conflict = ("algorithm.dynamicSampling (which already drops groups)" if a.dynamic_sampling else
+                "algorithm.advantageEstimator gae (the critic, not the group, makes the advantages)"
+                if a.advantage_estimator == AdvantageEstimator.GAE else
+                "algorithm.klPlacement reward (its advantages are computed after the reference pass)"
+                if a.kl_coef > 0 and a.kl_placement.value == "reward" else None)
+    if conflict:
+        remotes = [("spec.reward.remote", rw.remote)] + [
+            (f"spec.reward.bySource.{k}.remote", r.remote) for k, r in rw.by_source.items()]
+        errs.extend(FieldError(f"{path}.onFailure", f"drop-group is not supported with {conflict}; use zero or fail")
+                    for path, remote in remotes if remote is not None and remote.on_failure.value == "drop-group")
     return errs
 
 

@@ -218,10 +218,25 @@ def _env(job: RLJob, extra: list[dict[str, Any]] | None = None) -> list[dict[str
                         ("WANDB_API_KEY", wandb.api_key_secret_ref if wandb else None)):
         if secret is not None:
             env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    env.extend(reward_header_env(spec))
     # User entries win over ours with the same name; new names are appended in their order.
     user = [copy.deepcopy(e) for e in spec.pod_template.env]
     user_names = {e.get("name") for e in user}
     return [e for e in env if e["name"] not in user_names] + user
+
+
+def reward_header_env(spec) -> list[dict[str, Any]]:
+    """The Secret keys of spec.reward's remote headers (and its bySource routes') as env references; the
+    worker reads them by the same names (HeadersSecretRef.env_names). Values are never copied."""
+    remotes = [spec.reward.remote] + [route.remote for route in spec.reward.by_source.values()]
+    out: dict[str, dict[str, Any]] = {}
+    for remote in remotes:
+        ref = remote.headers_secret_ref if remote is not None else None
+        if ref is None:
+            continue
+        for header, env in ref.env_names().items():
+            out[env] = {"name": env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.headers[header]}}}
+    return list(out.values())
 
 
 def _resources(job: RLJob) -> dict[str, Any]:
@@ -470,6 +485,9 @@ def build_children(job: RLJob, settings: OperatorSettings) -> list[dict[str, Any
         children.append(build_progress_role(job, settings))
         children.append(build_progress_rolebinding(job, settings))
     children.append(build_spec_configmap(job, settings))
+    from rljob_operator.judge_builder import build_judge_children  # (imports this module)
+
+    children.extend(build_judge_children(job, settings))  # spec.reward.server: before the job that waits for it
     children.append(build_child(job, settings))
     if job.spec.metrics.enabled and settings.metrics_service:
         children.append(build_metrics_service(job, settings))

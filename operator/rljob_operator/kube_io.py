@@ -48,6 +48,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Service"): "services",
+    ("apps/v1", "Deployment"): "deployments",
     ("v1", "Secret"): "secrets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",

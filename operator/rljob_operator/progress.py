@@ -35,6 +35,7 @@ import datetime
 import json
 import math
 import os
+import re
 import ssl
 import urllib.error
 import urllib.parse
@@ -74,6 +75,7 @@ def encode_progress(
     nonfinite_rewards: int | None = None,
     quarantined: Any = None,
     tracker_runs: Any = None,
+    val_pass_at_k: Mapping[str, float] | None = None,
 ) -> str:
     """The annotation value (compact JSON). `last_checkpoint` is {"step", "uri", "time"?}.
 
@@ -90,6 +92,8 @@ def encode_progress(
         value = _finite(value, key)
         if value is not None:
             doc[key] = round(value, 6)
+    if val_pass_at_k:
+        doc["valPassAtK"] = {k: round(v, 6) for k, v in _pass_at_k(val_pass_at_k).items()}
     if nonfinite_rewards:
         doc["nonfiniteRewards"] = _count(nonfinite_rewards, "nonfiniteRewards")
     if last_checkpoint is not None:
@@ -124,6 +128,24 @@ def _with_quarantined(doc: dict[str, Any], entries: list[dict[str, Any]]) -> str
         if len(text.encode()) <= MAX_VALUE_BYTES:
             return text
     return _dumps(doc)
+
+
+_PASS_AT_K_KEY = re.compile(r"^(pass|mean)@[0-9]{1,3}$")
+MAX_PASS_AT_K = 16
+
+
+def _pass_at_k(raw: Any) -> dict[str, float]:
+    """{pass@k | mean@n: finite number}, at most MAX_PASS_AT_K entries."""
+    if not isinstance(raw, Mapping) or len(raw) > MAX_PASS_AT_K:
+        raise ProgressError(f"valPassAtK must be an object of at most {MAX_PASS_AT_K} entries")
+    out = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not _PASS_AT_K_KEY.match(key):
+            raise ProgressError(f"valPassAtK key {key!r} is not pass@k or mean@n")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ProgressError(f"valPassAtK[{key}] must be a finite number, got {value!r}")
+        out[key] = float(value)
+    return out
 
 
 def _count(value: Any, name: str) -> int:
@@ -222,6 +244,8 @@ def decode_progress(value: str) -> dict[str, Any]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ProgressError(f"{key} must be a finite number, got {v!r}")
         trainer[key] = float(v)
+    if doc.get("valPassAtK"):
+        trainer["valPassAtK"] = _pass_at_k(doc["valPassAtK"])
     if doc.get("nonfiniteRewards") is not None:
         trainer["nonfiniteRewards"] = _count(doc["nonfiniteRewards"], "nonfiniteRewards")
     if doc.get("lastCheckpoint") is not None:

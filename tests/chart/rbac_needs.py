@@ -136,6 +136,9 @@ def _quickstart(pod_monitor: bool) -> dict[str, Any]:
     doc = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     doc["metadata"].update({"namespace": NAMESPACE, "uid": UID, "generation": 1})
     doc["spec"].setdefault("metrics", {}).update({"enabled": True, "podMonitor": pod_monitor})
+    # an operator-run judge (spec.reward.server): its Deployment and Service are children too
+    doc["spec"]["reward"] = {"remote": {"protocol": "openai-chat", "judge": {"model": "judge", "promptTemplate": "{completion}"}},
+                             "server": {"model": "Qwen/Qwen2.5-0.5B-Instruct"}}
     return doc
 
 

@@ -83,6 +83,7 @@ GOLDEN_CASES = {
     "multinode-overrides": (multinode_doc, OperatorSettings(metrics_service=True, worker_image="registry.local/w:1")),
     "no-progress-rbac": (lambda: load_example("qwen2.5-7b-grpo-tp2.yaml"), OperatorSettings(progress_rbac=False)),
     "qwen2.5-7b-ppo-split": (lambda: load_example("qwen2.5-7b-ppo-split.yaml"), OperatorSettings()),
+    "qwen2.5-7b-grpo-judge": (lambda: load_example("qwen2.5-7b-grpo-judge.yaml"), OperatorSettings()),
 }
 
 

@@ -79,6 +79,20 @@ def test_progress_carries_the_tracker_runs_and_the_status_model_takes_them() -> 
             decode_progress(json.dumps({"step": 1, "time": T0, "trackerRuns": bad}))
 
 
+def test_progress_carries_pass_at_k_into_the_status() -> None:
+    """The worker's last validation pass@k / mean@n reach status.trainer.valPassAtK (and the status model)."""
+    from rljob_api.models import TrainerStatus
+
+    doc = decode_progress(encode_progress(3, val_pass_at_k={"pass@1": 0.25, "pass@4": 0.5, "mean@4": 0.3}, time=T0))
+    assert doc["valPassAtK"] == {"pass@1": 0.25, "pass@4": 0.5, "mean@4": 0.3}
+    assert TrainerStatus.model_validate(doc).val_pass_at_k == doc["valPassAtK"]
+    for bad in ({"val/pass@1": 0.5}, {"pass@1": float("nan")}, {f"pass@{k}": 0.1 for k in range(1, 18)}):
+        with pytest.raises(ProgressError, match="valPassAtK"):
+            encode_progress(3, val_pass_at_k=bad, time=T0)
+    with pytest.raises(ProgressError, match="valPassAtK"):
+        decode_progress('{"step": 1, "time": "t", "valPassAtK": {"pass@1": "high"}}')
+
+
 @pytest.mark.parametrize("value", [
     "not json", "[]", '{"time": "t"}', '{"step": -1, "time": "t"}', '{"step": 1}', '{"step": true, "time": "t"}',
     '{"step": 1, "time": "t", "totalSteps": 0}', '{"step": 1, "time": "t", "rewardMean": "high"}',

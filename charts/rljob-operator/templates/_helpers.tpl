@@ -148,6 +148,14 @@ tests/chart/test_rbac.py asserts that these rules equal what the operator's code
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# The judge of spec.reward.server: Deployment and Service <job>-judge (owned by the RLJob); the Service
+# verb also creates the headless <job>-metrics Service of worker.metricsService.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["create"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create"]
 {{- if .Values.worker.progressRbac }}
 # Per-job progress reporting (worker.progressRbac): ServiceAccount <job>-worker, Role and
 # RoleBinding <job>-progress.
@@ -156,12 +164,6 @@ tests/chart/test_rbac.py asserts that these rules equal what the operator's code
   verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create"]
-{{- end }}
-{{- if .Values.worker.metricsService }}
-# Headless <job>-metrics Service over the training pods (worker.metricsService).
-- apiGroups: [""]
-  resources: ["services"]
   verbs: ["create"]
 {{- end }}
 {{- if .Values.rbac.podMonitors }}
