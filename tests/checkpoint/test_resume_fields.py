@@ -54,7 +54,20 @@ RESUMES = {  # schedules, validation, engines, rewards, storage, cluster setting
         "recomputeNumLayers")),
     "critic.lr", "critic.lrWarmupSteps", "critic.weightDecay", "critic.gradClip", "critic.ppoEpochs",
     "critic.microBatchSizePerGpu", "critic.warmupSteps",
-    "reward.function", "reward.numWorkers", "reward.timeoutSeconds",
+    "reward.function", "reward.numWorkers", "reward.timeoutSeconds", "reward.bySource",
+    # rewards may change like reward.function does: a remote verifier or judge, its client settings, its server
+    *(f"reward.remote.{f}" for f in (
+        "backoffSeconds", "batchSize", "concurrency", "headersSecretRef.headers", "headersSecretRef.name",
+        "judge.maxTokens", "judge.model", "judge.promptTemplate", "judge.scoreRule", "judge.systemPrompt",
+        "judge.temperature", "onFailure", "overlap", "protocol", "rateLimit", "retries", "timeoutSeconds", "url")),
+    *(f"reward.server.{f}" for f in ("gpus", "image", "model", "readyTimeoutSeconds", "vllmArgs")),
+    # the child kind and the experiment trackers say where the run lives and reports, not what it learns
+    "childKind",
+    *(f"tracking.mlflow.{f}" for f in (
+        "experiment", "runName", "tokenSecretRef.key", "tokenSecretRef.name", "trackingUri")),
+    "tracking.required",
+    *(f"tracking.wandb.{f}" for f in (
+        "apiKeySecretRef.key", "apiKeySecretRef.name", "entity", "mode", "project", "runName")),
     "checkpoint.uri", "checkpoint.saveFreq", "checkpoint.maxToKeep", "checkpoint.resumeMode",
     "checkpoint.resumeFrom", "checkpoint.exportHf", "checkpoint.saveOnPreemption",
     "s3.endpoint", "s3.region", "s3.credentialsSecretRef.name", "s3.credentialsSecretRef.accessKeyIdKey",

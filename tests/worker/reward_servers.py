@@ -102,14 +102,19 @@ class Server:
         with self.lock:
             return self.faults.pop(0) if self.faults else None
 
-    def _enter(self) -> None:
+    def _enter(self, handler) -> None:
         with self.lock:
+            handler.rljob_in_flight = True
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def _leave(self) -> None:
+    def _leave(self, handler) -> None:
+        """A request stops counting once its answer starts to go out: the client may read it and send its
+        next request before this handler thread runs again."""
         with self.lock:
-            self.in_flight -= 1
+            if getattr(handler, "rljob_in_flight", False):
+                handler.rljob_in_flight = False
+                self.in_flight -= 1
 
     def _record(self, handler, outcome: str) -> None:
         with self.lock:
@@ -118,6 +123,7 @@ class Server:
 
     def _send(self, handler, status: int, body: dict | str) -> None:
         data = (json.dumps(body) if not isinstance(body, str) else body).encode()
+        self._leave(handler)
         handler.send_response(status)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(data)))
@@ -161,7 +167,7 @@ class Verifier(Server):
         super().__init__(**kw)
 
     def _post(self, handler) -> None:
-        self._enter()
+        self._enter(handler)
         try:
             body = self._read(handler)
             if any(handler.headers.get(k) != v for k, v in self.required_headers.items()):
@@ -187,7 +193,7 @@ class Verifier(Server):
                     self.scored.update(s["id"] for s in samples)
             self._send(handler, 200, {"scores": scores})
         finally:
-            self._leave()
+            self._leave(handler)
 
 
 class Judge(Server):
@@ -209,7 +215,7 @@ class Judge(Server):
         if handler.path != "/v1/chat/completions":
             self._send(handler, 404, {"error": "not found"})
             return
-        self._enter()
+        self._enter(handler)
         try:
             body = self._read(handler)
             fault = self._next_fault()
@@ -232,7 +238,7 @@ class Judge(Server):
                                       "choices": [{"index": 0, "finish_reason": "stop",
                                                    "message": {"role": "assistant", "content": content}}]})
         finally:
-            self._leave()
+            self._leave(handler)
 
 
 if __name__ == "__main__":
