@@ -20,15 +20,27 @@ MARKER_VAR = "PYTEST_RLJOB_SESSION"
 GRACE_S = float(os.environ.get("PYTEST_RLJOB_LEAK_GRACE_S", "10"))
 
 
+def _own_resource_tracker(entry: Path) -> bool:
+    """multiprocessing's resource tracker of this very process: started by the first spawn-context pool
+    or lock, it lives as long as its parent (it ends on EOF of its pipe when this process exits), so it
+    is this process's, not a test's."""
+    try:
+        ppid = next(int(line.split()[1]) for line in (entry / "status").read_text().splitlines()
+                    if line.startswith("PPid:"))
+        return ppid == os.getpid() and b"multiprocessing.resource_tracker" in (entry / "cmdline").read_bytes()
+    except (OSError, StopIteration, ValueError):
+        return False
+
+
 def processes_with_marker(value: str) -> list[int]:
-    """PIDs (this process excluded) whose initial environment has MARKER_VAR=value."""
+    """PIDs (this process and its resource tracker excluded) whose initial environment has MARKER_VAR=value."""
     marker = f"{MARKER_VAR}={value}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
+            if marker in (entry / "environ").read_bytes().split(b"\0") and not _own_resource_tracker(entry):
                 found.append(int(entry.name))
         except OSError:
             continue

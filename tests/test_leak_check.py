@@ -36,6 +36,37 @@ def test_a_process_that_outlives_its_test_fails_the_run_and_is_killed(tmp_path):
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
 
 
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="the check reads /proc")
+def test_the_sessions_own_resource_tracker_is_not_a_leak_but_a_pool_worker_is(tmp_path):
+    """A spawn pool starts multiprocessing's resource tracker, which lives as long as the pytest process:
+    not a test's leftover. A pool worker still running at the end is one."""
+    (tmp_path / "test_pools.py").write_text(textwrap.dedent("""
+        import multiprocessing, time
+        from concurrent.futures import ProcessPoolExecutor
+
+        def test_a_closed_pool():
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                assert pool.submit(abs, -1).result() == 1
+
+        def test_an_abandoned_pool():
+            pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            pool.submit(time.sleep, 600)
+            time.sleep(1)
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_RLJOB_SESSION")}
+    env.update(PYTHONPATH=str(TESTS), PYTEST_RLJOB_LEAK_GRACE_S="1")
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "leak_check", "-p", "no:cacheprovider", "--rootdir",
+            str(tmp_path)]
+    closed = subprocess.run([*args, f"{tmp_path / 'test_pools.py'}::test_a_closed_pool"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert closed.returncode == 0, closed.stdout[-2000:] + closed.stderr[-2000:]
+    abandoned = subprocess.run([*args, f"{tmp_path / 'test_pools.py'}::test_an_abandoned_pool"], cwd=tmp_path,
+                               env=env, capture_output=True, text=True, timeout=120)
+    assert abandoned.returncode == 1, abandoned.stdout[-2000:] + abandoned.stderr[-2000:]
+    assert "1 process(es) started by the tests outlived them" in abandoned.stdout, abandoned.stdout
+    assert "multiprocessing.spawn" in abandoned.stdout and "resource_tracker" not in abandoned.stdout
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_helper_that_ignores_sigterm_dies_with_its_sigkilled_worker(tmp_path):
     """The checkpoint writer's Manager (started as shield_checkpoint_writer does) ignores SIGTERM; when its worker

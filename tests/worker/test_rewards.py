@@ -223,10 +223,11 @@ def test_score_all_rejects_non_numbers():
 def pool():
     executor = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
     yield executor
-    processes = list((executor._processes or {}).values())  # a timed-out reward may still be sleeping
     executor.shutdown(wait=False, cancel_futures=True)
-    for proc in processes:
+    # a timed-out reward may still be sleeping, and the pool may have started a replacement for it
+    for proc in multiprocessing.active_children():
         proc.kill()
+        proc.join(timeout=10)
 
 
 def test_score_all_in_a_process_pool(user_module, pool):

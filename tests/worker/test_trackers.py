@@ -20,7 +20,7 @@ pytest.importorskip("mlflow", reason="the tracking extra: pip install -e '.[trac
 pytest.importorskip("wandb", reason="the tracking extra: pip install -e '.[tracking]'")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rljob_worker.telemetry.trackers import STEP_KEY, _Delivery, wandb_offline_history
+from rljob_worker.telemetry.trackers import STEP_KEY, _Delivery, mlflow_metric_name, wandb_offline_history
 from test_learning import HARNESS, logged_steps, quickstart_spec
 
 JOB = "test/test"  # the harness runs job "test" in namespace "test": the default run name
@@ -79,7 +79,7 @@ def mlflow_rows(client, run_id: str, keys) -> dict[int, dict[str, float]]:
     """{step: {key: value}} from the server; fails on a key logged twice at one step."""
     rows: dict[int, dict[str, float]] = {}
     for key in keys:
-        for m in client.get_metric_history(run_id, key):
+        for m in client.get_metric_history(run_id, mlflow_metric_name(key)):
             assert key not in rows.setdefault(m.step, {}), f"{key} logged twice at step {m.step}"
             rows[m.step][key] = m.value
     return rows
@@ -124,6 +124,7 @@ def test_run_logs_every_step_to_mlflow_and_wandb_equal_to_metrics_jsonl(tmp_path
     assert_holds_one_line_per_step(mlflow_rows(client, run.info.run_id, keys), lines, range(1, 7))
     # validation scores at the validations (before training, steps 3 and 6), samples as a table each time
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/reward_mean")] == [0, 3, 6]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/pass_at_1")] == [0, 3, 6]
     tables = sorted(a.path for a in client.list_artifacts(run.info.run_id, "validation/samples"))
     assert tables == [f"validation/samples/step_{s:06d}.json" for s in (0, 3, 6)]
     table = json.loads(Path(client.download_artifacts(run.info.run_id, tables[-1], str(tmp_path))).read_text())
@@ -170,12 +171,15 @@ def test_sigkill_and_resume_continue_the_same_runs_without_duplicate_or_missing_
 
 @pytest.mark.services
 def test_tracking_server_killed_mid_run_costs_no_step_and_gets_the_queue_when_back(tmp_path, mlflow_server):
-    experiment = f"outage-{uuid.uuid4().hex[:8]}"
-    spec = tracked_spec(mlflow_server.uri, experiment, steps=14)
+    """The server is SIGKILLed right after the first step (a step takes ~0.1 s on an idle machine: steps
+    enough that the run is still training when the kill lands), training goes on through the outage, and
+    every step reaches the server once it is back."""
+    experiment, steps = f"outage-{uuid.uuid4().hex[:8]}", 40
+    spec = tracked_spec(mlflow_server.uri, experiment, steps=steps)
     spec["tracking"].pop("wandb")
     # the end of the run waits (bounded) for a server still restarting: restarts take minutes on a loaded machine
     proc = start(spec, tmp_path, {"RLJOB_TRACKER_FLUSH_S": "900"})
-    wait_for_step(tmp_path, 2, proc)
+    wait_for_step(tmp_path, 1, proc)
     up_at: list[float] = []
     try:
         mlflow_server.stop(kill=True)
@@ -183,6 +187,7 @@ def test_tracking_server_killed_mid_run_costs_no_step_and_gets_the_queue_when_ba
         down_at = max(logged_steps(tmp_path / "metrics.jsonl"))
         time.sleep(20)
         during = max(logged_steps(tmp_path / "metrics.jsonl"))
+        print(f"server down at step {down_at}; step {during} 20 s later")
     finally:
         # training goes on while the server starts
         restart = threading.Thread(target=lambda: (mlflow_server.start(), up_at.append(time.monotonic())))
@@ -192,10 +197,11 @@ def test_tracking_server_killed_mid_run_costs_no_step_and_gets_the_queue_when_ba
     assert code == 0, out[-4000:]
     assert during > down_at, f"training stalled while the tracker was down: step {down_at} -> {during}"
     lines = jsonl_lines(tmp_path)
-    assert sorted(lines) == list(range(1, 15))
+    assert sorted(lines) == list(range(1, steps + 1))
     client = mlflow_server.client()
     run = the_mlflow_run(client, experiment)
-    assert_holds_one_line_per_step(mlflow_rows(client, run.info.run_id, set(lines[1][0])), lines, range(1, 15))
+    assert_holds_one_line_per_step(mlflow_rows(client, run.info.run_id, set(lines[1][0])), lines,
+                                   range(1, steps + 1))
     failures = [line for line in out.splitlines() if "tracker call failed" in line]
     assert up_at, "the tracking server did not come back"
     assert 1 <= len(failures) <= 1 + (up_at[0] - down_since) // 60, failures  # once a minute at most
@@ -238,7 +244,13 @@ class FlakyBackend:
     def metrics(self, step, values, wall_ms):
         if self.down.is_set():
             raise ConnectionError("connection refused")
+        if "bad@name" in values:
+            raise ValueError("invalid metric name 'bad@name'")
         self.got.append(step)
+
+    @staticmethod
+    def rejects(exc):
+        return isinstance(exc, ValueError)
 
 
 class Counts:
@@ -272,3 +284,24 @@ def test_delivery_keeps_order_through_an_outage_and_drops_the_oldest_when_full()
     for step in range(1, 4):
         stuck.put("metrics", step, {"x": 1.0}, 0)
     assert stuck.close(timeout_s=1) == 3 and counts2.dropped == 3  # still down at the end: counted, not waited on
+
+
+def test_delivery_skips_a_record_the_tracker_rejects_and_sends_the_rest():
+    """A record refused as invalid fails the same way on every retry: it is dropped (counted) at once
+    instead of holding back every later step until the end of the run."""
+    backend, counts = FlakyBackend(), Counts()
+    delivery = _Delivery(backend, counts, maxsize=100)
+    delivery.put("metrics", 1, {"x": 1.0}, 0)
+    delivery.put("metrics", 2, {"bad@name": 1.0}, 0)
+    delivery.put("metrics", 3, {"x": 1.0}, 0)
+    assert delivery.close(timeout_s=30) == 0
+    assert backend.got == [1, 3] and counts.dropped == 1 and counts.errors == 1
+
+
+def test_mlflow_metric_names_are_ones_mlflow_accepts():
+    from mlflow.utils.validation import _validate_metric_name
+
+    for name, expected in (("val/pass@4", "val/pass_at_4"), ("val/math#1/mean@8", "val/math_1/mean_at_8"),
+                           ("actor/grad_norm", "actor/grad_norm")):
+        assert mlflow_metric_name(name) == expected
+        _validate_metric_name(expected)  # raises on a name the server would refuse

@@ -21,7 +21,9 @@ missing.
 Delivery: every tracker has its own thread and a bounded queue (``RLJOB_TRACKER_QUEUE``, default 10000
 records). A failed call is retried (same record, in order, backing off up to 10 s), counted in
 ``rljob_tracker_errors_total{tracker}`` and logged at most once a minute; what was queued is sent when the
-tracker is back. A full queue drops its oldest record (``rljob_tracker_dropped_total``). At the end
+tracker is back. A record the tracker rejects as invalid (``backend.rejects(exc)``: MLflow's
+INVALID_PARAMETER_VALUE) would fail the same way forever: it is logged, counted as dropped and skipped,
+so that one bad record never holds back the steps behind it. A full queue drops its oldest record (``rljob_tracker_dropped_total``). At the end
 :meth:`RunTrackers.close` waits at most ``RLJOB_TRACKER_FLUSH_S`` (default 60) seconds; what is still queued
 then is counted as dropped. A tracker that cannot be opened at start (wrong URI, missing or refused
 credential, client not installed) is a one-line warning and the run goes on without it, or a
@@ -37,6 +39,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -131,6 +134,9 @@ class _Delivery:
             try:
                 getattr(self.backend, kind)(*args)
             except Exception as exc:  # noqa: BLE001  (a tracker outage never reaches training)
+                if self.backend.rejects(exc):
+                    self._skip_rejected(args, exc)
+                    continue
                 self._on_error(exc)
                 with self._cond:
                     self._busy = False
@@ -149,6 +155,18 @@ class _Delivery:
                 self._failing = False
                 log.warning("%s: tracker reachable again; sending what was queued (%d records)", self.name,
                             len(self._queue))
+
+    def _skip_rejected(self, args: tuple, exc: BaseException) -> None:
+        if self.telemetry is not None:
+            self.telemetry.record_tracker_error(self.name)
+        log.warning("%s: tracker rejected a record as invalid; dropped, the next ones go on: %s", self.name,
+                    _one_line(exc))
+        with self._cond:
+            self._busy = False
+            if self._queue and self._queue[0][1] is args:
+                self._queue.popleft()
+                self._count_dropped(1)
+            self._cond.notify_all()
 
     def _on_error(self, exc: BaseException) -> None:
         if self.telemetry is not None:
@@ -189,6 +207,15 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------- MLflow
+
+_MLFLOW_BAD_CHARS = re.compile(r"[^/\w.\- ]")
+
+
+def mlflow_metric_name(name: str) -> str:
+    """The MLflow name of a metric: MLflow takes letters, digits, ``_ - . /`` and spaces only, so
+    ``val/pass@4`` is logged as ``val/pass_at_4`` and any other character becomes ``_``."""
+    return _MLFLOW_BAD_CHARS.sub("_", name.replace("@", "_at_"))
+
 
 
 class MlflowBackend:
@@ -246,7 +273,13 @@ class MlflowBackend:
         from mlflow.entities import Metric
 
         # One log_batch per step (at most 1000 metrics): a step is in the store whole or not at all.
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, wall_ms, step) for k, v in values.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_metric_name(k), v, wall_ms, step)
+                                                    for k, v in values.items()])
+
+    @staticmethod
+    def rejects(exc: BaseException) -> bool:
+        """The server (or the client's own check) refused the record itself: sending it again cannot help."""
+        return getattr(exc, "error_code", None) == "INVALID_PARAMETER_VALUE"
 
     def table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         self.client.log_dict(self.run_id, {"step": step, "columns": list(columns), "data": [list(r) for r in rows]},
@@ -301,6 +334,10 @@ class WandbBackend:
 
     def table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         self.run.log({name: self.wandb.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
+
+    @staticmethod
+    def rejects(exc: BaseException) -> bool:
+        return False  # offline or online, W&B takes any key; its errors are outages, retried
 
     def finish(self, completed: bool) -> None:
         self.run.finish(exit_code=0 if completed else 1)
