@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Real-cluster end-to-end test of rljob (see e2e/README.md).
-#   e2e/run-cluster.sh [--kind CLUSTER] [--cpu-worker] [--skip-training-operator] [--keep]
+#   e2e/run-cluster.sh [--kind CLUSTER] [--cpu-worker] [--skip-training-operator] [--jobset] [--keep]
 # Env: REGISTRY (push images there instead of kind load), S3_ENDPOINT/AWS_* (use an existing S3),
-#      TRAINING_OPERATOR_REF (kustomize ref, default v1.9.2), TIMEOUT (seconds per wait, default 900).
+#      TRAINING_OPERATOR_REF (kustomize ref, default v1.9.2), JOBSET_VERSION (release whose
+#      manifests.yaml --jobset installs, default v0.8.1), TIMEOUT (seconds per wait, default 900).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-KIND_CLUSTER="" CPU_WORKER=0 SKIP_TO=0 KEEP=0
+KIND_CLUSTER="" CPU_WORKER=0 SKIP_TO=0 KEEP=0 JOBSET=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --kind) KIND_CLUSTER="$2"; shift 2 ;;
     --cpu-worker) CPU_WORKER=1; shift ;;
     --skip-training-operator) SKIP_TO=1; shift ;;
     --keep) KEEP=1; shift ;;
-    -h|--help) sed -n 2,6p "$0"; exit 0 ;;
+    --jobset) JOBSET=1; shift ;;
+    -h|--help) sed -n 2,7p "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -119,4 +121,21 @@ pods=$(kubectl -n "$NS" get pods -l training.kubeflow.org/job-name=e2e-suspend -
 [ "$pods" = 0 ] || { echo "pods still present after suspend" >&2; exit 1; }
 kubectl -n "$NS" patch rlj e2e-suspend --type merge -p '{"spec":{"suspend":false}}'
 wait_condition e2e-suspend Succeeded
+
+# 7. the JobSet child (--jobset): 2 pods rendezvous at <job>-trainer-0-0.<job> with PET_NODE_RANK from
+#    the Job completion index, then suspend/resume through the JobSet's spec.suspend.
+if [ "$JOBSET" = 1 ]; then
+  log "installing JobSet ${JOBSET_VERSION:-v0.8.1}"
+  kubectl apply --server-side -f "https://github.com/kubernetes-sigs/jobset/releases/download/${JOBSET_VERSION:-v0.8.1}/manifests.yaml"
+  kubectl -n jobset-system rollout status deploy/jobset-controller-manager --timeout="${TIMEOUT}s"
+  sed 's/name: e2e-quickstart/name: e2e-jobset/; s/^spec:/spec:\n  childKind: JobSet/; s/nnodes: 1/nnodes: 2/; s/totalTrainingSteps: 30/totalTrainingSteps: 200/' \
+    e2e/quickstart-s3.yaml | kubectl -n "$NS" apply -f -
+  wait_condition e2e-jobset Running
+  [ "$(kubectl -n "$NS" get jobset e2e-jobset -o jsonpath='{.spec.replicatedJobs[0].template.spec.completions}')" = 2 ]
+  sleep 30
+  kubectl -n "$NS" patch rlj e2e-jobset --type merge -p '{"spec":{"suspend":true}}'
+  wait_condition e2e-jobset Suspended
+  kubectl -n "$NS" patch rlj e2e-jobset --type merge -p '{"spec":{"suspend":false}}'
+  wait_condition e2e-jobset Succeeded
+fi
 log "PASSED"

@@ -27,6 +27,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import random
 import secrets
@@ -62,12 +63,21 @@ if any(os.environ.get(v) for v in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "h
 
 _NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
+# torch's structured-trace logger writes an empty DEBUG record per compile event; a failing compiled
+# test's report carried ~670 of them. No test reads it; TORCH_TRACE (tlparse) keeps it.
+if not os.environ.get("TORCH_TRACE"):
+    logging.getLogger("torch.__trace").disabled = True
+
 
 # --------------------------------------------------------------------------- markers and hooks
 
+# A process the suite started that outlives it fails the run (tests/leak_check.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from leak_check import pytest_configure, pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401
+
 _SERVICE_FIXTURES = {
     "s3_server", "s3_bucket", "prometheus_server", "prometheus_server_session",
-    "helm_bin", "kubectl_bin", "promtool_bin", "weed_bin",
+    "helm_bin", "kubectl_bin", "promtool_bin", "weed_bin", "mlflow_server",
 }
 
 
@@ -820,3 +830,60 @@ def prometheus_server_session(tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield factory
     finally:
         factory.stop_all()
+
+
+# --------------------------------------------------------------------------- MLflow tracking server
+
+
+@dataclasses.dataclass
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 with a SQLite store and proxied artifacts; :meth:`stop` kills it
+    (its whole process group: the CLI runs uvicorn as a child) and :meth:`start` brings it back on the same
+    port and store."""
+
+    uri: str
+    _proc: ServiceProcess = dataclasses.field(repr=False)
+
+    def start(self, timeout: float = 600.0) -> None:
+        self._proc.start()
+
+        def healthy() -> bool:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                return r.status == 200
+
+        # The CLI imports the whole server twice (itself, then uvicorn's worker): seconds on an idle
+        # machine, minutes on a loaded one.
+        _fail_on_service_error(lambda: _wait_until(healthy, timeout=timeout, proc=self._proc,
+                                                   what="GET /health answers", interval=0.2))
+
+    def stop(self, *, kill: bool = True) -> None:
+        self._proc.stop(timeout=10, kill=kill)
+
+    @property
+    def running(self) -> bool:
+        return self._proc.alive
+
+    def client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterable[MlflowServer]:
+    mlflow = find_binary("mlflow")
+    if mlflow is None:
+        pytest.fail(f"`mlflow` not found (the tracking extra: pip install -e '.[tracking]'): {INSTALL_HINT}",
+                    pytrace=False)
+    work = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    argv = [mlflow, "server", "--backend-store-uri", f"sqlite:///{work}/mlflow.db",
+            "--artifacts-destination", str(work / "artifacts"), "--host", LOCALHOST, "--port", str(port),
+            "--workers", "1"]
+    server = MlflowServer(uri=f"http://{LOCALHOST}:{port}",
+                          _proc=ServiceProcess("MLflow tracking server", argv, work / "mlflow.log", cwd=work))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

@@ -200,7 +200,7 @@ def test_worker_exposes_the_default_metrics_port() -> None:
 
 def test_worker_pins_equal_pyproject() -> None:
     reqs = pip_requirements(WORKER)
-    assert ".[worker]" in reqs, "the worker image installs the worker extra"
+    assert ".[worker,tracking]" in reqs, "the worker image installs the worker extra and the trackers (MLflow, W&B)"
     ours = {requirement_name(r): r.replace(" ", "") for r in pyproject_requirements("worker")}
     pinned = {requirement_name(r): r.replace(" ", "") for r in reqs if not r.startswith(".")}
     assert pinned["megatron-core"] == ours["megatron-core"], "megatron-core pin differs from pyproject's"

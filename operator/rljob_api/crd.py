@@ -289,6 +289,8 @@ PRINTER_COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.trainer.lastCheckpoint.step", "priority": 1},
     {"name": "Progress", "type": "string", "jsonPath": ".status.trainer.progressPercentage", "priority": 1},
+    # The first tracker run's URL (MLflow, else W&B), set once the worker has opened it.
+    {"name": "Tracker", "type": "string", "jsonPath": ".status.trainer.trackerRuns[0].url", "priority": 1},
 ]
 
 

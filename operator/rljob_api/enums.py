@@ -66,6 +66,18 @@ class ImportanceLevel(StrEnum):
     SEQUENCE = "sequence"  # GSPO: length-normalised sequence-level ratio
 
 
+class ChildKind(StrEnum):
+    """The workload object the operator creates for an RLJob (see README, "Child kinds")."""
+
+    PYTORCHJOB = "PyTorchJob"  # Kubeflow training-operator v1: one Master, nnodes-1 Workers
+    JOBSET = "JobSet"  # jobset.x-k8s.io/v1alpha2: a `trainer` replicatedJob (Indexed Job of nnodes pods)
+
+
+class WhitenScope(StrEnum):
+    BATCH = "batch"  # one mean and std over every response token of the step's batch (verl)
+    MINI_BATCH = "mini-batch"  # over each mini-batch's response tokens, just before its update
+
+
 class RolloutEngine(StrEnum):
     VLLM = "vllm"
     HF = "hf"
@@ -116,3 +128,25 @@ class PromptOverflow(StrEnum):
     TRUNCATE_LEFT = "truncate-left"
     TRUNCATE_RIGHT = "truncate-right"
     ERROR = "error"
+
+
+class RemoteProtocol(StrEnum):
+    """How spec.reward.remote talks to its endpoint."""
+
+    HTTP_JSON = "http-json"  # POST {"samples": [...]} -> {"scores": [...]}, in order
+    OPENAI_CHAT = "openai-chat"  # one /v1/chat/completions call per sample with the judge's prompt template
+
+
+class RemoteFailurePolicy(StrEnum):
+    """What a sample whose remote scoring failed after every retry becomes."""
+
+    FAIL = "fail"  # the step fails with a one-line error
+    ZERO = "zero"  # the sample is scored 0
+    DROP_GROUP = "drop-group"  # the sample's prompt group gets zero advantages (no gradient) and leaves the metrics
+
+
+class JudgeScoreRule(StrEnum):
+    """How an LLM judge's reply becomes a number in [0, 1]."""
+
+    SCORE_TAG = "score-tag"  # the number inside the last <score>...</score>
+    LAST_NUMBER = "last-number"  # the last number in the reply

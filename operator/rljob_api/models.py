@@ -18,8 +18,10 @@ from pydantic.alias_generators import to_camel
 from rljob_api.enums import (
     AdvantageEstimator,
     AlgorithmName,
+    ChildKind,
     CriticPlacement,
     ImportanceLevel,
+    JudgeScoreRule,
     KLEstimator,
     KLPlacement,
     LossAggregation,
@@ -28,12 +30,15 @@ from rljob_api.enums import (
     PromptOverflow,
     RecomputeGranularity,
     RecomputeMethod,
+    RemoteFailurePolicy,
+    RemoteProtocol,
     ResumeMode,
     RolloutCompile,
     RolloutEngine,
     RolloutRanks,
     SFTDataFormat,
     ToolCallFormat,
+    WhitenScope,
 )
 
 GROUP = "rljob.dev"
@@ -49,12 +54,17 @@ CATEGORIES = ["ml"]
 STORAGE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*)$"
 # A model source additionally accepts builtin://NAME (a tiny model rljob builds from a shipped config).
 MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*|builtin://[a-z0-9\-]+)$"
+# The builtin://NAME models the worker builds (rljob_worker.data.builtin_models holds their configs; a test keeps
+# the two lists equal), here so that validation refuses an unknown name without the worker's dependencies.
+BUILTIN_MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-hd64", "tiny-qwen2-tools")
 # module.path:function
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
 SHM_SIZE_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti)?$"
 TOOL_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 TOOL_FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+# An http(s) endpoint without credentials in it (those come from headersSecretRef).
+REMOTE_URL_PATTERN = r"^https?://[^\s/@]+(/[^\s]*)?$"
 
 
 def _quantity(value: Any) -> Any:
@@ -174,17 +184,30 @@ class RolloutCorrectionSpec(ApiModel):
         False,
         "Truncated importance sampling: weight each token's policy-gradient loss by min(pi_train / pi_rollout, "
         "threshold), pi_rollout being the rollout engine's own log-prob of the token (Yao et al. 2025; verl: "
-        "algorithm.rollout_corr token-level TIS; TRL: vllm_importance_sampling_mode token_truncate).",
+        "algorithm.rollout_correction.rollout_is token; TRL: vllm_importance_sampling_mode token_truncate).",
     )
     sequence_masking: bool = _f(
         False,
         "Drop from the policy-gradient loss every response whose sequence ratio, the geometric mean of its "
-        "token ratios pi_train / pi_rollout, lies outside [1 / threshold, threshold]; the response still "
-        "counts in the loss normaliser. (TRL: vllm_importance_sampling_mode sequence_mask)",
+        "token ratios pi_train / pi_rollout (exp of the mean token log-ratio), lies outside "
+        "[1 / sequenceMaskingThreshold, sequenceMaskingThreshold]; the response still counts in the loss "
+        "normaliser. This is verl's geometric rejection sampling (algorithm.rollout_correction.rollout_rs "
+        "geometric, rollout_rs_threshold, lower bound 1/threshold by default). TRL's sequence_mask is another rule: "
+        "it masks when the product of the token ratios exceeds its cap (upper side only), which on long "
+        "responses follows the length more than the mismatch.",
     )
     threshold: float = _f(
-        2.0, "C: the truncation cap of tokenTruncation and the band [1/C, C] of sequenceMasking (verl's and TRL's "
-        "default cap is 2).", gt=1, le=100,
+        2.0, "C: the truncation cap of tokenTruncation (verl's rollout_is_threshold defaults to 2; TRL's "
+        "vllm_importance_sampling_cap to 3).", gt=1, le=100,
+    )
+    sequence_masking_threshold: float = _f(
+        1.01, "The band [1/D, D] of sequenceMasking's geometric-mean ratio. 1.01 masks a response whose tokens are "
+        "on average 1% more (or less) likely under the trainer than under the engine: a systematic mismatch, "
+        "whose product ratio is e^(0.01 T) (e^10 at 1,000 tokens). Per-token differences of random sign, of the "
+        "order of 1e-2 nats for bf16 kernels, average out to about 1e-2 / sqrt(T) (3e-3 at 10 tokens, 3e-4 at "
+        "1,000), inside the band. A band as wide as the truncation cap 2 would need a drift of ln 2 = 0.69 nats "
+        "per token and practically never fire. verl suggests 1.0002-1.001 for its geometric rejection, which "
+        "also masks noise on short responses.", gt=1, le=100,
     )
 
 
@@ -214,6 +237,12 @@ class AlgorithmSpec(ApiModel):
         "(divisor G for a group of G), not Bessel's (G - 1) that verl's GRPO uses, so verl's advantages are these "
         "times sqrt((G - 1) / G). reinforce_plus_plus whitens over all response tokens of the batch (a response "
         "weighs its length), as the paper and verl. (verl: algorithm.norm_adv_by_std_in_grpo)"
+    )
+    whiten_scope: WhitenScope = _f(
+        WhitenScope.MINI_BATCH, "gae: which response tokens one whitening of the advantages (subtract the mean, "
+        "divide by the std) runs over: mini-batch (the default: each mini-batch's tokens, on every data-parallel "
+        "rank, just before its update) or batch (all of the step's tokens at once, as verl's compute_advantage "
+        "does). With one mini-batch per step the two are the same."
     )
     clip_ratio_low: float = _f(0.2, "PPO clip range below 1. (verl: actor.clip_ratio_low)", ge=0, le=1)
     clip_ratio_high: float = _f(0.2, "PPO clip range above 1; DAPO's clip-higher uses 0.28. (verl: actor.clip_ratio_high)", ge=0, le=10)
@@ -520,6 +549,132 @@ class ToolSpec(ApiModel):
                                 "model gets a timeout observation.", gt=0, le=600)
     max_output_tokens: int = _f(256, "Tokens of a call's output the model sees; longer output is cut.", ge=1, le=65536)
     memory_mb: int = _f(1024, "Address-space limit of a python tool call in MiB.", ge=64, le=65536)
+class HeadersSecretRef(ApiModel):
+    name: str = _f(description="Secret name in the RLJob's namespace.", min_length=1, max_length=253)
+    headers: dict[str, str] = _f(
+        description="HTTP header name -> key in the Secret, e.g. {Authorization: token} (the value is sent as it "
+        "is, so store 'Bearer sk-...' for a bearer token). The operator injects each key as a worker env "
+        "variable (RLJOB_REWARD_HEADER_<secret>_<key>_<hash>) from the Secret, never copying its value; the worker "
+        "sends it only in request headers, never in logs, metrics, errors or checkpoints.",
+        min_length=1,
+    )
+
+    def env_names(self) -> dict[str, str]:
+        """HTTP header -> the worker env variable holding its value (the operator and the worker agree on it)."""
+        return {header: secret_header_env(self.name, key) for header, key in self.headers.items()}
+
+
+def secret_header_env(secret: str, key: str) -> str:
+    """The env variable a Secret key is injected as: readable, and distinct for distinct (secret, key) pairs."""
+    import hashlib
+    import re
+
+    tag = hashlib.sha256(f"{secret}\0{key}".encode()).hexdigest()[:8].upper()
+    return f"RLJOB_REWARD_HEADER_{re.sub(r'[^A-Za-z0-9]', '_', f'{secret}_{key}').upper()}_{tag}"
+
+
+class JudgeSpec(ApiModel):
+    model: str = _f(description="Model name sent in each chat completion request (the name the server serves).",
+                    min_length=1, max_length=256)
+    prompt_template: str = _f(
+        description="The judge's user message, rendered per sample: {prompt}, {completion}, {ground_truth} and "
+        "{data_source} are replaced by the sample's values; any other braces are kept as written.",
+        min_length=1, max_length=65536,
+    )
+    system_prompt: str | None = _f(None, "Optional system message sent before the rendered template.",
+                                   max_length=65536)
+    score_rule: JudgeScoreRule = _f(
+        JudgeScoreRule.SCORE_TAG,
+        "How the reply becomes a score: score-tag takes the number inside the last <score>x</score>, "
+        "last-number the last number anywhere in the reply (e.g. 'so the answer is correct: 1'). The number must "
+        "lie in [0, 1]; a reply without one, or with one outside [0, 1], is a failed sample (onFailure applies).",
+    )
+    max_tokens: int = _f(256, "max_tokens of each judge request.", ge=1, le=131072)
+    temperature: float = _f(0.0, "Sampling temperature of the judge (0: deterministic where the server allows).",
+                            ge=0, le=10)
+
+
+JUDGE_PORT = 8000
+
+
+def judge_service_name(job_name: str) -> str:
+    """The Service (and Deployment) of the judge the operator runs for spec.reward.server."""
+    return f"{job_name[:57]}-judge"
+
+
+def judge_url(job_name: str, namespace: str) -> str:
+    """Where the worker reaches the operator-run judge (spec.reward.server) when remote.url is unset."""
+    return f"http://{judge_service_name(job_name)}.{namespace}.svc:{JUDGE_PORT}"
+
+
+class RemoteRewardSpec(ApiModel):
+    url: str | None = _f(
+        None,
+        "Endpoint: for http-json the URL batches are POSTed to (e.g. http://verifier.ml.svc:8000/score); "
+        "for openai-chat the server's base URL (e.g. http://judge:8000; /v1/chat/completions is appended, a "
+        "trailing /v1 is accepted). Credentials go in headersSecretRef, never in the URL. Required, except on "
+        "spec.reward.remote with spec.reward.server, whose Service it then points at "
+        "(http://<job>-judge.<namespace>.svc:8000).",
+        pattern=REMOTE_URL_PATTERN, max_length=2048,
+    )
+    protocol: RemoteProtocol = _f(
+        RemoteProtocol.HTTP_JSON,
+        "http-json: POST {\"samples\": [{\"prompt\", \"completion\", \"ground_truth\", \"data_source\", "
+        "\"extra_info\"}, ...]} and read {\"scores\": [float, ...]} in the same order, batchSize samples per "
+        "request. openai-chat: one /v1/chat/completions request per sample with judge.promptTemplate, scored by "
+        "judge.scoreRule.",
+    )
+    headers_secret_ref: HeadersSecretRef | None = _f(
+        None, "HTTP headers (API keys, bearer tokens) taken from a Secret through the worker's environment.")
+    concurrency: int = _f(8, "Requests in flight at once, at most.", ge=1, le=1024)
+    batch_size: int = _f(32, "http-json: samples per request (openai-chat sends one sample per request).",
+                         ge=1, le=65536)
+    timeout_seconds: float = _f(60.0, "Timeout of one request (connect and read); a timed-out request is retried.",
+                                gt=0, le=3600)
+    retries: int = _f(
+        3, "Retries of a request that failed (connection error, timeout, HTTP 408/429/5xx, a malformed answer) "
+        "before its samples count as failed; HTTP 4xx other than 408/429 is not retried.", ge=0, le=100)
+    backoff_seconds: float = _f(
+        1.0, "Wait before the first retry; doubled for each further retry of the same request (at most 60 s).",
+        ge=0, le=600)
+    rate_limit: float | None = _f(
+        None, "Requests started per second, at most, over all of the job's requests to this endpoint; unset: no "
+        "limit beyond concurrency.", gt=0, le=100000)
+    on_failure: RemoteFailurePolicy = _f(
+        RemoteFailurePolicy.FAIL,
+        "A sample whose request failed after every retry: fail (the step fails with an error naming the endpoint), "
+        "zero (scored 0), or drop-group (its prompt group gets zero advantages, so it adds no gradient, and is left "
+        "out of the reward metrics; not with algorithm.dynamicSampling, klPlacement reward or the gae estimator). Each is "
+        "counted (reward/remote_failures, rljob_reward_remote_failures_total). In validation a failed sample counts 0.",
+    )
+    overlap: bool = _f(
+        True, "Score while the trainer computes the old/reference log-probs (joined before the advantages), so the "
+        "endpoint's latency hides behind work the step does anyway. Off: scoring blocks after the rollout. With "
+        "algorithm.dynamicSampling or klPlacement reward the scores are needed first, and scoring always blocks.",
+    )
+    judge: JudgeSpec | None = _f(None, "The LLM judge of protocol openai-chat (required there, refused with http-json).")
+
+
+class JudgeServerSpec(ApiModel):
+    model: str = _f(description="The judge model vLLM serves: a Hugging Face id or a path in the image or on a "
+                    "podTemplate volume (vllm serve MODEL).", min_length=1, max_length=1024)
+    image: str = _f("vllm/vllm-openai:v0.26.0", "Image of the judge server (an OpenAI-compatible vLLM image).",
+                    max_length=1024)
+    gpus: int = _f(1, "GPUs of the judge's pod (nvidia.com/gpu); its vLLM tensor parallel size unless vllmArgs "
+                   "says otherwise.", ge=0, le=64)
+    vllm_args: list[str] = _f(default_factory=list, description="Extra `vllm serve` arguments, e.g. "
+                              "[--max-model-len, '8192', --gpu-memory-utilization, '0.9'].", max_length=256)
+    ready_timeout_seconds: int = _f(
+        1800, "How long the worker waits at start-up for the judge to answer (model download and load) before it "
+        "stops with an error naming spec.reward.server.", ge=1, le=86400)
+
+
+class RewardRouteSpec(ApiModel):
+    function: str | None = _f(
+        None, "A built-in reward or module.path:function for this data source (as spec.reward.function).",
+        pattern=REWARD_FUNCTION_PATTERN, max_length=256,
+    )
+    remote: RemoteRewardSpec | None = _f(None, "A remote verifier or judge for this data source (as spec.reward.remote).")
 
 
 class RewardSpec(ApiModel):
@@ -528,15 +683,31 @@ class RewardSpec(ApiModel):
         "Reward function: a built-in name (gsm8k, math-boxed, format, target-token, digit-sum, tool-secret) or "
         "module.path:function importable in the worker image, called as f(prompt, completion, ground_truth, extra) -> "
         "float. With rollout.agent, completion is the last turn's text and extra['trajectory'] the whole trajectory "
-        "(turns, tool calls and outputs).",
+        "(turns, tool calls and outputs). Unused when remote is set.",
         pattern=REWARD_FUNCTION_PATTERN,
         max_length=256,
     )
     num_workers: int = _f(0, "Processes scoring rewards off the training loop; 0 scores inline.", ge=0, le=256)
     timeout_seconds: float = _f(
-        30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index. Holds with numWorkers 0 "
-        "too (an alarm interrupts Python code; a reward stuck inside C code, such as a pathological regex, is "
-        "only stopped with numWorkers > 0).", gt=0)
+        30.0, "Per-sample reward timeout; a timed-out sample fails the step with its index. Only numWorkers > 0 "
+        "bounds every reward. With numWorkers 0 an alarm interrupts Python code, but a reward stuck inside C code "
+        "(such as a pathological regex), one that catches the alarm (a bare except) or one that sets its own SIGALRM "
+        "runs on; when it returns after the limit, the sample fails as timed out.", gt=0)
+    remote: RemoteRewardSpec | None = _f(
+        None, "Score over HTTP instead of with function: a verifier service (http-json) or an OpenAI-compatible LLM "
+        "judge (openai-chat). The worker probes the endpoint at start-up.")
+    server: JudgeServerSpec | None = _f(
+        None, "Run the judge for this job: the operator creates a vLLM OpenAI-compatible server (a Deployment "
+        "and a Service <job>-judge on port 8000, owned by the RLJob, deleted with it) and spec.reward.remote "
+        "(protocol openai-chat) reaches it when its url is unset; the worker waits for it to answer before "
+        "training.")
+    by_source: dict[str, RewardRouteSpec] = _f(
+        default_factory=dict,
+        description="Rewards by data source (the data_source column; synthetic tasks use the task name): "
+        "{<data_source>: {function} or {remote}}; samples of other sources use function / remote above. Metrics "
+        "are reported per source (reward/<source>/mean, reward/<source>/count, val/<source>/...).",
+        max_length=64,
+    )
 
 
 class CheckpointSpec(ApiModel):
@@ -550,7 +721,11 @@ class CheckpointSpec(ApiModel):
     save_freq: int = _f(30, "Save every this many steps (and at the end); -1 saves only at the end; 0 never saves (benchmarks: "
         "nothing to resume from). (verl: trainer.save_freq)", ge=-1)
     max_to_keep: int = _f(5, "Committed checkpoints kept; older ones are deleted after a newer one commits; 0 keeps all. (verl: trainer.max_actor_ckpt_to_keep)", ge=0)
-    resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom). (verl: trainer.resume_mode)")
+    resume_mode: ResumeMode = _f(ResumeMode.AUTO, "auto (newest committed step), disable, or uri (checkpoint.resumeFrom, "
+                                 "until the job has a step of its own). disable means not from an earlier job's "
+                                 "steps: they move to <job prefix>/superseded/<time>/ (the newest 2 such folders are "
+                                 "kept, all with maxToKeep 0), while a restart of the same RLJob (uid) continues its "
+                                 "own steps. (verl: trainer.resume_mode)")
     resume_from: str | None = _f(
         None, "Checkpoint step folder to resume from when resumeMode is uri. (verl: trainer.resume_from_path)", pattern=STORAGE_URI_PATTERN, max_length=1024
     )
@@ -582,8 +757,49 @@ class MetricsSpec(ApiModel):
     tensorboard_dir: str | None = _f(None, "Also write TensorBoard scalars here (a path on a mounted volume).", max_length=1024)
 
 
+class TrackerSecretRef(ApiModel):
+    name: str = _f(description="Secret name in the RLJob's namespace.", min_length=1, max_length=253)
+    key: str = _f(description="Key of the credential in the Secret.", min_length=1, max_length=253)
+
+
+class MlflowSpec(ApiModel):
+    tracking_uri: str = _f(
+        description="MLflow tracking server, http(s)://host[:port][/path]. The token (if the server needs one) comes "
+        "from tokenSecretRef as MLFLOW_TRACKING_TOKEN.",
+        pattern=r"^https?://[^\s]+$",
+        max_length=1024,
+    )
+    experiment: str = _f("rljob", "Experiment the run is logged under (created when missing).", min_length=1, max_length=500)
+    run_name: str | None = _f(None, "Run name; unset uses <namespace>/<RLJob name>.", max_length=250)
+    token_secret_ref: TrackerSecretRef | None = _f(
+        None, "Secret key holding the server's bearer token; injected as the env MLFLOW_TRACKING_TOKEN, never copied "
+        "or logged.")
+
+
+class WandbSpec(ApiModel):
+    project: str = _f(description="Weights & Biases project.", min_length=1, max_length=128)
+    entity: str | None = _f(None, "Team or user owning the project; unset uses the API key's default entity.", max_length=128)
+    mode: Literal["online", "offline"] = _f(
+        "online", "online sends to W&B as the run goes; offline writes the run under <workdir>/wandb for a later "
+        "`wandb sync` (air-gapped clusters, tests).")
+    run_name: str | None = _f(None, "Display name of the run; unset uses <namespace>/<RLJob name>.", max_length=128)
+    api_key_secret_ref: TrackerSecretRef | None = _f(
+        None, "Secret key holding the W&B API key; injected as the env WANDB_API_KEY, never copied or logged. Needed "
+        "in online mode.")
+
+
+class TrackingSpec(ApiModel):
+    mlflow: MlflowSpec | None = _f(None, "Log the run to an MLflow tracking server.")
+    wandb: WandbSpec | None = _f(None, "Log the run to Weights & Biases.")
+    required: bool = _f(
+        False, "A tracker that cannot be reached or authenticated at start fails the job (exit 2) instead of a "
+        "one-line warning; an outage later never stops training either way.")
+
+
 class RunPolicySpec(ApiModel):
-    backoff_limit: int = _f(3, "Pod restarts before the PyTorchJob is failed.", ge=0, le=1000)
+    backoff_limit: int = _f(
+        3, "Restart budget: pod restarts before the PyTorchJob is failed; with childKind JobSet, whole-JobSet "
+        "restarts (failurePolicy.maxRestarts).", ge=0, le=1000)
     active_deadline_seconds: int | None = _f(None, "Wall-clock limit of the whole job.", ge=1)
     ttl_seconds_after_finished: int | None = _f(None, "Delete the PyTorchJob's pods this long after it finishes.", ge=0)
 
@@ -637,6 +853,12 @@ class RLJobSpec(ApiModel):
     gpus_per_node: int = _f(8, "GPUs per pod, one training process each; with device cpu, processes per pod. (verl: trainer.n_gpus_per_node)", ge=1, le=64)
     device: Literal["gpu", "cpu"] = _f("gpu", "gpu requests gpusPerNode GPUs per pod; cpu runs gloo processes (tests, quickstart).")
     suspend: bool = _f(False, "Suspend the job: a checkpoint is saved, pods are deleted; false resumes from it.")
+    child_kind: ChildKind = _f(
+        ChildKind.PYTORCHJOB,
+        "The workload the operator creates: PyTorchJob (Kubeflow training-operator v1; one Master, nnodes-1 "
+        "Workers) or JobSet (jobset.x-k8s.io/v1alpha2; one `trainer` replicatedJob, an Indexed Job of nnodes "
+        "pods). Kueue >= 0.19 manages JobSets by default but no longer PyTorchJobs. A launch-time field: "
+        "change it while suspended.")
     model: ModelSpec = _f(description="The policy model.")
     data: DataSpec = _f(default_factory=DataSpec, description="Training and validation data.")
     algorithm: AlgorithmSpec = _f(default_factory=AlgorithmSpec, description="RL algorithm and loss.")
@@ -655,7 +877,10 @@ class RLJobSpec(ApiModel):
     checkpoint: CheckpointSpec = _f(default_factory=CheckpointSpec, description="Checkpointing and resume.")
     s3: S3Spec = _f(default_factory=S3Spec, description="Object storage connection for s3:// URIs.")
     metrics: MetricsSpec = _f(default_factory=MetricsSpec, description="Prometheus metrics.")
-    run_policy: RunPolicySpec = _f(default_factory=RunPolicySpec, description="Retries and deadlines of the PyTorchJob.")
+    tracking: TrackingSpec = _f(
+        default_factory=TrackingSpec, description="Experiment trackers (MLflow, Weights & Biases) beside Prometheus; "
+        "rank 0 logs every step's metrics, the spec and the validation samples.")
+    run_policy: RunPolicySpec = _f(default_factory=RunPolicySpec, description="Retries and deadlines of the child (PyTorchJob or JobSet).")
     pod_template: PodTemplateSpec = _f(default_factory=PodTemplateSpec, description="Overrides of the training pods.")
 
 
@@ -683,24 +908,39 @@ class QuarantinedCheckpointStatus(ApiModel):
     reason: str | None = _f(None, "What failed.")
 
 
+class TrackerRunStatus(ApiModel):
+    tracker: Literal["mlflow", "wandb"] = _f(description="mlflow or wandb.")
+    run_id: str = _f(description="The tracker's run id.")
+    url: str | None = _f(None, "Where the run is shown (none for a W&B offline run).")
+
+
 class TrainerStatus(ApiModel):
     step: int = _f(0, "Last finished training step.")
     total_steps: int | None = _f(None, "Steps the run will take.")
     progress_percentage: int | None = _f(None, "step / totalSteps in percent.")
     reward_mean: float | None = _f(None, "Mean training reward of the last step.")
     val_reward_mean: float | None = _f(None, "Mean validation reward of the last validation.")
+    val_pass_at_k: dict[str, float] | None = _f(
+        None, "The last validation over all data sources, by key pass@k (k = 1, 2, 4, ... and rollout.valN; "
+        "unbiased estimator, a sample correct when its reward is >= 1) and mean@n (mean reward of the n samples).")
     nonfinite_rewards: int | None = _f(
         None, "Samples whose reward came back NaN or +-Inf so far (scored 0); above 0 the reward function has a bug.")
     last_checkpoint: CheckpointRefStatus | None = _f(None, "Newest committed checkpoint.")
     quarantined_checkpoints: list[QuarantinedCheckpointStatus] | None = _f(
-        None, "Corrupt checkpoint steps moved to quarantine/ at start-up; the previous committed step loaded.")
+        None, "Corrupt checkpoint steps moved to quarantine/ at start-up; the previous committed step loaded. "
+        "The newest ones that fit the worker's 4 KiB progress report, oldest first.")
+    quarantined_checkpoints_omitted: int | None = _f(
+        None, "Older quarantined steps not listed in quarantinedCheckpoints (see the job prefix's quarantine/).")
+    tracker_runs: list[TrackerRunStatus] | None = _f(
+        None, "The experiment-tracker runs this job logs to (one per tracker; the same run across restarts).")
     last_updated_time: str | None = _f(None, "When the worker last reported (RFC 3339).")
 
 
 class RLJobStatus(ApiModel):
     observed_generation: int | None = _f(None, "metadata.generation the operator last acted on.")
     conditions: list[Condition] = _f(default_factory=list, description="Current conditions, one per type.")
-    pytorch_job_name: str | None = _f(None, "Name of the PyTorchJob running this RLJob.")
+    pytorch_job_name: str | None = _f(None, "Name of the PyTorchJob running this RLJob (childKind PyTorchJob).")
+    job_set_name: str | None = _f(None, "Name of the JobSet running this RLJob (childKind JobSet).")
     start_time: str | None = _f(None, "When training pods first ran (RFC 3339).")
     completion_time: str | None = _f(None, "When the job succeeded or failed (RFC 3339).")
     trainer: TrainerStatus | None = _f(None, "Progress reported by the worker.")

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from rljob_api.enums import (
     AdvantageEstimator,
     AlgorithmName,
+    ChildKind,
     CriticPlacement,
     ResumeMode,
     SFTDataFormat,
@@ -28,8 +29,10 @@ from rljob_api.enums import (
 )
 from rljob_api.models import (
     API_VERSION,
+    BUILTIN_MODEL_NAMES,
     KIND,
     MODEL_URI_PATTERN,
+    REMOTE_URL_PATTERN,
     REWARD_FUNCTION_PATTERN,
     S3_ENDPOINT_PATTERN,
     SHM_SIZE_PATTERN,
@@ -62,6 +65,8 @@ _PATTERN_HINTS = {
     MODEL_URI_PATTERN: "must be s3://bucket/prefix, file:///abs/path, /abs/path or builtin://name",
     REWARD_FUNCTION_PATTERN: "must be a built-in reward name (e.g. gsm8k) or module.path:function",
     S3_ENDPOINT_PATTERN: "must be an http:// or https:// URL such as http://minio.minio.svc:9000",
+    REMOTE_URL_PATTERN: "must be an http:// or https:// URL without user:password@ (put credentials in "
+                        "headersSecretRef), such as http://verifier.ml.svc:8000/score",
     SHM_SIZE_PATTERN: "must be a size such as 16Gi: an integer with an optional Ki, Mi, Gi or Ti suffix",
 }
 
@@ -99,7 +104,11 @@ def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]
             got = _JSON_TYPE_NAMES.get(type(err.get("input")), type(err.get("input")).__name__)
             message = f"must be a mapping of fields, got {got}"
         elif err["type"] == "string_pattern_mismatch":
-            message = _PATTERN_HINTS.get(err.get("ctx", {}).get("pattern", ""), message) + f" (got {err['input']!r})"
+            pattern = err.get("ctx", {}).get("pattern", "")
+            got = err["input"]
+            if pattern == REMOTE_URL_PATTERN and isinstance(got, str):  # never echo a password written in a URL
+                got = re.sub(r"//[^/@\s]*@", "//***@", got)
+            message = _PATTERN_HINTS.get(pattern, message) + f" (got {got!r})"
         elif "input" in err and err["type"] not in {"model_type", "dict_type"}:
             message = f"{message} (got {err['input']!r})"
         out.append(FieldError(f"{prefix}{path}", message))
@@ -235,11 +244,21 @@ def pool_ranks(spec: RLJobSpec) -> tuple[list[int], list[int]]:
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-def name_errors(name: str) -> list[FieldError]:
-    """The RLJob name becomes pod and service names (<name>-master-0): keep it a DNS label."""
+def name_errors(name: str, spec: RLJobSpec | None = None) -> list[FieldError]:
+    """The RLJob name becomes pod and service names (<name>-master-0): keep it a DNS label.
+
+    With childKind JobSet the pods' hostnames are <name>-trainer-0-<index> (a DNS label of at most
+    63 characters), which leaves less room for the name on large jobs."""
     if not _K8S_NAME.match(name) or len(name) > 50:
         return [FieldError("metadata.name", "must be a DNS label of at most 50 characters (lowercase letters, digits, '-'), "
                            "because pods are named <name>-worker-N")]
+    if spec is not None and spec.child_kind == ChildKind.JOBSET:
+        longest = f"{name}-trainer-0-{spec.nnodes - 1}"
+        if len(longest) > 63:
+            return [FieldError("metadata.name", (
+                f"is {len(name)} characters; with spec.childKind JobSet and {spec.nnodes} nodes the last pod's "
+                f"hostname {longest} would exceed 63 characters: shorten the name to at most "
+                f"{63 - len(longest) + len(name)} characters"))]
     return []
 
 
@@ -248,6 +267,7 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     errs: list[FieldError] = []
     m, t, r, a = spec.megatron, spec.training, spec.rollout, spec.algorithm
     errs.extend(critic_pool_errors(spec))
+    errs.extend(builtin_model_errors(spec))
     actor_gpus = actor_gpus_per_node(spec)
     if actor_gpus <= 0:  # critic.gpus takes the whole node: reported above
         actor_gpus = spec.gpus_per_node
@@ -343,6 +363,8 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     if not sft and r.val_n > 1 and r.val_temperature == 0:
         errs.append(FieldError("spec.rollout.valN", "valN > 1 with valTemperature 0 repeats the same greedy answer; raise valTemperature"))
     errs.extend(tool_errors(spec))
+    if not sft:
+        errs.extend(reward_errors(spec))
     pt = spec.pod_template
     errs.extend(FieldError(path, message) for path, message in
                 pod_template_errors(pt.volumes, pt.volume_mounts, on_gpu=spec.device == "gpu"))
@@ -377,6 +399,54 @@ def tool_errors(spec: RLJobSpec) -> list[FieldError]:
     if agent is not None and agent.tool_call_format == ToolCallFormat.BARE and len(tools) > 1:
         errs.append(FieldError("spec.rollout.agent.toolCallFormat", f"bare passes the call's text to the job's only "
                                f"tool, and spec.tools has {len(tools)}; use hermes"))
+    return errs
+
+
+def remote_reward_errors(remote, path: str) -> list[FieldError]:
+    """One remote reward endpoint: the judge belongs to openai-chat, and only there."""
+    errs = []
+    if remote.protocol.value == "openai-chat" and remote.judge is None:
+        errs.append(FieldError(f"{path}.judge", "protocol openai-chat needs a judge (model, promptTemplate); add it "
+                               "or use protocol http-json"))
+    if remote.protocol.value == "http-json" and remote.judge is not None:
+        errs.append(FieldError(f"{path}.judge", "is only used by protocol openai-chat; remove it or set "
+                               "protocol: openai-chat"))
+    return errs
+
+
+def reward_errors(spec: RLJobSpec) -> list[FieldError]:
+    """spec.reward.remote and every spec.reward.bySource route: exactly one reward each, endpoints well-formed."""
+    rw = spec.reward
+    errs = remote_reward_errors(rw.remote, "spec.reward.remote") if rw.remote is not None else []
+    if rw.server is not None and (rw.remote is None or rw.remote.protocol.value != "openai-chat"):
+        errs.append(FieldError("spec.reward.server", "the judge it runs is reached by spec.reward.remote with "
+                               "protocol openai-chat and a judge; add them (url may stay unset)"))
+    if rw.remote is not None and rw.remote.url is None and rw.server is None:
+        errs.append(FieldError("spec.reward.remote.url", "is required (or add spec.reward.server to run the judge "
+                               "for this job)"))
+    for source, route in rw.by_source.items():
+        path = f"spec.reward.bySource.{source}"
+        if not source.strip() or len(source) > 253:
+            errs.append(FieldError(path, "a data source name must be 1-253 characters, not blank"))
+        if (route.function is None) == (route.remote is None):
+            errs.append(FieldError(path, "give exactly one of function (a built-in or module.path:function) and "
+                                   "remote (an endpoint)"))
+        if route.remote is not None:
+            errs.extend(remote_reward_errors(route.remote, f"{path}.remote"))
+            if route.remote.url is None:
+                errs.append(FieldError(f"{path}.remote.url", "is required (spec.reward.server serves spec.reward."
+                                       "remote only)"))
+    a = spec.algorithm
+    conflict = ("algorithm.dynamicSampling (which already drops groups)" if a.dynamic_sampling else
+                "algorithm.advantageEstimator gae (the critic, not the group, makes the advantages)"
+                if a.advantage_estimator == AdvantageEstimator.GAE else
+                "algorithm.klPlacement reward (its advantages are computed after the reference pass)"
+                if a.kl_coef > 0 and a.kl_placement.value == "reward" else None)
+    if conflict:
+        remotes = [("spec.reward.remote", rw.remote)] + [
+            (f"spec.reward.bySource.{k}.remote", r.remote) for k, r in rw.by_source.items()]
+        errs.extend(FieldError(f"{path}.onFailure", f"drop-group is not supported with {conflict}; use zero or fail")
+                    for path, remote in remotes if remote is not None and remote.on_failure.value == "drop-group")
     return errs
 
 
@@ -496,6 +566,20 @@ def sft_errors(spec: RLJobSpec, dp: int | None) -> list[FieldError]:
     if spec.data.synthetic is not None and s.format != SFTDataFormat.PROMPT_RESPONSE:
         errs.append(FieldError("spec.sft.format", "data.synthetic generates prompt-response rows; set format: "
                                "prompt-response or give trainFiles"))
+    return errs
+
+
+def builtin_model_errors(spec: RLJobSpec) -> list[FieldError]:
+    """A builtin://NAME model source must name a model the worker builds."""
+    errs = []
+    paths = [("spec.model.path", spec.model.path)]
+    if spec.critic is not None:
+        paths.append(("spec.critic.model.path", spec.critic.model.path))
+    for where, path in paths:
+        if path and path.startswith("builtin://") and path[len("builtin://"):] not in BUILTIN_MODEL_NAMES:
+            errs.append(FieldError(where, f"{path} is not a built-in model; choose one of "
+                                   + ", ".join(f"builtin://{n}" for n in BUILTIN_MODEL_NAMES)
+                                   + ", or give an s3:// or local Hugging Face folder"))
     return errs
 
 

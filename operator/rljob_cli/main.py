@@ -1,6 +1,8 @@
 """`rljob` command line.
 
-    rljob validate FILE...      check RLJob manifests; one line per job, every error with its field path
+    rljob validate FILE...      check RLJob manifests; one line per job, every error with its field path;
+                                exit 1 on an invalid or not runnable one (--local: also what `rljob run`
+                                needs on this machine)
     rljob crd                   print the generated CustomResourceDefinition
     rljob explain [FIELD.PATH]  describe spec fields (like `kubectl explain rlj.spec...`)
     rljob render FILE           print the children the operator would create
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rljob_api.local_checks import local_problems
 from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
 from rljob_api.worker_support import worker_refusals
 
@@ -46,7 +49,7 @@ def load_rljob(path: str):
     if len(docs) != 1:
         raise ValueError(f"{path}: expected exactly one RLJob document, found {len(docs)}")
     job = parse_rljob(docs[0])
-    errors = name_errors(job.metadata.name)
+    errors = name_errors(job.metadata.name, job.spec)
     if errors:
         raise RLJobValidationError(errors)
     return job
@@ -76,7 +79,7 @@ def summarize(job) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    failed = 0
+    failed = parsed = 0
     for path in args.files:
         try:
             docs = load_documents(path)
@@ -91,7 +94,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             label = path if len(docs) == 1 else f"{path}#{index}"
             try:
                 job = parse_rljob(doc)
-                errors = name_errors(job.metadata.name)
+                errors = name_errors(job.metadata.name, job.spec)
                 if errors:
                     raise RLJobValidationError(errors)
             except RLJobValidationError as exc:
@@ -100,9 +103,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 for err in exc.errors:
                     print(f"  {err.path}: {err.message}")
                 continue
-            print(f"OK {label}: {summarize(job)}")
-            for refusal in worker_refusals(job.spec):  # valid, but this worker release refuses it at start-up
+            refusals = worker_refusals(job.spec)  # valid, but this worker release refuses it at start-up
+            problems, unchecked = local_problems(job.spec) if args.local else ([], [])
+            print(f"{'OK' if not refusals and not problems else 'NOT RUNNABLE'} {label}: {summarize(job)}")
+            for refusal in refusals:
                 print(f"  NOT RUNNABLE by this worker release: {refusal}")
+            for problem in problems:
+                print(f"  NOT RUNNABLE here: {problem}")
+            for item in unchecked:
+                print(f"  not checked: {item}")
+            failed += bool(refusals or problems)
+            parsed += 1
+    if parsed and not args.local:
+        print("note: local paths not checked (they are the pods'; `rljob validate --local` checks them for "
+              "`rljob run`)")
     return 1 if failed else 0
 
 
@@ -148,6 +162,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (ValueError, RLJobValidationError) as exc:
         _report_invalid(args.file, exc)
         return 2  # a configuration error, as the worker's own start-up errors
+    problems, _ = local_problems(job.spec, args.checkpoint_uri)
+    if problems:  # at once, not 13-33 s into the run
+        for problem in problems:
+            print(f"rljob: {problem}", file=sys.stderr)
+        return 2
     from rljob_worker.runtime.launcher import run_local
 
     return run_local(job, workdir=args.workdir, checkpoint_uri=args.checkpoint_uri, steps=args.steps,
@@ -178,8 +197,11 @@ def _positive_steps(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rljob", description="RL post-training of LLMs as Kubernetes jobs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("validate", help="validate RLJob manifests")
+    p = sub.add_parser("validate", help="validate RLJob manifests (exit 1 on an invalid or not runnable one)")
     p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--local", action="store_true",
+                   help="also check what `rljob run` needs on this machine: local data and model paths, a "
+                        "writable checkpoint folder (s3:// objects are not checked)")
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("crd", help="print the RLJob CustomResourceDefinition")
     p.set_defaults(func=cmd_crd)

@@ -3,7 +3,8 @@
 - Floats: YAML 1.2 (kubectl's YAML) reads `1e-6` as a number; YAML 1.1 needs a dot (`1.0e-6`), so
   PyYAML would hand validation the string '1e-6'. Exponents without a dot are floats here.
 - Duplicate keys: kubectl refuses a mapping with a key twice; PyYAML silently keeps the last value.
-  Here they are an error naming the key and both lines.
+  Here they are an error naming the key and both lines. A merge key (`<<: *anchor`) is no
+  duplicate: keys set beside it override the merged ones, as in kubectl.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 from yaml.constructor import ConstructorError
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 # PyYAML's YAML 1.1 float pattern plus `1e-6` / `-2E+3` (digits, exponent, no dot).
 _FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                     |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
@@ -29,6 +31,8 @@ class ManifestLoader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             seen: dict = {}
             for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:  # flatten_mapping (in super) merges these
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 try:
                     first = seen.setdefault(key, key_node)

@@ -6,7 +6,9 @@ RLJob has a uid (it does once stored), an ownerReference with ``controller: true
 the RLJob garbage-collects it.
 
 The PyTorchJob contract (Kubeflow training-operator v1) lives in `build_pytorchjob` only, so a
-move to Trainer v2 (TrainJob) touches one function.
+move to Trainer v2 (TrainJob) touches one function. The JobSet contract (jobset.x-k8s.io/v1alpha2)
+lives in `build_jobset`: its roles are `replicated_job` entries (today one, `trainer`; a rollout
+pool or a reward server is one more entry), and both kinds share `_pod_template`.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import hashlib
 import json
 from typing import Any
 
+from rljob_api.enums import ChildKind
 from rljob_api.models import API_VERSION, GROUP, KIND, PLURAL, RLJob
 from rljob_api.pod_layout import (
     COMPILE_CACHE_MOUNT,
@@ -47,6 +50,12 @@ PYTORCHJOB_KIND = "PyTorchJob"
 PYTORCH_CONTAINER = "pytorch"  # the training-operator finds the container by this name
 PYTORCH_PORT_NAME = "pytorchjob-port"  # ... and the rendezvous port by this one
 METRICS_PORT_NAME = "metrics"
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+JOBSET_KIND = "JobSet"
+TRAINER_ROLE = "trainer"  # the JobSet's replicatedJob of training pods
+# The Job controller annotates each pod of an Indexed Job with its index (0..completions-1).
+JOB_COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+CHILD_API_VERSIONS = {ChildKind.PYTORCHJOB: PYTORCHJOB_API_VERSION, ChildKind.JOBSET: JOBSET_API_VERSION}
 # Size of the compile-cache emptyDir (the names and paths of the pod's own volumes: rljob_api.pod_layout).
 COMPILE_CACHE_SIZE = "10Gi"
 COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": f"{COMPILE_CACHE_MOUNT}/inductor",
@@ -65,6 +74,22 @@ def spec_configmap_name(job_name: str) -> str:
 
 def pytorchjob_name(job_name: str) -> str:
     return job_name
+
+
+def child_name(job_name: str) -> str:
+    """The name of the RLJob's workload child, whichever its kind (PyTorchJob or JobSet)."""
+    return job_name
+
+
+def jobset_pod_hostname(job_name: str, role: str, job_index: int = 0, pod_index: int = 0) -> str:
+    """A JobSet pod's stable hostname with network.enableDNSHostnames: <jobset>-<role>-<job>-<pod>."""
+    return f"{child_name(job_name)}-{role}-{job_index}-{pod_index}"
+
+
+def jobset_master_addr(job_name: str) -> str:
+    """The DNS name of the trainer's index-0 pod: <hostname>.<subdomain>, where the subdomain (the
+    headless Service the JobSet controller creates) defaults to the JobSet's name."""
+    return f"{jobset_pod_hostname(job_name, TRAINER_ROLE)}.{child_name(job_name)}"
 
 
 def service_account_name(job_name: str) -> str:
@@ -145,6 +170,10 @@ def spec_hash(job: RLJob) -> str:
     """
     doc = spec_document(job)
     doc.pop("suspend", None)
+    # The default child kind leaves the hash as it was before spec.childKind existed, so upgrading the
+    # operator does not read every running PyTorchJob as launched from a different spec.
+    if doc.get("childKind") == ChildKind.PYTORCHJOB.value:
+        doc.pop("childKind")
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -165,9 +194,9 @@ def build_spec_configmap(job: RLJob, settings: OperatorSettings) -> dict[str, An
 
 # ---------------------------------------------------------------------------- the PyTorchJob
 
-def _env(job: RLJob) -> list[dict[str, Any]]:
+def _env(job: RLJob, extra: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     spec = job.spec
-    env: list[dict[str, Any]] = [
+    env: list[dict[str, Any]] = [*(extra or []),
         {"name": "RLJOB_NAME", "value": job.metadata.name},
         {"name": "RLJOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -183,10 +212,31 @@ def _env(job: RLJob) -> list[dict[str, Any]]:
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.access_key_id_key}}})
         env.append({"name": "AWS_SECRET_ACCESS_KEY",
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.secret_access_key_key}}})
+    # Tracker credentials: env references to the Secret, never the values.
+    mlflow, wandb = spec.tracking.mlflow, spec.tracking.wandb
+    for var, secret in (("MLFLOW_TRACKING_TOKEN", mlflow.token_secret_ref if mlflow else None),
+                        ("WANDB_API_KEY", wandb.api_key_secret_ref if wandb else None)):
+        if secret is not None:
+            env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    env.extend(reward_header_env(spec))
     # User entries win over ours with the same name; new names are appended in their order.
     user = [copy.deepcopy(e) for e in spec.pod_template.env]
     user_names = {e.get("name") for e in user}
     return [e for e in env if e["name"] not in user_names] + user
+
+
+def reward_header_env(spec) -> list[dict[str, Any]]:
+    """The Secret keys of spec.reward's remote headers (and its bySource routes') as env references; the
+    worker reads them by the same names (HeadersSecretRef.env_names). Values are never copied."""
+    remotes = [spec.reward.remote] + [route.remote for route in spec.reward.by_source.values()]
+    out: dict[str, dict[str, Any]] = {}
+    for remote in remotes:
+        ref = remote.headers_secret_ref if remote is not None else None
+        if ref is None:
+            continue
+        for header, env in ref.env_names().items():
+            out[env] = {"name": env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.headers[header]}}}
+    return list(out.values())
 
 
 def _resources(job: RLJob) -> dict[str, Any]:
@@ -202,7 +252,9 @@ def _resources(job: RLJob) -> dict[str, Any]:
     return {k: v for k, v in resources.items() if v}
 
 
-def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+def _pod_template(job: RLJob, settings: OperatorSettings,
+                  extra_env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The training pods of either child kind; `extra_env` goes before ours (a user entry still wins)."""
     spec, pt = job.spec, job.spec.pod_template
     name = job.metadata.name
     on_gpu = spec.device == "gpu"
@@ -215,9 +267,10 @@ def _pod_template(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
         "imagePullPolicy": spec.image_pull_policy,
         # torchrun (through rljob_worker.runtime.launch, which keeps the worker's exit code: 2 for a
         # configuration error, 143 after a preemption save) reads PET_NNODES, PET_NPROC_PER_NODE,
-        # PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT, which the training-operator injects.
+        # PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT, which the training-operator injects
+        # (a PyTorchJob) or the JobSet's pod template carries (`_jobset_env`).
         "command": ["python", "-m", "rljob_worker.runtime.launch", "-m", settings.worker_module, "--spec", settings.spec_path],
-        "env": _env(job),
+        "env": _env(job, extra_env),
         "ports": ports,
         "volumeMounts": [
             {"name": SPEC_VOLUME, "mountPath": settings.spec_mount_path, "readOnly": True},
@@ -289,6 +342,75 @@ def build_pytorchjob(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
     }
 
 
+def build_child(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    """The workload child of `job.spec.childKind`."""
+    if job.spec.child_kind == ChildKind.JOBSET:
+        return build_jobset(job, settings)
+    return build_pytorchjob(job, settings)
+
+
+# ---------------------------------------------------------------------------- the JobSet
+
+
+def _jobset_env(job: RLJob, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """The torchrun contract the training-operator would inject, written into the pod template: every
+    pod rendezvous at the trainer's index-0 pod; its node rank is its Indexed-Job completion index."""
+    spec = job.spec
+    return [
+        {"name": "PET_NNODES", "value": str(spec.nnodes)},
+        {"name": "PET_NPROC_PER_NODE", "value": str(spec.gpus_per_node)},
+        {"name": "PET_MASTER_ADDR", "value": jobset_master_addr(job.metadata.name)},
+        {"name": "PET_MASTER_PORT", "value": str(settings.master_port)},
+        {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{JOB_COMPLETION_INDEX_ANNOTATION}']"}}},
+    ]
+
+
+def replicated_job(job: RLJob, role: str, pods: int, template: dict[str, Any], *,
+                   active_deadline_seconds: int | None = None) -> dict[str, Any]:
+    """One JobSet role: a single Indexed Job of `pods` pods that all run at once (completions =
+    parallelism), none retried on its own (backoffLimit 0: a failed pod fails the Job, and the
+    JobSet's failurePolicy restarts the whole gang, which is what a torchrun world needs)."""
+    job_spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": pods,
+        "parallelism": pods,
+        "backoffLimit": 0,
+        "template": template,
+    }
+    if active_deadline_seconds is not None:
+        job_spec["activeDeadlineSeconds"] = active_deadline_seconds
+    return {"name": role, "replicas": 1,
+            "template": {"metadata": {"labels": labels(job, role)}, "spec": job_spec}}
+
+
+def build_jobset(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
+    """A JobSet with one `trainer` role of nnodes pods; suspend, Kueue labels, ownership and the spec
+    hash exactly as on the PyTorchJob."""
+    spec = job.spec
+    template = _pod_template(job, settings, _jobset_env(job, settings))
+    template["spec"]["restartPolicy"] = "Never"  # a Job's pods restart through the JobSet's failurePolicy
+    roles = [replicated_job(job, TRAINER_ROLE, spec.nnodes, template,
+                            active_deadline_seconds=spec.run_policy.active_deadline_seconds)]
+    queued = queue_labels(job)
+    jobset_spec: dict[str, Any] = {
+        "replicatedJobs": roles,
+        # Stable pod hostnames <jobset>-<role>-<job>-<pod>.<jobset> (PET_MASTER_ADDR), published before
+        # the pods are ready so rendezvous can start.
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        # The job succeeds when the trainer succeeds (other roles, e.g. a reward server, never finish).
+        "successPolicy": {"operator": "All", "targetReplicatedJobs": [TRAINER_ROLE]},
+        "failurePolicy": {"maxRestarts": spec.run_policy.backoff_limit},
+        # A queue-managed job starts suspended: Kueue un-suspends it when the queue admits it.
+        "suspend": spec.suspend or LABEL_KUEUE_QUEUE in queued,
+    }
+    if spec.run_policy.ttl_seconds_after_finished is not None:
+        jobset_spec["ttlSecondsAfterFinished"] = spec.run_policy.ttl_seconds_after_finished
+    meta = _metadata(job, child_name(job.metadata.name), COMPONENT_TRAINER, {ANNOTATION_SPEC_HASH: spec_hash(job)})
+    meta["labels"].update(queued)
+    return {"apiVersion": JOBSET_API_VERSION, "kind": JOBSET_KIND, "metadata": meta, "spec": jobset_spec}
+
+
 # ---------------------------------------------------------------------------- progress RBAC
 
 def build_service_account(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
@@ -355,7 +477,7 @@ def build_pod_monitor(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- all children
 
 def build_children(job: RLJob, settings: OperatorSettings) -> list[dict[str, Any]]:
-    """Every child of `job`, in creation order (RBAC and the spec before the PyTorchJob that uses them)."""
+    """Every child of `job`, in creation order (RBAC and the spec before the PyTorchJob or JobSet that uses them)."""
     children: list[dict[str, Any]] = []
     if settings.progress_rbac:
         if not job.spec.pod_template.service_account_name:
@@ -363,7 +485,10 @@ def build_children(job: RLJob, settings: OperatorSettings) -> list[dict[str, Any
         children.append(build_progress_role(job, settings))
         children.append(build_progress_rolebinding(job, settings))
     children.append(build_spec_configmap(job, settings))
-    children.append(build_pytorchjob(job, settings))
+    from rljob_operator.judge_builder import build_judge_children  # (imports this module)
+
+    children.extend(build_judge_children(job, settings))  # spec.reward.server: before the job that waits for it
+    children.append(build_child(job, settings))
     if job.spec.metrics.enabled and settings.metrics_service:
         children.append(build_metrics_service(job, settings))
     if job.spec.metrics.enabled and job.spec.metrics.pod_monitor:

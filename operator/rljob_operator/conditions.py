@@ -8,13 +8,14 @@ The operator writes all five types from the first status write on, so printer co
 
 Types
     Accepted   the spec is valid and the operator acts on it (False: InvalidSpec, SpecChangeRejected).
-    Running    training pods run (mirrors the PyTorchJob's Running condition).
+    Running    training pods run (mirrors the PyTorchJob's Running condition, or a JobSet's ready trainer).
     Succeeded  training finished successfully (terminal).
     Failed     training failed (terminal; reason and message come from the PyTorchJob).
     Suspended  spec.suspend is true and the pods are gone.
     Admitted   only for a job in a Kueue queue (label kueue.x-k8s.io/queue-name): True once Kueue
-               admitted (un-suspended) its PyTorchJob; False with reason Queued while it waits for
-               admission or after Kueue preempted it.
+               admitted (un-suspended) its PyTorchJob or JobSet; False with reason Queued while it
+               waits for admission or after Kueue preempted it, NoKueueWorkload when no Kueue Workload
+               owns the child after a grace period (Kueue does not manage that kind).
     RewardsHealthy  only once the worker reports non-finite rewards: False with reason
                NonFiniteRewards (those samples are scored 0; the message names the count).
 """
@@ -46,6 +47,7 @@ REASON_SPEC_CHANGE_REJECTED = "SpecChangeRejected"  # False: a launch-time field
 REASON_CREATING = "Creating"  # False: waiting for an old or foreign object with the PyTorchJob's name to go
 REASON_PENDING = "Pending"  # False: the PyTorchJob exists (or was just created); pods are not running yet
 REASON_PYTORCHJOB_RUNNING = "PyTorchJobRunning"  # True: the PyTorchJob reports Running
+REASON_JOBSET_RUNNING = "JobSetRunning"  # True: the JobSet's trainer Job has all its pods ready
 REASON_RESTARTING = "Restarting"  # False: the PyTorchJob restarts failed pods
 REASON_JOB_SUSPENDED = "JobSuspended"  # False: suspended
 REASON_COMPLETED = "Completed"  # False: the job succeeded
@@ -55,8 +57,10 @@ REASON_CREATE_FAILED = "CreateFailed"  # False: an API error while creating chil
 # Succeeded / Failed
 REASON_NOT_COMPLETED = "NotCompleted"  # Succeeded False
 REASON_PYTORCHJOB_SUCCEEDED = "PyTorchJobSucceeded"  # Succeeded True
+REASON_JOBSET_SUCCEEDED = "JobSetSucceeded"  # Succeeded True (the JobSet's Completed condition)
 REASON_NOT_FAILED = "NotFailed"  # Failed False
 REASON_PYTORCHJOB_FAILED = "PyTorchJobFailed"  # Failed True, when the PyTorchJob gives no usable reason
+REASON_JOBSET_FAILED = "JobSetFailed"  # Failed True, when the JobSet gives no usable reason
 # Suspended
 REASON_SUSPENDED = "Suspended"  # True
 REASON_SUSPENDING = "Suspending"  # False: spec.suspend is true; waiting for the PyTorchJob to stop its pods
@@ -66,6 +70,9 @@ REASON_RESUMED = "Resumed"  # False: was suspended, resumed
 # Admitted (and Running False while queued)
 REASON_QUEUED = "Queued"  # False: the PyTorchJob waits for Kueue's admission (or was preempted by Kueue)
 REASON_ADMITTED = "Admitted"  # True: Kueue admitted (un-suspended) the PyTorchJob
+# False: no Kueue Workload owns the queue-labelled child after the grace period: Kueue does not manage
+# that kind (settings.kueue_workload_grace_seconds; see reconcile's docstring)
+REASON_NO_KUEUE_WORKLOAD = "NoKueueWorkload"
 
 # RewardsHealthy
 REASON_NONFINITE_REWARDS = "NonFiniteRewards"  # False: the reward function returned nan/inf (scored 0)
@@ -80,6 +87,7 @@ EVENT_SUCCEEDED = "Succeeded"
 EVENT_FAILED = "Failed"
 EVENT_API_ERROR = "ApiError"
 EVENT_PREEMPTED = "Preempted"  # Kueue suspended an admitted PyTorchJob
+EVENT_KUEUE_WORKLOAD_FOUND = "KueueWorkloadFound"  # a Workload appeared after NoKueueWorkload
 EVENT_CHECKPOINT_QUARANTINED = "CheckpointQuarantined"  # a corrupt checkpoint step was moved to quarantine/
 
 _CAMEL_WORD = re.compile(r"^[A-Z][A-Za-z0-9]{0,63}$")

@@ -2,8 +2,10 @@
 
     kopf run -m rljob_operator.handlers --namespace NS     (or: python -m rljob_operator -n NS)
 
-Triggers: RLJob create / update of `spec` / resume (operator start), PyTorchJob events (watched
-server-side by our managed-by label), new worker progress annotations, and a per-job resync that
+Triggers: RLJob create / update of `spec` / resume (operator start), PyTorchJob and JobSet events
+(watched server-side by our managed-by label; objects re-listed after a watch error count as events,
+so a status written while the watch was down is not left to the resync), Kueue Workload events
+(for NoKueueWorkload), new worker progress annotations, and a per-job resync that
 every finished cycle schedules RLJOB_RESYNC_SECONDS ahead (our own timer: kopf's @kopf.timer would
 add a finalizer to every RLJob). One asyncio lock per RLJob serialises cycles for the same job.
 
@@ -31,11 +33,14 @@ from rljob_api.models import GROUP, PLURAL, VERSION
 from rljob_operator import builders, kube_io, metrics
 from rljob_operator.progress import ANNOTATION as PROGRESS_ANNOTATION
 from rljob_operator.progress import is_newer
-from rljob_operator.reconcile import apply_failed_status, reconcile
+from rljob_operator.reconcile import apply_failed_status, failure_events, reconcile
 from rljob_operator.settings import OperatorSettings
 
 RLJOB = (GROUP, VERSION, PLURAL)
 PYTORCHJOB = ("kubeflow.org", "v1", "pytorchjobs")
+JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
+CHILD_KINDS = {builders.PYTORCHJOB_KIND, builders.JOBSET_KIND}
 CONFLICT_RETRIES = 5
 EVENT_RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -89,6 +94,10 @@ async def run_cycle(namespace: str, name: str, *, trigger: str, ensure_all: bool
                     result = "conflict"
                     continue
                 except kube_io.ApiError as exc:
+                    if exc.namespace_gone:  # a namespace deletion took the children first
+                        log.info("%s/%s: namespace is being deleted; nothing to do (%s)", namespace, name, exc)
+                        result = "gone"
+                        return
                     await _report_failure(api, body, plan, exc)
                     raise kopf.TemporaryError(str(exc), delay=_backoff(retry, exc)) from None
                 metrics.record_created(created)
@@ -114,6 +123,8 @@ async def _report_failure(api: kube_io.KubeApi, body: dict[str, Any], plan: Any,
         fresh = await api.get_rljob(body["metadata"]["namespace"], body["metadata"]["name"])
         if fresh is not None and fresh.get("status") != status:
             await api.write_status(fresh, status)
+            for event in failure_events(fresh, status):
+                api.post_event(fresh, event)
     except kube_io.ApiError as again:
         log.warning("could not record the failure in the status: %s", again)
 
@@ -172,12 +183,13 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = SETTINGS.api_timeout_seconds
     settings.networking.connect_timeout = 10
-    settings.watching.label_selectors[PYTORCHJOB[0], PYTORCHJOB[2]] = (
-        f"{builders.LABEL_MANAGED_BY}={builders.MANAGER}")
+    for group, _, plural in (PYTORCHJOB, JOBSET):
+        settings.watching.label_selectors[group, plural] = f"{builders.LABEL_MANAGED_BY}={builders.MANAGER}"
     settings.execution.max_workers = 4  # no sync handlers; the API client has its own pool
     state.api = kube_io.KubeApi(SETTINGS, on_error=metrics.record_api_error)
-    if metrics.start_server(SETTINGS.operator_metrics_port):
-        logger.info("serving operator metrics on :%d/metrics", SETTINGS.operator_metrics_port)
+    if metrics.start_server(SETTINGS.operator_metrics_port, SETTINGS.operator_metrics_address):
+        logger.info("serving operator metrics on %s:%d/metrics", SETTINGS.operator_metrics_address,
+                    SETTINGS.operator_metrics_port)
 
 
 @kopf.on.cleanup()
@@ -220,10 +232,41 @@ async def rljob_deleted(namespace: str, name: str, **_: Any) -> None:
         state.locks.pop(key, None)
 
 
-# ---------------------------------------------------------------------------- PyTorchJob events
+# ---------------------------------------------------------------------------- child and Workload events
+
+RELIST_DELAY = 0.5  # seconds: the re-listed children of many jobs coalesce with their RLJobs' own cycles
 
 
-@kopf.on.event(*PYTORCHJOB, labels={builders.LABEL_MANAGED_BY: builders.MANAGER, builders.LABEL_JOB: kopf.PRESENT},
-               when=lambda type, **_: type is not None)  # initial listings: the RLJob resume covers them
-async def pytorchjob_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    await _run_in_background(namespace, labels[builders.LABEL_JOB], trigger="pytorchjob")
+async def child_event(type: str | None, namespace: str, labels: dict[str, str], trigger: str) -> None:
+    """A PyTorchJob or JobSet changed. `type` None is an object kopf (re-)listed: at start-up, and after
+    a watch ended with an error (410 Expired, an API-server restart). Its status may have changed while
+    no watch was open, so it is reconciled too, through `schedule` (one pending cycle per job: the
+    operator's start-up listing does not double the RLJobs' own resume cycles)."""
+    name = labels[builders.LABEL_JOB]
+    if type is None:
+        schedule(namespace, name, RELIST_DELAY, trigger=f"{trigger}-relist")
+    else:
+        await _run_in_background(namespace, name, trigger=trigger)
+
+
+_CHILD_LABELS = {builders.LABEL_MANAGED_BY: builders.MANAGER, builders.LABEL_JOB: kopf.PRESENT}
+
+
+@kopf.on.event(*PYTORCHJOB, labels=_CHILD_LABELS)
+async def pytorchjob_event(type: str | None, namespace: str, labels: dict[str, str], **_: Any) -> None:
+    await child_event(type, namespace, labels, "pytorchjob")
+
+
+@kopf.on.event(*JOBSET, labels=_CHILD_LABELS)
+async def jobset_event(type: str | None, namespace: str, labels: dict[str, str], **_: Any) -> None:
+    await child_event(type, namespace, labels, "jobset")
+
+
+@kopf.on.event(*WORKLOAD)
+async def workload_event(namespace: str, meta: kopf.Meta, **_: Any) -> None:
+    """Kueue created, admitted or evicted a Workload: reconcile the RLJob whose child owns it (the child
+    is named after its RLJob). Workloads of other jobs are ignored without an API call."""
+    for ref in meta.get("ownerReferences") or ():
+        key = (namespace, ref.get("name", ""))
+        if ref.get("kind") in CHILD_KINDS and key in state.locks:  # an RLJob this operator has reconciled
+            schedule(namespace, key[1], 0.0, trigger="workload")

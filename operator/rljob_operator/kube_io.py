@@ -35,19 +35,26 @@ from kubernetes.client.exceptions import ApiException
 from rljob_api.models import API_VERSION, KIND, PLURAL
 
 from rljob_operator import builders
-from rljob_operator.reconcile import ChildRef, Event, Observed, Plan
+from rljob_operator.reconcile import ChildRef, Event, Observed, Plan, child_suspended
 from rljob_operator.settings import OperatorSettings
 
 log = logging.getLogger("rljob_operator.kube_io")
 
+# Kueue's Workload: Kueue creates one per job it manages, owned by the job (v1beta2 is what Kueue >= 0.15
+# serves; 0.20 dropped v1beta1).
+WORKLOAD_API_VERSION = "kueue.x-k8s.io/v1beta2"
+WORKLOAD_KIND = "Workload"
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Service"): "services",
+    ("apps/v1", "Deployment"): "deployments",
     ("v1", "Secret"): "secrets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     (builders.PYTORCHJOB_API_VERSION, builders.PYTORCHJOB_KIND): "pytorchjobs",
+    (builders.JOBSET_API_VERSION, builders.JOBSET_KIND): "jobsets",
+    (WORKLOAD_API_VERSION, WORKLOAD_KIND): "workloads",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("v1", "Event"): "events",
     (API_VERSION, KIND): PLURAL,
@@ -66,6 +73,14 @@ class ApiError(Exception):
     @property
     def transient(self) -> bool:
         return self.status == 0 or self.status == 429 or self.status >= 500
+
+    @property
+    def namespace_gone(self) -> bool:
+        """A create in a namespace being deleted (403) or already gone (404 naming the namespace): nothing
+        to retry, the namespace's deletion takes everything."""
+        text = str(self)
+        return (self.status == 403 and "being terminated" in text) or (
+            self.status == 404 and 'namespaces "' in text and "not found" in text)
 
 
 class Conflict(ApiError):
@@ -123,6 +138,7 @@ class KubeApi:
         self._on_error = on_error or (lambda verb, status: None)
         self._event_tasks: set[asyncio.Future] = set()
         self._instance = socket.gethostname()
+        self._workload_warning_logged = False
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -218,13 +234,42 @@ class KubeApi:
         return await self.get(API_VERSION, KIND, namespace, name)
 
     async def observe(self, body: Mapping[str, Any], *, now: str, ensure_all: bool = False) -> Observed:
+        """The RLJob's children: both workload kinds (a childKind edit leaves one of the other kind behind
+        until it is replaced; a kind whose CRD is not installed reads as absent), the spec ConfigMap and,
+        for a suspended queue-labelled child, the Kueue Workloads of its namespace."""
         meta = body["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        ptj, cm = await asyncio.gather(
-            self.get(builders.PYTORCHJOB_API_VERSION, builders.PYTORCHJOB_KIND, ns, builders.pytorchjob_name(name)),
+        child = builders.child_name(name)
+        ptj, js, cm = await asyncio.gather(
+            self.get(builders.PYTORCHJOB_API_VERSION, builders.PYTORCHJOB_KIND, ns, child),
+            self.get(builders.JOBSET_API_VERSION, builders.JOBSET_KIND, ns, child),
             self.get("v1", "ConfigMap", ns, builders.spec_configmap_name(name)),
         )
-        return Observed(now=now, pytorchjob=ptj, configmap=cm, ensure_all=ensure_all)
+        workloads = None
+        if any(obj is not None and builders.queue_name(obj) and child_suspended(obj) for obj in (ptj, js)):
+            workloads = await self.list_workloads(ns)
+        return Observed(now=now, pytorchjob=ptj, configmap=cm, ensure_all=ensure_all, jobset=js, workloads=workloads)
+
+    async def list_workloads(self, namespace: str) -> tuple[dict[str, Any], ...] | None:
+        """Kueue Workloads in `namespace`; None (logged once) when the Workload CRD is not installed."""
+        try:
+            status, payload = await self._request("list", "GET",
+                                                  path_for(WORKLOAD_API_VERSION, WORKLOAD_KIND, namespace))
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            status, payload = 403, None
+        if status in (403, 404):
+            if not self._workload_warning_logged:
+                self._workload_warning_logged = True
+                why = ("is not installed" if status == 404 else
+                       "cannot be read (403: grant get/list/watch on workloads.kueue.x-k8s.io, as the chart does)")
+                log.warning("Kueue's Workload CRD (workloads.kueue.x-k8s.io, %s) %s: queue-labelled children are "
+                            "not checked for a Workload (no NoKueueWorkload condition)", WORKLOAD_API_VERSION, why)
+            return None
+        if status == 409:
+            raise ApiError("list", "workloads", status)
+        return tuple((payload or {}).get("items") or ())
 
     async def apply(self, body: Mapping[str, Any], plan: Plan) -> list[dict[str, Any]]:
         """Children first (in order), then events, then the status; returns the objects really created."""
@@ -264,6 +309,8 @@ class KubeApi:
             await self._request("event", "POST", path_for("v1", "Event", obj["metadata"]["namespace"]), obj,
                                 content_type="application/json")
         except ApiError as exc:
+            if exc.namespace_gone:
+                return
             log.warning("could not post event %s on %s: %s", obj["reason"], obj["involvedObject"]["name"], exc)
 
     async def drain_events(self, timeout: float = 5.0) -> None:

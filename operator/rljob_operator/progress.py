@@ -35,6 +35,7 @@ import datetime
 import json
 import math
 import os
+import re
 import ssl
 import urllib.error
 import urllib.parse
@@ -73,6 +74,8 @@ def encode_progress(
     time: str | None = None,
     nonfinite_rewards: int | None = None,
     quarantined: Any = None,
+    tracker_runs: Any = None,
+    val_pass_at_k: Mapping[str, float] | None = None,
 ) -> str:
     """The annotation value (compact JSON). `last_checkpoint` is {"step", "uri", "time"?}.
 
@@ -89,17 +92,60 @@ def encode_progress(
         value = _finite(value, key)
         if value is not None:
             doc[key] = round(value, 6)
+    if val_pass_at_k:
+        doc["valPassAtK"] = {k: round(v, 6) for k, v in _pass_at_k(val_pass_at_k).items()}
     if nonfinite_rewards:
         doc["nonfiniteRewards"] = _count(nonfinite_rewards, "nonfiniteRewards")
     if last_checkpoint is not None:
         doc["lastCheckpoint"] = _checkpoint(last_checkpoint)
-    if quarantined:
-        doc["quarantinedCheckpoints"] = _quarantined(quarantined)
+    if tracker_runs:
+        doc["trackerRuns"] = _tracker_runs(tracker_runs)
     doc["time"] = time or utc_now()
-    text = json.dumps(doc, separators=(",", ":"), sort_keys=False)
+    text = _dumps(doc)
     if len(text.encode()) > MAX_VALUE_BYTES:
         raise ProgressError(f"progress annotation is {len(text.encode())} bytes; the limit is {MAX_VALUE_BYTES}")
+    if quarantined:
+        text = _with_quarantined(doc, _quarantined(quarantined, limit=None))
     return text
+
+
+def _dumps(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=False)
+
+
+def _with_quarantined(doc: dict[str, Any], entries: list[dict[str, Any]]) -> str:
+    """`doc` plus the newest quarantined entries that fit the cap (at most MAX_QUARANTINED) and a
+    count of the rest. The list gives way, never the step: long URIs or many entries only shorten it."""
+    head = {k: v for k, v in doc.items() if k != "time"}
+    for keep in range(min(len(entries), MAX_QUARANTINED), -1, -1):
+        trial = dict(head)
+        if keep:
+            trial["quarantinedCheckpoints"] = entries[-keep:]
+        if keep < len(entries):
+            trial["quarantinedCheckpointsOmitted"] = len(entries) - keep
+        trial["time"] = doc["time"]
+        text = _dumps(trial)
+        if len(text.encode()) <= MAX_VALUE_BYTES:
+            return text
+    return _dumps(doc)
+
+
+_PASS_AT_K_KEY = re.compile(r"^(pass|mean)@[0-9]{1,3}$")
+MAX_PASS_AT_K = 16
+
+
+def _pass_at_k(raw: Any) -> dict[str, float]:
+    """{pass@k | mean@n: finite number}, at most MAX_PASS_AT_K entries."""
+    if not isinstance(raw, Mapping) or len(raw) > MAX_PASS_AT_K:
+        raise ProgressError(f"valPassAtK must be an object of at most {MAX_PASS_AT_K} entries")
+    out = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not _PASS_AT_K_KEY.match(key):
+            raise ProgressError(f"valPassAtK key {key!r} is not pass@k or mean@n")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ProgressError(f"valPassAtK[{key}] must be a finite number, got {value!r}")
+        out[key] = float(value)
+    return out
 
 
 def _count(value: Any, name: str) -> int:
@@ -127,18 +173,42 @@ def _checkpoint(raw: Any) -> dict[str, Any]:
 MAX_QUARANTINED = 8  # newest kept; keeps the annotation small
 
 
-def _quarantined(raw: Any) -> list[dict[str, Any]]:
-    """Checkpoint steps the worker moved to quarantine/: [{"step", "uri", "reason"?}], newest last."""
+def _quarantined(raw: Any, limit: int | None = MAX_QUARANTINED) -> list[dict[str, Any]]:
+    """Checkpoint steps the worker moved to quarantine/: [{"step", "uri", "reason"?}], newest last;
+    the newest `limit` of them (all with None)."""
     if not isinstance(raw, (list, tuple)):
         raise ProgressError(f"quarantinedCheckpoints must be a list, got {type(raw).__name__}")
     out = []
-    for item in list(raw)[-MAX_QUARANTINED:]:
+    for item in list(raw)[-limit if limit else 0:]:
         entry = _checkpoint({"step": item.get("step"), "uri": item.get("uri")} if isinstance(item, Mapping) else item)
         reason = item.get("reason")
         if reason:
             if not isinstance(reason, str):
                 raise ProgressError("quarantinedCheckpoints[].reason must be a string")
             entry["reason"] = reason[:200]
+        out.append(entry)
+    return out
+
+
+TRACKERS = ("mlflow", "wandb")
+
+
+def _tracker_runs(raw: Any) -> list[dict[str, Any]]:
+    """The experiment-tracker runs: [{"tracker", "runId", "url"?}], one per tracker."""
+    if not isinstance(raw, (list, tuple)):
+        raise ProgressError(f"trackerRuns must be a list, got {type(raw).__name__}")
+    out = []
+    for item in list(raw)[:len(TRACKERS)]:
+        if not isinstance(item, Mapping) or item.get("tracker") not in TRACKERS:
+            raise ProgressError(f"trackerRuns[].tracker must be one of {', '.join(TRACKERS)}")
+        run_id, url = item.get("runId"), item.get("url")
+        if not isinstance(run_id, str) or not run_id or len(run_id) > 128:
+            raise ProgressError("trackerRuns[].runId must be a non-empty string of at most 128 characters")
+        entry = {"tracker": item["tracker"], "runId": run_id}
+        if url is not None:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 1024:
+                raise ProgressError("trackerRuns[].url must be an http(s) URL of at most 1024 characters")
+            entry["url"] = url
         out.append(entry)
     return out
 
@@ -174,12 +244,19 @@ def decode_progress(value: str) -> dict[str, Any]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ProgressError(f"{key} must be a finite number, got {v!r}")
         trainer[key] = float(v)
+    if doc.get("valPassAtK"):
+        trainer["valPassAtK"] = _pass_at_k(doc["valPassAtK"])
     if doc.get("nonfiniteRewards") is not None:
         trainer["nonfiniteRewards"] = _count(doc["nonfiniteRewards"], "nonfiniteRewards")
     if doc.get("lastCheckpoint") is not None:
         trainer["lastCheckpoint"] = _checkpoint(doc["lastCheckpoint"])
     if doc.get("quarantinedCheckpoints"):
         trainer["quarantinedCheckpoints"] = _quarantined(doc["quarantinedCheckpoints"])
+    if doc.get("quarantinedCheckpointsOmitted"):
+        trainer["quarantinedCheckpointsOmitted"] = _count(doc["quarantinedCheckpointsOmitted"],
+                                                          "quarantinedCheckpointsOmitted")
+    if doc.get("trackerRuns"):
+        trainer["trackerRuns"] = _tracker_runs(doc["trackerRuns"])
     trainer["lastUpdatedTime"] = time
     return trainer
 

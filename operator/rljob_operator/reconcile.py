@@ -37,15 +37,32 @@ Other rules
     - A PyTorchJob that disappears before the job finished is recreated (the worker resumes from
       the last checkpoint); after Succeeded/Failed it is not.
     - A child with our name that this RLJob does not own is never touched: the plan waits for it.
+
+Child kinds
+    `spec.childKind` picks the workload child: a PyTorchJob (the default) or a JobSet
+    (`builders.build_jobset`). Everything above holds for both; only the field that suspends
+    (`spec.runPolicy.suspend` / `spec.suspend`) and the status read differ (`child_phase`). The
+    kind is part of the spec hash, so changing it is a launch-time edit: rejected while running,
+    applied while suspended (the old child is deleted, one of the new kind created).
+
+Kueue that ignores the child (NoKueueWorkload)
+    Kueue manages a job by creating a `Workload` owned by it. When a queue-labelled child is still
+    suspended and no Workload owns it `settings.kueue_workload_grace_seconds` after its creation,
+    Kueue does not manage that kind (Kueue >= 0.19 leaves `kubeflow.org/pytorchjob` out of its
+    default `integrations.frameworks`): `Admitted=False, reason NoKueueWorkload`, one Warning event
+    naming both fixes, and back to `Queued` as soon as a Workload appears. Where the Workload CRD is
+    absent (`observed.workloads` None) nothing is judged.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+import datetime
 from collections.abc import Mapping
 from typing import Any
 
+from rljob_api.enums import ChildKind
 from rljob_api.models import RLJob
 from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
 
@@ -115,6 +132,10 @@ class Observed:
     pytorchjob: Mapping[str, Any] | None = None
     configmap: Mapping[str, Any] | None = None
     ensure_all: bool = False  # a resync: also (re)create RBAC and metrics children that may have been deleted
+    jobset: Mapping[str, Any] | None = None
+    # Kueue Workloads that may own the child (read only for a suspended, queue-labelled child); None:
+    # not read, or the Workload CRD is not installed, so nothing is concluded from their absence.
+    workloads: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +176,39 @@ def pytorchjob_phase(ptj: Mapping[str, Any] | None) -> tuple[str, Mapping[str, A
         if cond is not None and cond.get("status") == c.TRUE:
             return phase, cond
     return PHASE_PENDING, c.get_condition(conds, "Created")
+
+
+def jobset_phase(js: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+    """The phase of a JobSet from its conditions (Completed, Failed, Suspended) and, while none is
+    True, from its trainer's `replicatedJobsStatus` (a JobSet has no Running condition)."""
+    if js is None:
+        return PHASE_ABSENT, None
+    if js.get("metadata", {}).get("deletionTimestamp"):
+        return PHASE_DELETING, None
+    status = js.get("status") or {}
+    conds = status.get("conditions") or []
+    for type_, phase in (("Completed", PHASE_SUCCEEDED), ("Failed", PHASE_FAILED), ("Suspended", PHASE_SUSPENDED)):
+        cond = c.get_condition(conds, type_)
+        if cond is not None and cond.get("status") == c.TRUE:
+            return phase, cond
+    name = js.get("metadata", {}).get("name", "")
+    trainer = next((r for r in status.get("replicatedJobsStatus") or () if r.get("name") == builders.TRAINER_ROLE),
+                   None) or {}
+    restarts = status.get("restarts") or 0
+    if (trainer.get("ready") or 0) >= 1:
+        return PHASE_RUNNING, {"reason": c.REASON_JOBSET_RUNNING,
+                               "message": f"JobSet {name}: the {builders.TRAINER_ROLE} pods are ready."}
+    if restarts:
+        return PHASE_RESTARTING, {"reason": c.REASON_RESTARTING, "message": (
+            f"JobSet {name} restarts all its Jobs after a failure (restart {restarts} of the restart budget "
+            "spec.runPolicy.backoffLimit).")}
+    return PHASE_PENDING, None
+
+
+def child_phase(child: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+    if child is not None and child.get("kind") == builders.JOBSET_KIND:
+        return jobset_phase(child)
+    return pytorchjob_phase(child)
 
 
 def _hash_of(obj: Mapping[str, Any] | None) -> str | None:
@@ -203,7 +257,7 @@ def parse_body(body: Mapping[str, Any]) -> tuple[RLJob | None, list[str]]:
         job = parse_rljob(doc)
     except RLJobValidationError as exc:
         return None, [str(e) for e in exc.errors]
-    errors = name_errors(job.metadata.name)
+    errors = name_errors(job.metadata.name, job.spec)
     if errors:
         return None, [str(e) for e in errors]
     return job, []
@@ -230,17 +284,26 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     notes: list[str] = []
     requeue: float | None = None
 
-    ptj = observed.pytorchjob
     cm = observed.configmap
-    ptj_name = builders.pytorchjob_name(name)
-    foreign = [obj for obj in (ptj, cm) if not _owned_by(obj, uid)]
-    if ptj is not None and not _owned_by(ptj, uid):
-        ptj = None  # never act on, or report from, an object we do not control
+    ptj_name = builders.child_name(name)
+    job, errors = parse_body(body)
+    by_kind = {ChildKind.PYTORCHJOB: observed.pytorchjob, ChildKind.JOBSET: observed.jobset}
+    if job is not None:
+        kind = job.spec.child_kind
+    else:  # the kind of whatever exists (an invalid spec says nothing we can trust)
+        kind = ChildKind.JOBSET if (old_status.get("jobSetName") or (
+            observed.jobset is not None and observed.pytorchjob is None)) else ChildKind.PYTORCHJOB
+    other = ChildKind.JOBSET if kind == ChildKind.PYTORCHJOB else ChildKind.PYTORCHJOB
+    foreign = [obj for obj in (by_kind[kind], cm) if not _owned_by(obj, uid)]
+    # Never act on, or report from, an object we do not control. A child of the other kind is one
+    # launched before a childKind edit: its spec hash differs, so it is handled as any launch-time edit.
+    ptj = by_kind[kind] if _owned_by(by_kind[kind], uid) else None
+    if ptj is None and by_kind[other] is not None and _owned_by(by_kind[other], uid) and not foreign:
+        ptj = by_kind[other]
     if cm is not None and not _owned_by(cm, uid):
         cm = None
-    phase, phase_cond = pytorchjob_phase(ptj)
-
-    job, errors = parse_body(body)
+    child_label = f"{ptj['kind'] if ptj is not None else kind.value} {ptj_name}"
+    phase, phase_cond = child_phase(ptj)
     accepted: tuple[str, str, str]
     suspend_requested = bool((body.get("spec") or {}).get("suspend")) if job is None else job.spec.suspend
     will_create_ptj = False
@@ -253,7 +316,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
         desired_hash = builders.spec_hash(job)
         finished = finished_before or phase in (PHASE_SUCCEEDED, PHASE_FAILED)
         accepted = (c.TRUE, c.REASON_SPEC_ACCEPTED,
-                    f"The spec is valid; PyTorchJob {ptj_name} runs it.")
+                    f"The spec is valid; {child_label} runs it.")
         ensure_aux = observed.ensure_all or phase == PHASE_ABSENT
         if foreign:
             kinds = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in foreign)
@@ -267,12 +330,12 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
                 will_create_ptj = True
         elif _hash_of(ptj) == desired_hash:
             if not finished:
-                live_suspend = _child_suspended(ptj)
-                # Kueue owns un-suspending a queue-managed PyTorchJob (admission), and suspends it to
+                live_suspend = child_suspended(ptj)
+                # Kueue owns un-suspending a queue-managed child (admission), and suspends it to
                 # preempt it: the operator only ever suspends it, for the user's spec.suspend.
                 wanted = job.spec.suspend or (live_suspend and builders.queue_name(ptj) is not None)
                 if live_suspend != wanted:
-                    patches.append(Patch(ChildRef.of(ptj), {"spec": {"runPolicy": {"suspend": wanted}}}))
+                    patches.append(Patch(ChildRef.of(ptj), _suspend_patch(ptj, wanted)))
             creates.extend(_aux_and_configmap(job, settings, cm, ensure_aux, desired_hash))
             patches.extend(_configmap_patch(job, settings, cm, desired_hash))
         else:
@@ -286,7 +349,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
             elif job.spec.suspend:
                 deletes.append(Delete(ChildRef.of(ptj), Event(
                     "Normal", c.EVENT_SPEC_CHANGE_APPLIED,
-                    f"{what} changed while suspended: replacing PyTorchJob {ptj_name} with one built from the "
+                    f"{what} changed while suspended: replacing {child_label} with one built from the "
                     "new spec; it starts on resume and continues from the last checkpoint.")))
                 patches.extend(_configmap_patch(job, settings, cm, desired_hash))
                 requeue = REQUEUE_WAITING
@@ -295,7 +358,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
             else:
                 accepted = (c.FALSE, c.REASON_SPEC_CHANGE_REJECTED,
                             (f"{what} changed while the job runs; these fields are fixed at launch. Revert "
-                            "the change, or set spec.suspend: true to apply it (the PyTorchJob is then "
+                            "the change, or set spec.suspend: true to apply it (the child is then "
                             "recreated from the new spec and resumes from the last checkpoint)."))
 
     # ------------------------------------------------------------------ conditions
@@ -314,7 +377,8 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     if succeeded:
         old = c.get_condition(old_conds, c.SUCCEEDED)
         msg = old["message"] if old and old.get("status") == c.TRUE else (child_msg or "Training finished.")
-        succeeded_cond = (c.TRUE, c.REASON_PYTORCHJOB_SUCCEEDED, msg)
+        succeeded_cond = (c.TRUE, c.REASON_JOBSET_SUCCEEDED if child_label.startswith(builders.JOBSET_KIND)
+                          else c.REASON_PYTORCHJOB_SUCCEEDED, msg)
     else:
         succeeded_cond = (c.FALSE, c.REASON_NOT_COMPLETED, "The job has not finished.")
     if failed:
@@ -322,23 +386,28 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
         if old and old.get("status") == c.TRUE:
             reason, msg = old["reason"], old["message"]
         else:
-            reason = child_reason if c.is_reason(child_reason) else c.REASON_PYTORCHJOB_FAILED
-            msg = child_msg or f"PyTorchJob {ptj_name} failed."
+            reason = child_reason if c.is_reason(child_reason) else (
+                c.REASON_JOBSET_FAILED if child_label.startswith(builders.JOBSET_KIND) else c.REASON_PYTORCHJOB_FAILED)
+            msg = child_msg or f"{child_label} failed."
         failed_cond = (c.TRUE, reason, msg)
     else:
         failed_cond = (c.FALSE, c.REASON_NOT_FAILED, "The job has not failed.")
     queue = builders.queue_name(ptj) if ptj is not None else (
         builders.queue_labels(job).get(builders.LABEL_KUEUE_QUEUE) if job is not None and will_create_ptj else None)
-    queued = queue is not None and not suspend_requested and (will_create_ptj or _child_suspended(ptj))
-    running_cond = _running_condition(phase, ptj_name, child_msg, succeeded, failed, job is None,
+    queued = queue is not None and not suspend_requested and (will_create_ptj or child_suspended(ptj))
+    running_cond = _running_condition(phase, child_label, child_msg, succeeded, failed, job is None,
                                       will_create_ptj, suspend_requested, requeue is not None and bool(foreign),
-                                      queue if queued else None)
-    suspended_cond = _suspended_condition(phase, ptj, suspend_requested, succeeded or failed, old_conds, ptj_name,
+                                      queue if queued else None, child_reason)
+    suspended_cond = _suspended_condition(phase, ptj, suspend_requested, succeeded or failed, old_conds, child_label,
                                           job is None)
     for type_, (status_, reason_, message_) in zip(
             c.CONDITION_TYPES, (accepted, running_cond, succeeded_cond, failed_cond, suspended_cond)):
         put(type_, status_, reason_, message_)
-    admitted_cond = _admitted_condition(queue, queued, suspend_requested, succeeded or failed, ptj_name)
+    no_workload, wait = _kueue_ignores(ptj, queued, observed, settings)
+    if wait is not None:
+        requeue = wait if requeue is None else min(requeue, wait)
+    admitted_cond = _admitted_condition(queue, queued, suspend_requested, succeeded or failed, child_label,
+                                        no_workload)
     if admitted_cond is not None:
         put(c.ADMITTED, *admitted_cond)
 
@@ -348,10 +417,13 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     status["conditions"] = conds
     # pytorchJobName names the PyTorchJob this RLJob runs; its absence while none exists tells the
     # next create that a missing PyTorchJob was removed on purpose (a replacement), not lost.
+    name_key = "jobSetName" if child_label.startswith(builders.JOBSET_KIND) else "pytorchJobName"
     if replacing:
         status.pop("pytorchJobName", None)
+        status.pop("jobSetName", None)
     elif (ptj is not None and phase != PHASE_DELETING) or will_create_ptj:
-        status["pytorchJobName"] = ptj_name
+        status.pop("jobSetName" if name_key == "pytorchJobName" else "pytorchJobName", None)
+        status[name_key] = ptj_name
     ptj_status = (ptj or {}).get("status") or {}
     if phase in (PHASE_RUNNING, PHASE_RESTARTING, PHASE_SUCCEEDED, PHASE_FAILED) and not status.get("startTime"):
         status["startTime"] = ptj_status.get("startTime") or now
@@ -370,7 +442,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
         status["conditions"] = conds
 
     # ------------------------------------------------------------------ events from transitions
-    events.extend(_transition_events(old_conds, conds))
+    events.extend(_transition_events(old_conds, conds, child_label))
     new_status = None if status == old_status else status
     return Plan(create=tuple(creates), patch=tuple(patches), delete=tuple(deletes), status=new_status,
                 events=tuple(events), requeue_after=requeue, accepted=job is not None, notes=tuple(notes))
@@ -379,14 +451,16 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
 def _creates(job: RLJob, settings: OperatorSettings, cm: Mapping[str, Any] | None, ensure_aux: bool,
              old_status: Mapping[str, Any], desired_hash: str) -> list[Create]:
     out = _aux_and_configmap(job, settings, cm, ensure_aux, desired_hash)
-    ptj_name = builders.pytorchjob_name(job.metadata.name)
-    if old_status.get("pytorchJobName"):  # removed by the replacement of a spec edit: not "missing"
+    child = builders.build_child(job, settings)
+    label = f"{child['kind']} {child['metadata']['name']}"
+    # The name in the status means the child existed (a replacement removes it first): it went missing.
+    if old_status.get("pytorchJobName") or old_status.get("jobSetName"):
         event = Event("Normal", c.EVENT_RECREATED,
-                      f"PyTorchJob {ptj_name} was missing before the job finished; created it again "
+                      f"{label} was missing before the job finished; created it again "
                       "(training resumes from the last committed checkpoint).")
     else:
-        event = Event("Normal", c.EVENT_CREATED, f"Created PyTorchJob {ptj_name}.")
-    out.append(Create(builders.build_pytorchjob(job, settings), event))
+        event = Event("Normal", c.EVENT_CREATED, f"Created {label}.")
+    out.append(Create(child, event))
     return out
 
 
@@ -395,7 +469,7 @@ def _aux_and_configmap(job: RLJob, settings: OperatorSettings, cm: Mapping[str, 
     out: list[Create] = []
     for child in builders.build_children(job, settings):
         kind = child["kind"]
-        if kind == builders.PYTORCHJOB_KIND:
+        if kind in (builders.PYTORCHJOB_KIND, builders.JOBSET_KIND):
             continue
         if kind == "ConfigMap":
             if cm is None:
@@ -414,23 +488,74 @@ def _configmap_patch(job: RLJob, settings: OperatorSettings, cm: Mapping[str, An
     return [Patch(ChildRef.of(want), body)]
 
 
-def _child_suspended(ptj: Mapping[str, Any] | None) -> bool:
-    return bool((((ptj or {}).get("spec") or {}).get("runPolicy") or {}).get("suspend"))
+def child_suspended(child: Mapping[str, Any] | None) -> bool:
+    spec = (child or {}).get("spec") or {}
+    if (child or {}).get("kind") == builders.JOBSET_KIND:
+        return bool(spec.get("suspend"))
+    return bool((spec.get("runPolicy") or {}).get("suspend"))
+
+
+def _suspend_patch(child: Mapping[str, Any], suspend: bool) -> dict[str, Any]:
+    if child.get("kind") == builders.JOBSET_KIND:
+        return {"spec": {"suspend": suspend}}
+    return {"spec": {"runPolicy": {"suspend": suspend}}}
+
+
+def _parse_time(value: Any) -> datetime.datetime | None:
+    try:
+        return datetime.datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    except ValueError:
+        return None
+
+
+def owned_workloads(child: Mapping[str, Any] | None,
+                    workloads: tuple[Mapping[str, Any], ...]) -> list[Mapping[str, Any]]:
+    """The Kueue Workloads among `workloads` whose ownerReferences name `child` (by uid)."""
+    uid = ((child or {}).get("metadata") or {}).get("uid")
+    return [w for w in workloads if uid and any(
+        r.get("uid") == uid for r in (w.get("metadata") or {}).get("ownerReferences") or ())]
+
+
+def _kueue_ignores(child: Mapping[str, Any] | None, queued: bool, observed: Observed,
+                   settings: OperatorSettings) -> tuple[bool, float | None]:
+    """(whether Kueue has ignored the queued child past the grace period, seconds until that is decided)."""
+    if not queued or child is None or observed.workloads is None or owned_workloads(child, observed.workloads):
+        return False, None
+    created = _parse_time((child.get("metadata") or {}).get("creationTimestamp"))
+    now = _parse_time(observed.now)
+    if created is None or now is None:
+        return False, None
+    left = settings.kueue_workload_grace_seconds - (now - created).total_seconds()
+    if left > 0:
+        return False, left + 1.0  # the timestamps have whole seconds
+    return True, None
+
+
+# Kueue's integrations.frameworks names of the child kinds.
+KUEUE_FRAMEWORKS = {builders.PYTORCHJOB_KIND: "kubeflow.org/pytorchjob", builders.JOBSET_KIND: "jobset.x-k8s.io/jobset"}
 
 
 def _admitted_condition(queue: str | None, queued: bool, suspend: bool, finished: bool,
-                        ptj_name: str) -> tuple[str, str, str] | None:
+                        ptj_name: str, no_workload: bool = False) -> tuple[str, str, str] | None:
     """Kueue's admission of a queue-managed job; None (condition left as it is) otherwise or once finished."""
     if queue is None or finished:
         return None
     if suspend:
         return (c.FALSE, c.REASON_SUSPENDED,
-                f"spec.suspend is true; Kueue (LocalQueue {queue}) admits PyTorchJob {ptj_name} after a resume.")
+                f"spec.suspend is true; Kueue (LocalQueue {queue}) admits {ptj_name} after a resume.")
+    if queued and no_workload:
+        kind = ptj_name.split(" ", 1)[0]
+        return (c.FALSE, c.REASON_NO_KUEUE_WORKLOAD, (
+            f"{ptj_name} carries the kueue.x-k8s.io/queue-name label {queue} but no Kueue Workload owns it, "
+            f"so Kueue does not manage {kind}s on this cluster and nothing will un-suspend it (Kueue >= 0.19 "
+            "leaves kubeflow.org/pytorchjob out of its default integrations). Fix: enable "
+            f"{KUEUE_FRAMEWORKS.get(kind, kind)} in Kueue's integrations.frameworks, or set spec.childKind: "
+            "JobSet (which Kueue manages by default) while the job is suspended."))
     if queued:
         return (c.FALSE, c.REASON_QUEUED,
-                f"PyTorchJob {ptj_name} waits in Kueue LocalQueue {queue} for admission; it stays suspended "
+                f"{ptj_name} waits in Kueue LocalQueue {queue} for admission; it stays suspended "
                 "until Kueue admits it.")
-    return c.TRUE, c.REASON_ADMITTED, f"Kueue admitted PyTorchJob {ptj_name} from LocalQueue {queue}."
+    return c.TRUE, c.REASON_ADMITTED, f"Kueue admitted {ptj_name} from LocalQueue {queue}."
 
 
 def _quarantine_events(old_trainer: Mapping[str, Any] | None,
@@ -460,35 +585,36 @@ def _rewards_condition(trainer: Mapping[str, Any] | None) -> tuple[str, str, str
 
 def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: bool, failed: bool, invalid: bool,
                        will_create: bool, suspend: bool, waiting_foreign: bool,
-                       queue: str | None = None) -> tuple[str, str, str]:
+                       queue: str | None = None, child_reason: str | None = None) -> tuple[str, str, str]:
     if succeeded:
         return c.FALSE, c.REASON_COMPLETED, "The job succeeded."
     if failed:
         return c.FALSE, c.REASON_JOB_FAILED, "The job failed."
     if phase == PHASE_RUNNING:  # until the PyTorchJob reports otherwise, even while suspending
-        return c.TRUE, c.REASON_PYTORCHJOB_RUNNING, child_msg or f"PyTorchJob {ptj_name} is running."
+        reason = c.REASON_JOBSET_RUNNING if child_reason == c.REASON_JOBSET_RUNNING else c.REASON_PYTORCHJOB_RUNNING
+        return c.TRUE, reason, child_msg or f"{ptj_name} is running."
     if phase == PHASE_RESTARTING:
-        return c.FALSE, c.REASON_RESTARTING, child_msg or f"PyTorchJob {ptj_name} is restarting failed pods."
+        return c.FALSE, c.REASON_RESTARTING, child_msg or f"{ptj_name} is restarting failed pods."
     if suspend and phase in (PHASE_SUSPENDED, PHASE_PENDING, PHASE_ABSENT, PHASE_DELETING):
         return c.FALSE, c.REASON_JOB_SUSPENDED, "The job is suspended (spec.suspend is true)."
     if queue is not None and phase in (PHASE_SUSPENDED, PHASE_PENDING, PHASE_ABSENT):
         return (c.FALSE, c.REASON_QUEUED,
-                f"PyTorchJob {ptj_name} waits for Kueue to admit it from LocalQueue {queue} (after a preemption, "
+                f"{ptj_name} waits for Kueue to admit it from LocalQueue {queue} (after a preemption, "
                 "training resumes from the last committed checkpoint).")
     if waiting_foreign:
         return (c.FALSE, c.REASON_CREATING,
                 f"Waiting for an object named after this RLJob ({ptj_name}) that it does not own to be deleted.")
     if phase == PHASE_DELETING:
-        return c.FALSE, c.REASON_CREATING, f"Waiting for the previous PyTorchJob {ptj_name} to be deleted."
+        return c.FALSE, c.REASON_CREATING, f"Waiting for the previous {ptj_name} to be deleted."
     if phase == PHASE_ABSENT:
         if invalid:
             return c.FALSE, c.REASON_NOT_STARTED, "Nothing runs because the spec is invalid."
         if will_create:  # the status is written after the creates succeeded
-            return c.FALSE, c.REASON_PENDING, f"PyTorchJob {ptj_name} exists; waiting for its pods to run."
-        return c.FALSE, c.REASON_NOT_STARTED, "No PyTorchJob exists."
+            return c.FALSE, c.REASON_PENDING, f"{ptj_name} exists; waiting for its pods to run."
+        return c.FALSE, c.REASON_NOT_STARTED, f"No {ptj_name} exists."
     if phase == PHASE_SUSPENDED:
-        return c.FALSE, c.REASON_PENDING, f"Resuming PyTorchJob {ptj_name}."
-    return c.FALSE, c.REASON_PENDING, f"PyTorchJob {ptj_name} exists; waiting for its pods to run."
+        return c.FALSE, c.REASON_PENDING, f"Resuming {ptj_name}."
+    return c.FALSE, c.REASON_PENDING, f"{ptj_name} exists; waiting for its pods to run."
 
 
 def _suspended_condition(phase: str, ptj: Mapping[str, Any] | None, suspend: bool, finished: bool,
@@ -497,16 +623,17 @@ def _suspended_condition(phase: str, ptj: Mapping[str, Any] | None, suspend: boo
     if finished:
         return c.FALSE, c.REASON_NOT_SUSPENDED, "The job has finished."
     if suspend and not invalid:
-        never_started = phase == PHASE_PENDING and bool(((ptj or {}).get("spec") or {}).get("runPolicy", {}).get("suspend"))
+        never_started = phase == PHASE_PENDING and child_suspended(ptj)
         if phase in (PHASE_SUSPENDED, PHASE_ABSENT, PHASE_DELETING) or never_started:
             return c.TRUE, c.REASON_SUSPENDED, "spec.suspend is true: the pods are gone; set it false to resume."
-        return c.FALSE, c.REASON_SUSPENDING, f"Waiting for PyTorchJob {ptj_name} to stop its pods."
+        return c.FALSE, c.REASON_SUSPENDING, f"Waiting for {ptj_name} to stop its pods."
     if was is not None and (was.get("status") == c.TRUE or was.get("reason") == c.REASON_RESUMED):
         return c.FALSE, c.REASON_RESUMED, "The job was resumed; training continues from the last checkpoint."
     return c.FALSE, c.REASON_NOT_SUSPENDED, "The job is not suspended."
 
 
-def _transition_events(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]]) -> list[Event]:
+def _transition_events(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]],
+                       child_label: str = "PyTorchJob") -> list[Event]:
     out: list[Event] = []
     for cond in new:
         before = c.get_condition(old, cond["type"])
@@ -532,9 +659,14 @@ def _transition_events(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]
         elif t == c.ADMITTED:
             if status == c.TRUE and b_status != c.TRUE:
                 out.append(Event("Normal", c.REASON_ADMITTED, message))
+            elif reason == c.REASON_NO_KUEUE_WORKLOAD and b_reason != reason:
+                out.append(Event("Warning", reason, message))
+            elif b_reason == c.REASON_NO_KUEUE_WORKLOAD and reason == c.REASON_QUEUED:
+                out.append(Event("Normal", c.EVENT_KUEUE_WORKLOAD_FOUND,
+                                 "A Kueue Workload now owns the job; it waits for Kueue's admission."))
             elif reason == c.REASON_QUEUED and b_status == c.TRUE:
                 out.append(Event("Warning", c.EVENT_PREEMPTED, (
-                    "Kueue suspended the admitted PyTorchJob (preemption or eviction): its pods get SIGTERM and "
+                    f"Kueue suspended the admitted {child_label.split(' ', 1)[0]} (preemption or eviction): its pods get SIGTERM and "
                     "save a checkpoint, as on spec.suspend; training resumes from it when Kueue admits the job "
                     "again.")))
         elif t == c.REWARDS_HEALTHY and status == c.FALSE and b_status != c.FALSE:
@@ -549,13 +681,22 @@ def _transition_events(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]
 def apply_failed_status(body: Mapping[str, Any], plan: Plan, error: str, now: str) -> dict[str, Any] | None:
     """The status to write when applying `plan` failed with a (retried) API error, or None to write nothing.
 
-    Only a job whose PyTorchJob is being created gets `Running=False, reason CreateFailed`; for a
+    Post `failure_events(body, status)` with it: the conditions it writes (Accepted) do not change
+    again on the successful retry, so their events are due now.
+
+    Only a job whose PyTorchJob or JobSet is being created gets `Running=False, reason CreateFailed`; for a
     running job the error is logged and retried without touching its conditions.
     """
-    status = copy.deepcopy(plan.status if plan.status is not None else (body.get("status") or {}))
-    creating = any(item.body.get("kind") == builders.PYTORCHJOB_KIND for item in plan.create)
+    old_status = body.get("status") or {}
+    status = copy.deepcopy(plan.status if plan.status is not None else old_status)
+    creating = any(item.body.get("kind") in (builders.PYTORCHJOB_KIND, builders.JOBSET_KIND) for item in plan.create)
     if not creating:
         return None
+    # The child's name in the status says it existed; it does not yet (else the next successful create
+    # would be reported as a recreation of a missing child).
+    for key in ("pytorchJobName", "jobSetName"):
+        if key not in old_status:
+            status.pop(key, None)
     generation = (body.get("metadata") or {}).get("generation")
     status["observedGeneration"] = generation
     status["conditions"] = c.set_condition(
@@ -563,3 +704,16 @@ def apply_failed_status(body: Mapping[str, Any], plan: Plan, error: str, now: st
         _clip(f"Creating the children failed and is retried with backoff: {error}"),
         generation=generation, now=now)
     return status
+
+
+def failure_events(body: Mapping[str, Any], status: Mapping[str, Any]) -> list[Event]:
+    """The events of writing `status` (from `apply_failed_status`) over the stored one: the transitions
+    it makes (e.g. SpecAccepted) and one Warning when Running first becomes CreateFailed."""
+    old = (body.get("status") or {}).get("conditions") or []
+    new = status.get("conditions") or []
+    out = [e for e in _transition_events(old, new) if e.reason != c.EVENT_RUNNING]
+    was = c.get_condition(old, c.RUNNING)
+    now = c.get_condition(new, c.RUNNING)
+    if now is not None and now.get("reason") == c.REASON_CREATE_FAILED and (was or {}).get("reason") != now["reason"]:
+        out.append(Event("Warning", c.REASON_CREATE_FAILED, now["message"]))
+    return out

@@ -11,11 +11,14 @@
 | RLJOB_API_TIMEOUT_SECONDS       | 30                           | timeout of one Kubernetes API request made by the operator |
 | RLJOB_API_CONCURRENCY           | 16                           | parallel Kubernetes API requests (threads and pooled connections) |
 | RLJOB_OPERATOR_METRICS_PORT     | 8080                         | port of the operator's own /metrics; 0 disables it |
+| RLJOB_OPERATOR_METRICS_ADDRESS  | 0.0.0.0                      | address the operator's /metrics binds (0.0.0.0: every interface, so Prometheus can scrape the pod; 127.0.0.1: local only) |
+| RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS | 60                        | seconds a queue-labelled child may wait for a Kueue Workload before `Admitted=False, reason NoKueueWorkload` |
 | RLJOB_WATCH_SERVER_TIMEOUT      | 300                          | whole seconds one watch request asks the API server to keep the stream |
 """
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 
@@ -37,6 +40,8 @@ class OperatorSettings:
     api_timeout_seconds: float = 30.0
     api_concurrency: int = 16
     operator_metrics_port: int = 8080
+    operator_metrics_address: str = "0.0.0.0"
+    kueue_workload_grace_seconds: float = 60.0
     # An integer: the API server parses the watch's timeoutSeconds with ParseInt ("300.0" is a 400).
     watch_server_timeout: int = 300
 
@@ -60,6 +65,10 @@ class OperatorSettings:
             api_concurrency=_int(env, "RLJOB_API_CONCURRENCY", defaults.api_concurrency, lo=1, hi=256),
             operator_metrics_port=_int(env, "RLJOB_OPERATOR_METRICS_PORT", defaults.operator_metrics_port,
                                        lo=0, hi=65535),
+            operator_metrics_address=_address(env, "RLJOB_OPERATOR_METRICS_ADDRESS",
+                                              defaults.operator_metrics_address),
+            kueue_workload_grace_seconds=_float(env, "RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS",
+                                                defaults.kueue_workload_grace_seconds, lo=0.0),
             watch_server_timeout=_int(env, "RLJOB_WATCH_SERVER_TIMEOUT", defaults.watch_server_timeout,
                                        lo=1, hi=86400),
         )
@@ -68,6 +77,16 @@ class OperatorSettings:
 def _str(env: Mapping[str, str], name: str, default: str) -> str:
     value = env.get(name, "").strip()
     return value or default
+
+
+def _address(env: Mapping[str, str], name: str, default: str) -> str:
+    value = _str(env, name, default)
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an IP address; use e.g. 0.0.0.0 (all interfaces), "
+                         "127.0.0.1 (local only) or :: (all, IPv6)") from None
+    return value
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:

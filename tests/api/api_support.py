@@ -88,7 +88,7 @@ def errors_of(doc: Any) -> list:
     except RLJobValidationError as exc:
         assert exc.errors, "RLJobValidationError without errors"
         return exc.errors
-    return name_errors(job.metadata.name)
+    return name_errors(job.metadata.name, job.spec)
 
 
 # --------------------------------------------------------------------------- the committed CRD

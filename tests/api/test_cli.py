@@ -55,15 +55,16 @@ def test_console_script_is_declared():
 
 def test_validate_examples_one_ok_line_each():
     code, out = rljob("validate", *[p.relative_to(ROOT) for p in EXAMPLE_PATHS])
-    assert code == 0, out
-    lines = [line for line in out.strip().splitlines() if not line.startswith("  NOT RUNNABLE")]
+    assert code == 1, out  # the trinity example is valid but not runnable by this worker release
+    lines = [line for line in out.strip().splitlines() if not line.startswith(("  NOT RUNNABLE", "note: "))]
     assert len(lines) == len(EXAMPLE_PATHS), out
     for path, line in zip(EXAMPLE_PATHS, lines):
-        assert line.startswith(f"OK {path.relative_to(ROOT)}: "), line
+        word = "NOT RUNNABLE" if path.name == "trinity-ppo-megatron.yaml" else "OK"
+        assert line.startswith(f"{word} {path.relative_to(ROOT)}: "), line
     # valid, but this worker runs a shared critic only at the actor's layout (a split critic has its own)
-    refused = out.split("OK examples/trinity-ppo-megatron.yaml")[1].split("\nOK ")[0]
+    refused = out.split("NOT RUNNABLE examples/trinity-ppo-megatron.yaml")[1].split("\nOK ")[0]
     assert "NOT RUNNABLE by this worker release: spec.critic.megatron.tensorModelParallelSize" in refused, out
-    assert out.count("NOT RUNNABLE") == refused.count("NOT RUNNABLE"), out  # the split example runs
+    assert out.count("NOT RUNNABLE") == refused.count("NOT RUNNABLE") + 1, out  # the split example runs
     assert "qwen3-8b-grpo: grpo on s3://models/Qwen/Qwen3-8B, 1x8 gpu, TP2 PP4 CP1" in out
 
 
@@ -170,7 +171,7 @@ def test_validate_multi_document_file(tmp_path):
                                                       for n in ("a", "b")) + "---\n")
     code, out = rljob("validate", both_ok)
     assert code == 0, out
-    assert out.strip().splitlines() == [f"OK {both_ok}#0: " + out.split(f"OK {both_ok}#0: ")[1].splitlines()[0],
+    assert [ln for ln in out.strip().splitlines() if not ln.startswith("note: ")] == [f"OK {both_ok}#0: " + out.split(f"OK {both_ok}#0: ")[1].splitlines()[0],
                                         f"OK {both_ok}#1: " + out.split(f"OK {both_ok}#1: ")[1].splitlines()[0]]
 
 
@@ -193,6 +194,79 @@ def test_validate_stdin():
 def test_validate_needs_a_file():
     code, out = rljob("validate")
     assert code == 2 and "usage: rljob validate" in out, out
+
+
+def _local_job(tmp_path: Path, **spec: object) -> dict:
+    """The quickstart's shape (builtin model, CPU) with its checkpoints under tmp_path, changed by `spec`."""
+    job = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["checkpoint"]["uri"] = f"file://{tmp_path}/ckpt"
+    for path, value in spec.items():
+        section, _, field = path.partition(".")
+        job["spec"].setdefault(section, {})[field] = value
+    return job
+
+
+def test_validate_refuses_an_unknown_builtin_model_everywhere(tmp_path):
+    code, out = rljob("validate", write(tmp_path, "j.yaml", _local_job(tmp_path, **{"model.path": "builtin://tiny-qwen3"})))
+    assert code == 1, out
+    assert "INVALID" in out and "spec.model.path: builtin://tiny-qwen3 is not a built-in model" in out, out
+    assert "builtin://tiny-qwen2, builtin://tiny-qwen2-hd64" in out, out
+
+
+def test_validate_local_checks_what_rljob_run_would_find_missing_on_this_machine(tmp_path):
+    """A missing local data file and an unusable checkpoint folder fail `rljob run` 13-33 s in; `validate
+    --local` says so at once, naming the field, and says what it could not check (s3:// objects)."""
+    (tmp_path / "afile").write_text("not a folder")
+    job = _local_job(tmp_path, **{"data.trainFiles": [str(tmp_path / "missing.parquet")],
+                                  "data.valFiles": ["s3://bucket/val.parquet"],
+                                  "checkpoint.uri": f"file://{tmp_path}/afile/ckpt"})
+    job["spec"]["data"].pop("synthetic")
+    path = write(tmp_path, "j.yaml", job)
+    code, out = rljob("validate", "--local", path)
+    assert code == 1, out
+    assert f"spec.data.trainFiles[0]: {tmp_path}/missing.parquet does not exist on this machine" in out, out
+    assert (f"spec.checkpoint.uri: file://{tmp_path}/afile/ckpt cannot be created: {tmp_path}/afile is a file, "
+            "not a folder") in out, out
+    assert "not checked: spec.data.valFiles[0] s3://bucket/val.parquet (s3:// objects are read at run time)" in out
+    # the same spec for a cluster: paths are the pods', so plain validate says it did not check them
+    code, out = rljob("validate", path)
+    assert code == 0, out
+    assert "note: local paths not checked (they are the pods'; `rljob validate --local` checks them for `rljob run`)" in out
+    # a good local spec passes --local
+    code, out = rljob("validate", "--local", write(tmp_path, "ok.yaml", _local_job(tmp_path)))
+    assert code == 0 and out.startswith("OK "), out
+
+
+def test_run_refuses_a_missing_local_data_file_before_starting(tmp_path):
+    import time
+
+    job = _local_job(tmp_path, **{"data.trainFiles": [str(tmp_path / "missing.parquet")]})
+    job["spec"]["data"].pop("synthetic")
+    started = time.monotonic()
+    code, out = rljob("run", write(tmp_path, "j.yaml", job), "--workdir", tmp_path / "work")
+    assert code == 2, out
+    assert f"rljob: spec.data.trainFiles[0]: {tmp_path}/missing.parquet does not exist on this machine" in out, out
+    assert time.monotonic() - started < 20, "the check runs before the worker starts"  # the run failed at 13-33 s
+    assert not (tmp_path / "work").exists()
+
+
+def test_validate_local_names_a_folder_this_user_cannot_write(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("this user (root) writes anywhere: a read-only folder cannot be made here")
+        code, out = rljob("validate", "--local", write(tmp_path, "j.yaml", _local_job(
+            tmp_path, **{"checkpoint.uri": f"file://{locked}/ckpt"})))
+    finally:
+        locked.chmod(0o700)
+    assert code == 1 and f"{locked} is not writable by this user" in out, out
+
+
+def test_validate_exits_non_zero_on_a_spec_this_worker_cannot_run():
+    code, out = rljob("validate", "examples/trinity-ppo-megatron.yaml")
+    assert code == 1 and "NOT RUNNABLE by this worker release" in out, out
 
 
 # --------------------------------------------------------------------------- crd and explain
@@ -243,6 +317,24 @@ def test_explain_unknown_field_is_helpful(capsys):
     assert code == 1 and "does not exist in spec.megatron" in out and "tensorModelParallelSize" in out, out
 
 
+def test_render_wires_tracker_credentials_from_secrets_never_values(tmp_path):
+    job = yaml.safe_load(HEAD)
+    job["spec"]["tracking"] = {
+        "mlflow": {"trackingUri": "http://mlflow.ml.svc:5000", "tokenSecretRef": {"name": "mlflow", "key": "token"}},
+        "wandb": {"project": "rl", "apiKeySecretRef": {"name": "wandb", "key": "api-key"}}}
+    code, out = rljob("render", write(tmp_path, "job.yaml", job))
+    assert code == 0, out
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    ptj = next(d for d in docs if d["kind"] == "PyTorchJob")
+    env = {e["name"]: e for e in ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_TRACKING_TOKEN"] == {"name": "MLFLOW_TRACKING_TOKEN",
+                                            "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "token"}}}
+    assert env["WANDB_API_KEY"] == {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}}
+    job["spec"]["tracking"]["mlflow"]["trackingUri"] = "mlflow.ml.svc:5000"
+    code, out = rljob("validate", write(tmp_path, "bad.yaml", job))
+    assert code == 1 and "spec.tracking.mlflow.trackingUri" in out, out
+
+
 # --------------------------------------------------------------------------- run --fresh
 
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -266,26 +358,86 @@ def test_fresh_refuses_a_workdir_the_run_did_not_create(tmp_path):
 
 
 def test_fresh_deletes_only_what_the_run_wrote(tmp_path):
+    """The manifest lists what runs wrote; a file the user put into work/ later (notes.txt) stays."""
     from rljob_cli.main import load_rljob
-    from rljob_worker.runtime.launcher import clear_previous_run, mark_workdir, write_spec
+    from rljob_worker.runtime.launcher import claim_workdir, clear_previous_run, files_under, record_written, write_spec
 
     job = load_rljob(str(QUICKSTART))
     root = tmp_path / "project"
     (root / "notes").mkdir(parents=True)
     (root / "notes" / "todo.txt").write_text("mine")
     (root / "job.yaml").write_text("mine")
-    mark_workdir(job, root)  # as an earlier `rljob run --workdir project` did
+    before = claim_workdir(job, root, nnodes=2)  # as an earlier `rljob run --workdir project` did
     write_spec(job, root)
     (root / "work" / "checkpoints").mkdir(parents=True)
+    (root / "work" / "checkpoints" / "x.pt").write_text("ckpt")
+    (root / "work" / "metrics.jsonl").write_text("{}")
     (root / "pod-1.log").write_text("log")
+    record_written(job, root, {"spec.json", "pod-1.log"} | (files_under(root / "work", root) - before))
+    (root / "work" / "notes.txt").write_text("the user's, written after the run")
     ckpt = tmp_path / "ckpt"
     for name in ("quickstart", "other"):
         (ckpt / "default" / name / "step_000001").mkdir(parents=True)
         (ckpt / "default" / name / "step_000001" / "COMMIT").write_text("{}")
     clear_previous_run(job, root, f"file://{ckpt}")
-    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == ["job.yaml", "notes", "notes/todo.txt"]
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == [
+        "job.yaml", "notes", "notes/todo.txt", "work", "work/notes.txt"]
     assert not [p for p in (ckpt / "default" / "quickstart").rglob("*") if p.is_file()]
     assert (ckpt / "default" / "other" / "step_000001" / "COMMIT").exists()
+
+
+def test_fresh_refuses_while_a_live_run_holds_the_lease(tmp_path):
+    """--fresh used to delete a running job's checkpoints and its LEASE before any lease check. This test's
+    process holds the lease (a live holder on this host): --fresh deletes nothing and names the holder."""
+    from rljob_cli.main import load_rljob
+    from rljob_worker.checkpoint.lease import CheckpointLease
+    from rljob_worker.checkpoint.store import open_store
+    from rljob_worker.runtime.launcher import FreshRefused, claim_workdir, clear_previous_run, record_written
+
+    job = load_rljob(str(QUICKSTART))
+    root, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    claim_workdir(job, root)
+    (root / "spec.json").write_text("{}")
+    record_written(job, root, {"spec.json"})
+    step = ckpt / "default" / "quickstart" / "step_000001" / "COMMIT"
+    step.parent.mkdir(parents=True)
+    step.write_text("{}")
+    lease = CheckpointLease(open_store(f"file://{ckpt}"), "default/quickstart", settle_s=0.0)
+    lease.acquire()
+    try:
+        with pytest.raises(FreshRefused, match=f"in use by another run: pid {os.getpid()}"):
+            clear_previous_run(job, root, f"file://{ckpt}")
+        assert step.exists() and (ckpt / "default" / "quickstart" / "LEASE").exists() and (root / "spec.json").exists()
+    finally:
+        lease.release()
+    clear_previous_run(job, root, f"file://{ckpt}")  # released: --fresh goes ahead
+    assert not step.exists() and not (root / "spec.json").exists()
+
+
+def test_a_run_never_writes_over_a_file_it_did_not_create(tmp_path):
+    """`--workdir .` in a project that has its own spec.json: the run refuses (exit 2) naming the file, and
+    the file is untouched; a folder the run claimed earlier is reused."""
+    from rljob_cli.main import load_rljob
+    from rljob_worker.runtime.launcher import WorkdirRefused, claim_workdir, record_written
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "job.yaml").write_text(QUICKSTART.read_text())
+    (project / "spec.json").write_text('{"mine": true}')
+    code, out = rljob("run", "job.yaml", "--workdir", ".", "--checkpoint-uri", f"file://{tmp_path / 'ckpt'}",
+                      cwd=project)
+    assert code == 2 and f"{project / 'spec.json'} exists and was not written by `rljob run`" in out, out
+    assert (project / "spec.json").read_text() == '{"mine": true}'
+    assert sorted(p.name for p in project.iterdir()) == ["job.yaml", "spec.json"]
+    job = load_rljob(str(QUICKSTART))
+    claim_workdir(job, tmp_path / "run")
+    record_written(job, tmp_path / "run", {"spec.json"})
+    (tmp_path / "run" / "spec.json").write_text("{}")
+    claim_workdir(job, tmp_path / "run")  # its own files: no refusal
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "work").mkdir()
+    with pytest.raises(WorkdirRefused, match="work exists"):
+        claim_workdir(job, tmp_path / "other")
 
 
 # --------------------------------------------------------------------------- YAML as kubectl reads it
@@ -317,3 +469,18 @@ def test_run_refuses_steps_below_one(tmp_path, steps, words):
     code, out = rljob("run", QUICKSTART, "--workdir", tmp_path / "w", "--steps", steps)
     assert code == 2 and "--steps" in out and words in out, out
     assert not (tmp_path / "w").exists()
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    """`<<: *anchor` merges a mapping (kubectl accepts it); a key set beside the merge overrides the
+    merged one. A key written twice by hand is still refused."""
+    from rljob_cli.yaml_load import load_all
+
+    assert load_all("base: &b {x: 1, y: 2}\nm: {<<: *b, y: 3}\nn:\n  <<: [*b, {z: 4}]\n") == [
+        {"base": {"x": 1, "y": 2}, "m": {"x": 1, "y": 3}, "n": {"x": 1, "y": 2, "z": 4}}]
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'y'"):
+        load_all("base: &b {x: 1}\nm: {<<: *b, y: 3, y: 4}\n")
+    merged = (HEAD.replace("model: {path: /m}", "model: &policy {path: /m}")
+              + "  algorithm: {advantageEstimator: gae}\n  critic: {model: {<<: *policy}}\n")
+    code, out = rljob("validate", write(tmp_path, "merge.yaml", merged))
+    assert code == 0 and out.startswith("OK "), out

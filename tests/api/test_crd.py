@@ -101,13 +101,14 @@ def test_printer_columns():
     assert default_cols[:6] == ["STEP", "REWARD", "RUNNING", "SUCCEEDED", "QUEUE", "AGE"]
     assert cols["QUEUE"]["jsonPath"] == '.status.conditions[?(@.type=="Admitted")].reason' 
     assert cols["CHECKPOINT"]["priority"] == 1
+    assert cols["TRACKER"]["priority"] == 1 and cols["TRACKER"]["jsonPath"] == ".status.trainer.trackerRuns[0].url"
     assert cols["AGE"]["jsonPath"] == ".metadata.creationTimestamp" and cols["AGE"]["type"] == "date"
     assert cols["RUNNING"]["jsonPath"] == '.status.conditions[?(@.type=="Running")].status'
     schema = crd_schema()
     for col in version["additionalPrinterColumns"]:
         assert col["type"] in {"integer", "number", "string", "boolean", "date"}
-        # every column's jsonPath (before any filter) names a field of the schema
-        parts = re.sub(r"\[\?\(.*?\)\]", "", col["jsonPath"]).strip(".").split(".")
+        # every column's jsonPath (before any filter or index) names a field of the schema
+        parts = re.sub(r"\[\?\(.*?\)\]|\[\d+\]", "", col["jsonPath"]).strip(".").split(".")
         node = schema
         for part in parts:
             if part == "creationTimestamp" and node is schema["properties"]["metadata"]:

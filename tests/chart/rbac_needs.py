@@ -7,7 +7,8 @@ hand-kept list in the test:
    (`handlers.run_cycle`: get the RLJob, observe children, the pure `reconcile`, `KubeApi.apply`)
    runs through a real `KubeApi` whose one HTTP function is replaced by an in-memory object store
    that records every (method, path). A lifecycle walk (create with every optional child,
-   resync, suspend, a spec change while suspended, re-create, progress report) drives every code
+   resync, suspend, a spec change while suspended, re-create, progress report, a childKind edit to
+   JobSet, its suspend and resume, a queue-labelled JobSet) drives every code
    path that issues a request; `kube_io_request_verbs()` reads kube_io's source to make sure no
    request verb went unexercised. Events the operator posts go through `kopf.event` (recorded).
 2. kopf's own calls, from kopf's registry after importing the handlers: list+watch of every
@@ -135,6 +136,9 @@ def _quickstart(pod_monitor: bool) -> dict[str, Any]:
     doc = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     doc["metadata"].update({"namespace": NAMESPACE, "uid": UID, "generation": 1})
     doc["spec"].setdefault("metrics", {}).update({"enabled": True, "podMonitor": pod_monitor})
+    # an operator-run judge (spec.reward.server): its Deployment and Service are children too
+    doc["spec"]["reward"] = {"remote": {"protocol": "openai-chat", "judge": {"model": "judge", "promptTemplate": "{completion}"}},
+                             "server": {"model": "Qwen/Qwen2.5-0.5B-Instruct"}}
     return doc
 
 
@@ -177,6 +181,18 @@ def record_operator_calls(settings: Any, *, pod_monitor: bool, monkeypatch: Any)
         from rljob_operator.progress import ANNOTATION, encode_progress
         edit({"metadata": {"annotations": {ANNOTATION: encode_progress(3, total_steps=30, reward_mean=0.5)}}})
         await cycle()                                  # progress: status.trainer
+        edit({"spec": {"childKind": "JobSet"}})
+        await cycle()                                  # childKind edit while suspended: delete the PyTorchJob
+        await cycle()                                  # ... and create a JobSet
+        edit({"spec": {"suspend": False}})
+        await cycle()                                  # resume: patch the JobSet
+        edit({"spec": {"suspend": True}})
+        await cycle()                                  # suspend: patch it again
+        edit({"metadata": {"labels": {"kueue.x-k8s.io/queue-name": "team-a"}}, "spec": {"training": {"lr": 2e-3}}})
+        await cycle()                                  # spec change while suspended: delete the JobSet
+        edit({"spec": {"suspend": False}})
+        await cycle()                                  # create a queue-labelled (suspended) JobSet
+        await cycle()                                  # queued: look for its Kueue Workload
         for handle in handlers.state.retries.values():
             handle.cancel()
         handlers.state.retries.clear()

@@ -137,9 +137,12 @@ def test_derivation_exercises_every_request_kube_io_can_make(monkeypatch: pytest
     recorded_methods = {method for method, _, _ in recording.requests}
     assert source_methods <= recorded_methods, f"not exercised: {source_methods - recorded_methods}"
     kinds = {b["kind"] for b in recording.created}
-    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob", "Service", "PodMonitor", "Event"}
+    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob", "JobSet", "Service",
+                     "PodMonitor", "Event", "Deployment"}
     verbs = {(g, r, v) for g, r, v in recording.needs}
     assert ("kubeflow.org", "pytorchjobs", "delete") in verbs and ("", "configmaps", "patch") in verbs
+    assert {("jobset.x-k8s.io", "jobsets", v) for v in ("get", "create", "patch", "delete")} <= verbs
+    assert ("kueue.x-k8s.io", "workloads", "list") in verbs
     assert ("rljob.dev", "rljobs/status", "patch") in verbs
     assert recording.events, "the walk posted no events"
 

@@ -366,16 +366,20 @@ def _step_files(store, prefix):
     return sorted(o.key for o in store.list_prefix(prefix))
 
 
-def test_resume_from_seeds_only_the_first_start(store, tmp_path, helpers):
-    """resumeMode uri: the seed on the first start; after that the job's own newest committed step."""
+def test_resume_from_seeds_only_the_first_start(store, tmp_path, helpers, caplog):
+    """resumeMode uri: the seed on the first start; after that the job's own newest committed step, said at
+    WARNING (the worker log, which `rljob run` prints)."""
     seed_job = CheckpointManager(store, "ns/seed-job")
     seed = _save(seed_job, tmp_path / "seed", helpers, 50)
     manager = CheckpointManager(store, BASE, max_to_keep=2)
     first = restore_for_resume(manager, ResumeMode.URI, seed.uri, tmp_path / "r1")
     assert first.step == 50 and first.uri == seed.uri
     _save(manager, tmp_path, helpers, 55)  # the job trains on and commits step 55, then its pod restarts
-    again = restore_for_resume(manager, ResumeMode.URI, seed.uri, tmp_path / "r2")
+    with caplog.at_level("WARNING"):
+        again = restore_for_resume(manager, ResumeMode.URI, seed.uri, tmp_path / "r2")
     assert again.step == 55 and again.uri == manager.step_uri(55)
+    [warning] = [r for r in caplog.records if "not from resumeFrom" in r.getMessage()]
+    assert warning.levelname == "WARNING" and seed.uri in warning.getMessage()
     assert helpers.read_tree(tmp_path / "r2") == helpers.read_tree(tmp_path / "local_55")
 
 
@@ -449,3 +453,72 @@ def test_a_changed_spec_refuses_to_resume_and_names_the_field(store, tmp_path, h
     old = helpers.write_checkpoint_dir(tmp_path / "old", seed=4)
     manager.commit_folder(old, 4, {}, "hash-a", blocking=True)
     assert restore_for_resume(manager, ResumeMode.AUTO, None, tmp_path / "r3", {"model.path": "x"}).step == 4
+
+
+def _flip_a_bit(store, ref):
+    key = f"{ref.key}/__0_0.distcp"
+    data = bytearray(store.get_bytes(key))
+    data[100] ^= 0x01  # same size: only the checksum can tell
+    store.put_bytes(key, bytes(data))
+
+
+def test_a_restart_of_the_same_job_with_resume_mode_disable_continues_its_own_steps(store, tmp_path, helpers):
+    """resumeMode disable means "not from an earlier job's checkpoints": the same RLJob (uid) or local run
+    (run id) restarting after a kill continues from its own newest step; another job's steps go aside."""
+    earlier = CheckpointManager(store, BASE, max_to_keep=None, owner="uid-old")
+    _save(earlier, tmp_path / "old", helpers, 100)
+    job = CheckpointManager(store, BASE, max_to_keep=None, owner="uid-1")
+    assert restore_for_resume(job, ResumeMode.DISABLE, None, tmp_path / "r1") is None  # first start
+    assert job.list_committed() == []
+    for step in (5, 10):
+        _save(job, tmp_path, helpers, step)
+    # SIGKILL at step 13; the pod restarts: same uid
+    restarted = CheckpointManager(store, BASE, max_to_keep=None, owner="uid-1")
+    ref = restore_for_resume(restarted, ResumeMode.DISABLE, None, tmp_path / "r2")
+    assert ref is not None and ref.step == 10
+    assert helpers.read_tree(tmp_path / "r2") == helpers.read_tree(tmp_path / "local_10")
+    assert [r.step for r in restarted.list_committed()] == [5, 10]
+    # a new RLJob of the same name (a new uid) does start over, setting the old job's steps aside
+    recreated = CheckpointManager(store, BASE, max_to_keep=None, owner="uid-2")
+    assert restore_for_resume(recreated, ResumeMode.DISABLE, None, tmp_path / "r3") is None
+    assert recreated.list_committed() == []
+
+
+@pytest.mark.parametrize("steps", [(1,), (1, 2)], ids=["only-one-kept", "all"])
+def test_a_job_whose_every_step_is_corrupt_stops_instead_of_starting_over(store, tmp_path, helpers, steps):
+    manager = CheckpointManager(store, BASE, max_to_keep=None, owner="uid-1")
+    for step in steps:
+        _flip_a_bit(store, _save(manager, tmp_path, helpers, step))
+    for mode, seed in ((ResumeMode.AUTO, None), (ResumeMode.URI, "s3://seeds/seed-job"), (ResumeMode.DISABLE, None)):
+        again = CheckpointManager(store, BASE, max_to_keep=None, owner="uid-1")
+        with pytest.raises(CheckpointError) as err:  # the restart after the quarantine stops too
+            restore_for_resume(again, mode, seed, tmp_path / "r")
+        msg = str(err.value)
+        for step in steps:
+            assert f"{QUARANTINE}/step_{step:06d}-" in msg, msg
+        assert "none of it loads" in msg and f"move {again.base_uri}/{QUARANTINE}/ elsewhere" in msg
+        assert "--fresh" in msg
+    assert manager.list_committed() == [] and [q["step"] for q in manager.list_quarantined()] == list(steps)
+    # starting over on purpose: the quarantine moved aside, the job starts from scratch
+    store.delete_prefix(f"{BASE}/{QUARANTINE}/")
+    assert restore_for_resume(CheckpointManager(store, BASE, owner="uid-1"), ResumeMode.AUTO, None,
+                              tmp_path / "r4") is None
+
+
+def test_superseded_runs_are_pruned_to_the_newest(store, tmp_path, helpers, monkeypatch):
+    """Each resumeMode: disable start of a new job moves the earlier job's steps under superseded/<time>/;
+    only the newest SUPERSEDED_KEEP of those folders stay (maxToKeep 0 keeps all)."""
+    from rljob_worker.checkpoint import commit
+
+    stamps = iter(f"20260101T00000{i}Z" for i in range(10))
+    monkeypatch.setattr(commit, "_stamp", lambda: next(stamps))
+    for i in range(4):
+        job = CheckpointManager(store, BASE, max_to_keep=3, owner=f"uid-{i}")
+        restore_for_resume(job, ResumeMode.DISABLE, None, tmp_path / f"r{i}")
+        _save(job, tmp_path / f"j{i}", helpers, 10 + i)
+    folders = sorted({k.split("/")[3] for k in _step_files(store, f"{BASE}/{SUPERSEDED}/")})
+    assert len(folders) == commit.SUPERSEDED_KEEP == 2
+    assert folders == ["20260101T000001Z", "20260101T000002Z"]  # the runs of uid-1 and uid-2
+    keep_all = CheckpointManager(store, BASE, max_to_keep=0, owner="uid-9")
+    restore_for_resume(keep_all, ResumeMode.DISABLE, None, tmp_path / "r9")
+    assert len({k.split("/")[3] for k in _step_files(store, f"{BASE}/{SUPERSEDED}/")}) == 3

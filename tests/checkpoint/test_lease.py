@@ -84,3 +84,58 @@ def test_a_run_that_lost_the_lease_stops_saving(store):
         first.check()
     first.release()
     assert store.exists(f"{BASE}/{LEASE}"), "released a lease another run holds"
+
+
+class _SlowPut:
+    """A store whose PUTs reach the server `delay_s` late (a slow network path): the request's
+    condition, if any, is evaluated when it lands."""
+
+    def __init__(self, store, delay_s: float):
+        self._store, self._delay_s = store, delay_s
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if name in ("put_bytes", "put_bytes_if"):
+            def slow(*args, **kwargs):
+                time.sleep(self._delay_s)
+                return attr(*args, **kwargs)
+            return slow
+        return attr
+
+
+def test_two_writers_racing_with_a_slow_first_put_end_with_one_holder(store):
+    """Writer A reads an empty prefix, then its PUT takes 0.8 s; writer B reads the same empty prefix
+    0.1 s later and writes at once. Only one of them may hold the lease."""
+    import threading
+
+    a = CheckpointLease(_SlowPut(store, 0.8), BASE, {**local_identity(), "host": "a"}, heartbeat_s=0.2)
+    b = CheckpointLease(store, BASE, {**local_identity(), "host": "b"}, heartbeat_s=0.2)
+    outcome: dict[str, object] = {}
+
+    def take(name, lease_):
+        try:
+            lease_.acquire()
+            outcome[name] = "held"
+        except LeaseHeld as e:
+            outcome[name] = e
+
+    threads = [threading.Thread(target=take, args=("a", a))]
+    threads[0].start()
+    time.sleep(0.1)
+    threads.append(threading.Thread(target=take, args=("b", b)))
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=10)
+    try:
+        holders = sorted(k for k, v in outcome.items() if v == "held")
+        assert len(outcome) == 2 and len(holders) == 1, f"both or neither hold the lease: {outcome}"
+        loser = "b" if holders == ["a"] else "a"
+        assert "in use by another run" in str(outcome[loser])
+        winner = a if holders == ["a"] else b
+        assert winner.read()["run_id"] == winner.identity["run_id"]
+        time.sleep(0.5)  # the winner's heartbeats keep it; it never counts as lost
+        winner.check()
+    finally:
+        a.release()
+        b.release()
+    assert not store.exists(f"{BASE}/{LEASE}")

@@ -25,6 +25,8 @@ REPO = HERE.parents[1]
 
 RLJOBS = ("rljob.dev", "v1alpha1", "rljobs")
 PYTORCHJOBS = ("kubeflow.org", "v1", "pytorchjobs")
+JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+WORKLOADS = ("kueue.x-k8s.io", "v1beta2", "workloads")
 CONFIGMAPS = ("", "v1", "configmaps")
 SECRETS = ("", "v1", "secrets")
 EVENTS = ("", "v1", "events")
@@ -35,6 +37,7 @@ ROLEBINDINGS = ("rbac.authorization.k8s.io", "v1", "rolebindings")
 CRDS = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 CLUSTER_SCOPED = {NAMESPACES, CRDS}
 RESYNC_SECONDS = 10  # the e2e operator's resync period: longer than every event-driven wait in the tests
+KUEUE_GRACE_SECONDS = 3  # the e2e operator's wait for a Kueue Workload before NoKueueWorkload
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -165,6 +168,31 @@ class KubeClient:
             {"type": t, "status": s, "reason": r, "message": f"PyTorchJob {name} is {t.lower()}.",
              "lastUpdateTime": now, "lastTransitionTime": now} for t, s, r in conds], **status}}
         self.patch(PYTORCHJOBS, namespace, name, body, subresource="status")
+
+
+    def set_jobset_status(self, namespace: str, name: str, *conds: tuple[str, str, str], ready: int = 0,
+                          restarts: int = 0, suspended: int = 0) -> None:
+        """Play the JobSet controller: its conditions (type, status, reason) and the trainer's counts."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        body = {"status": {
+            "conditions": [{"type": t, "status": s, "reason": r, "message": f"JobSet {name} is {t.lower()}.",
+                            "lastTransitionTime": now} for t, s, r in conds],
+            "restarts": restarts,
+            "replicatedJobsStatus": [{"name": "trainer", "ready": ready, "succeeded": 0, "failed": 0,
+                                      "active": 0 if suspended else 1, "suspended": suspended}]}}
+        self.patch(JOBSETS, namespace, name, body, subresource="status")
+
+    def create_workload(self, namespace: str, child: dict[str, Any]) -> dict[str, Any]:
+        """Play Kueue: the Workload it creates for a job it manages, owned by the job."""
+        meta = child["metadata"]
+        return self.create(WORKLOADS, namespace, {
+            "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+            "metadata": {"name": f"{child['kind'].lower()}-{meta['name']}-{meta['uid'][:5]}",
+                         "labels": {"kueue.x-k8s.io/job-uid": meta["uid"]},
+                         "ownerReferences": [{"apiVersion": child["apiVersion"], "kind": child["kind"],
+                                              "name": meta["name"], "uid": meta["uid"], "controller": True,
+                                              "blockOwnerDeletion": True}]},
+            "spec": {"queueName": meta["labels"]["kueue.x-k8s.io/queue-name"], "podSets": []}})
 
 
 def wait_until(check: Callable[[], Any], *, timeout: float = 15.0, interval: float = 0.1,

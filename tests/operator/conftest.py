@@ -21,17 +21,24 @@ import pytest
 @pytest.fixture(scope="module")
 def api_server() -> Iterator:
     """The test API server (kmock + harness), or the real one of RLJOB_TEST_KUBECONFIG (realserver.py),
-    with the RLJob and PyTorchJob CRDs applied."""
+    with the RLJob, PyTorchJob, JobSet and Kueue Workload CRDs applied."""
     import opschema
     from cluster import KubeClient
     from realserver import make_server
 
+    from realserver import real
+
     server = make_server(bookmark_interval=5.0)
-    kube = KubeClient(server.url)
-    kube.apply_crd(opschema.rljob_crd())
-    kube.apply_crd(opschema.pytorchjob_crd())
-    yield server
-    server.stop()
+    try:  # a failed CRD apply must not leave the server (or a real server's kubectl proxy) running
+        kube = KubeClient(server.url)
+        kube.apply_crd(opschema.rljob_crd())
+        kube.apply_crd(opschema.pytorchjob_crd())
+        jobset = opschema.without_empty_string_defaults(opschema.jobset_crd()) if real() else opschema.jobset_crd()
+        kube.apply_crd(jobset)
+        kube.apply_crd(opschema.workload_crd())
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +94,8 @@ def operator(api_server, tmp_path_factory) -> Iterator[OperatorHandle]:
     import cluster
 
     handle = OperatorHandle(api_server, tmp_path_factory.mktemp("operator"), namespaces=["rlj-*"],
-                            env={"RLJOB_RESYNC_SECONDS": str(cluster.RESYNC_SECONDS)}).start()
+                            env={"RLJOB_RESYNC_SECONDS": str(cluster.RESYNC_SECONDS),
+                                 "RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS": str(cluster.KUEUE_GRACE_SECONDS)}).start()
     yield handle
     handle.proc.stop()
 

@@ -7,7 +7,9 @@
 - `pytorchjob_webhook_errors(obj)`: the Kubeflow training-operator v1 webhook's rules, which the
   CRD schema alone does not carry.
 - `builtin_errors(obj)`: strict validation of built-in kinds (kubernetes-validate).
-- `pytorchjob_crd()` / `rljob_crd()`: the vendored PyTorchJob CRD and our generated RLJob CRD.
+- `pytorchjob_crd()` / `rljob_crd()`: the vendored PyTorchJob CRD and our generated RLJob CRD;
+  `jobset_crd()` / `workload_crd()`: the vendored JobSet CRD (vendor/build_jobset_crd.py says how it
+  was written) and Kueue's Workload CRD (trimmed).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 VENDORED_PYTORCHJOB_CRD = HERE / "vendor" / "kubeflow.org_pytorchjobs.yaml"
 SHARED_PYTORCHJOB_CRD = REPO.parent / "shared" / "vendor" / "kubeflow.org_pytorchjobs.yaml"
+VENDORED_JOBSET_CRD = HERE / "vendor" / "jobset.x-k8s.io_jobsets.yaml"
+VENDORED_WORKLOAD_CRD = HERE / "vendor" / "kueue.x-k8s.io_workloads.yaml"
 PYTORCHJOB_CRD_SHA256 = "eb80e57a984cdc7ceefaaf3fc561e21b673c30cbb58589f2389528d2b2760d22"
 KUBERNETES_VERSION = "1.37.0"
 
@@ -51,6 +55,39 @@ def pytorchjob_crd() -> dict[str, Any]:
         f"the vendored PyTorchJob CRD is missing: expected {VENDORED_PYTORCHJOB_CRD} (committed) or "
         f"{SHARED_PYTORCHJOB_CRD}; restore it from kubeflow/training-operator release-1.9 "
         "manifests/base/crds/kubeflow.org_pytorchjobs.yaml")
+
+
+@functools.cache
+def jobset_crd() -> dict[str, Any]:
+    """The JobSet v1alpha2 CRD (tests/operator/vendor; regenerate with vendor/build_jobset_crd.py)."""
+    return load_yaml(VENDORED_JOBSET_CRD)
+
+
+@functools.cache
+def workload_crd() -> dict[str, Any]:
+    """Kueue's Workload CRD (kueue.x-k8s.io/v1beta2), trimmed to what the operator reads."""
+    return load_yaml(VENDORED_WORKLOAD_CRD)
+
+
+def without_empty_string_defaults(node: Any) -> Any:
+    """A copy of a CRD without `default: ""` entries, for the real kube-apiserver 1.20 of scripts/kube-envtest:
+    it refuses them under an array's items (`default: Invalid value: "null": must be of type string`),
+    which newer servers accept. The vendored JobSet CRD has 33 (core/v1 `name` fields of secretRef,
+    configMapRef, ...); the operator always sets those names, so no defaulting is lost. A list-map key
+    that had one (imagePullSecrets[].name) becomes required instead, as 1.20 asks."""
+    if isinstance(node, list):
+        return [without_empty_string_defaults(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: without_empty_string_defaults(v) for k, v in node.items() if not (k == "default" and v == "")}
+    items = node.get("items")
+    if node.get("x-kubernetes-list-map-keys") and isinstance(items, dict):
+        # A list-map key needs a default or must be required (e.g. imagePullSecrets[].name): required, then.
+        defaulted = [k for k in node["x-kubernetes-list-map-keys"]
+                     if (items.get("properties") or {}).get(k, {}).get("default") == ""]
+        if defaulted:
+            out["items"]["required"] = sorted({*out["items"].get("required", []), *defaulted})
+    return out
 
 
 def file_sha256(path: Path) -> str:
@@ -105,7 +142,7 @@ def crd_version(crd: dict[str, Any], version: str | None = None) -> dict[str, An
 
 @functools.cache
 def _validator_for(crd_name: str, version: str) -> jsonschema.Draft4Validator:
-    crd = {c["metadata"]["name"]: c for c in (pytorchjob_crd(), rljob_crd())}[crd_name]
+    crd = {c["metadata"]["name"]: c for c in (pytorchjob_crd(), rljob_crd(), jobset_crd())}[crd_name]
     return crd_validator(crd, version)
 
 
@@ -124,6 +161,10 @@ def schema_errors(obj: dict[str, Any], validator: jsonschema.Draft4Validator) ->
 
 def pytorchjob_schema_errors(obj: dict[str, Any]) -> list[str]:
     return schema_errors(obj, _validator_for("pytorchjobs.kubeflow.org", "v1"))
+
+
+def jobset_schema_errors(obj: dict[str, Any]) -> list[str]:
+    return schema_errors(obj, _validator_for("jobsets.jobset.x-k8s.io", "v1alpha2"))
 
 
 def rljob_schema_errors(obj: dict[str, Any]) -> list[str]:
@@ -302,7 +343,7 @@ def check_builtin(obj: dict[str, Any]) -> tuple[list[str], list[str], list[str]]
 @functools.cache
 def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     out = {}
-    for crd in (pytorchjob_crd(), rljob_crd()):
+    for crd in (pytorchjob_crd(), rljob_crd(), jobset_crd(), workload_crd()):
         for version in crd["spec"]["versions"]:
             out[(f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])] = \
                 version["schema"]["openAPIV3Schema"]
@@ -310,7 +351,7 @@ def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def dropped_fields(obj: dict[str, Any]) -> list[str]:
-    """What a real API server would silently drop from `obj` (PyTorchJob and RLJob by their vendored /
+    """What a real API server would silently drop from `obj` (PyTorchJob, JobSet and RLJob by their vendored /
     generated CRDs, built-in kinds by the Kubernetes OpenAPI schemas); [] when it round-trips whole."""
     import copy
 

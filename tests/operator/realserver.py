@@ -34,6 +34,21 @@ class _HookNames:
         return name
 
 
+# Why each stand-in hook has no real-server counterpart (the skip reason of a test that uses it).
+STANDIN_ONLY = {
+    "inject": "fault injection: failing or delaying chosen requests; a real server cannot be told to",
+    "clear_faults": "fault injection: failing or delaying chosen requests; a real server cannot be told to",
+    "compact": "forcing a watch's resourceVersion to expire (410) at a chosen moment; etcd compacts on its own "
+               "schedule",
+    "drop_watches": "cutting every open watch at a chosen moment; on a real server that takes an API-server "
+                    "restart, which this suite does not do",
+    "request_log": "the list of every request the server answered; a real server keeps no such log (audit "
+                   "logging is off)",
+    "unknown_field_warnings": "the recorded 'unknown field' warnings of pruned requests; a real server only "
+                              "returns them to the client that sent the request",
+}
+
+
 class RealServer:
     def __init__(self, kubeconfig: str):
         from cluster import free_port
@@ -79,7 +94,8 @@ class RealServer:
     def call(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
         if hook == "watch_count":  # watches opened since this object was made (the controllers' are older)
             return max(0, self._open_watches() - self._baseline)
-        pytest.skip(f"needs the stand-in API server's {hook}() (a real API server has no such hook)")
+        why = STANDIN_ONLY.get(hook, "a hook a real API server does not offer")
+        pytest.skip(f"stand-in only: needs the stand-in API server's {hook}() ({why})")
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -61,15 +61,29 @@ def multinode_doc() -> dict[str, Any]:
         "shmSize": "64Gi",
     }
     spec["s3"]["credentialsSecretRef"] = {"name": "s3-creds", "accessKeyIdKey": "id", "secretAccessKeyKey": "secret"}
+    spec["tracking"] = {
+        "mlflow": {"trackingUri": "http://mlflow.ml.svc:5000", "tokenSecretRef": {"name": "mlflow", "key": "token"}},
+        "wandb": {"project": "rl", "apiKeySecretRef": {"name": "wandb", "key": "api-key"}}}
+    return doc
+
+
+def jobset_doc() -> dict[str, Any]:
+    """The multinode overrides as a JobSet in a Kueue queue."""
+    doc = multinode_doc()
+    doc["spec"]["childKind"] = "JobSet"
+    doc["spec"]["suspend"] = False
+    doc["metadata"]["labels"] = {builders.LABEL_KUEUE_QUEUE: "team-a", builders.LABEL_KUEUE_PRIORITY: "high"}
     return doc
 
 
 GOLDEN_CASES = {
+    "jobset-queued": (jobset_doc, OperatorSettings(metrics_service=True, worker_image="registry.local/w:1")),
     "quickstart": (lambda: load_example("quickstart.yaml"), OperatorSettings()),
     "qwen3-8b-grpo-megatron": (lambda: load_example("qwen3-8b-grpo-megatron.yaml"), OperatorSettings()),
     "multinode-overrides": (multinode_doc, OperatorSettings(metrics_service=True, worker_image="registry.local/w:1")),
     "no-progress-rbac": (lambda: load_example("qwen2.5-7b-grpo-tp2.yaml"), OperatorSettings(progress_rbac=False)),
     "qwen2.5-7b-ppo-split": (lambda: load_example("qwen2.5-7b-ppo-split.yaml"), OperatorSettings()),
+    "qwen2.5-7b-grpo-judge": (lambda: load_example("qwen2.5-7b-grpo-judge.yaml"), OperatorSettings()),
 }
 
 
@@ -92,6 +106,8 @@ def test_every_child_passes_its_schema_and_the_webhook_rules(case: str) -> None:
         if child["kind"] == "PyTorchJob":
             assert opschema.pytorchjob_schema_errors(child) == []
             assert opschema.pytorchjob_webhook_errors(child) == []
+        elif child["kind"] == "JobSet":
+            assert opschema.jobset_schema_errors(child) == []
         elif child["kind"] == "PodMonitor":
             assert child["apiVersion"] == "monitoring.coreos.com/v1"
         else:
@@ -324,17 +340,19 @@ ROUND_TRIP_SETTINGS = [OperatorSettings(), OperatorSettings(progress_rbac=False,
                        OperatorSettings(metrics_service=True)]
 
 
+@pytest.mark.parametrize("kind", ["PyTorchJob", "JobSet"])
 @pytest.mark.parametrize("settings", ROUND_TRIP_SETTINGS, ids=["default", "no-rbac+service", "rbac+service"])
 @pytest.mark.parametrize("doc", [*sorted(p.name for p in EXAMPLES.glob("*.yaml")), "multinode"])
-def test_every_child_round_trips_through_the_server_schemas(doc: str, settings: OperatorSettings) -> None:
+def test_every_child_round_trips_through_the_server_schemas(doc: str, settings: OperatorSettings, kind: str) -> None:
     """A real API server prunes unknown fields silently (201 plus a Warning header): a misspelt field in a
-    child would vanish on a cluster. Every child must survive the vendored PyTorchJob CRD and the
-    Kubernetes OpenAPI schemas (ConfigMap, Service, ServiceAccount, Role, RoleBinding) whole."""
+    child would vanish on a cluster. Every child must survive the vendored PyTorchJob and JobSet CRDs and
+    the Kubernetes OpenAPI schemas (ConfigMap, Service, ServiceAccount, Role, RoleBinding) whole."""
     body = multinode_doc() if doc == "multinode" else load_example(doc)
     body["metadata"]["labels"] = {builders.LABEL_KUEUE_QUEUE: "team-a", builders.LABEL_KUEUE_PRIORITY: "high"}
+    body["spec"]["childKind"] = kind
     children = builders.build_children(job_from(body), settings)
     checked = [c for c in children if c["kind"] != "PodMonitor"]  # the Prometheus Operator's CRD is not vendored
-    assert {c["kind"] for c in checked} >= {"ConfigMap", "PyTorchJob"}
+    assert {c["kind"] for c in checked} >= {"ConfigMap", kind}
     for child in checked:
         assert opschema.dropped_fields(child) == [], f"{child['kind']} would lose fields on a real server"
 
@@ -372,3 +390,136 @@ def test_gpu_pods_get_a_compile_cache_that_outlives_container_restarts() -> None
     pod = cpu["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert "compile-cache" not in {v["name"] for v in pod["volumes"]}
     assert not any(e["name"].startswith("TORCHINDUCTOR") for e in pod["containers"][0]["env"])
+
+
+# ---------------------------------------------------------------------------- the JobSet child
+
+
+def _trainer(js: dict[str, Any]) -> dict[str, Any]:
+    (role,) = js["spec"]["replicatedJobs"]
+    return role
+
+
+@pytest.mark.parametrize("nnodes", [1, 2, 16])
+def test_jobset_is_one_indexed_trainer_job_of_nnodes_pods(nnodes: int) -> None:
+    doc = jobset_doc()
+    doc["spec"]["nnodes"] = nnodes
+    job = job_from(doc)
+    js = builders.build_child(job, OperatorSettings())
+    assert (js["apiVersion"], js["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    role = _trainer(js)
+    assert role["name"] == "trainer" and role["replicas"] == 1
+    spec = role["template"]["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (
+        "Indexed", nnodes, nnodes, 0)
+    assert spec["activeDeadlineSeconds"] == 86400
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert js["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
+    assert js["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["trainer"]}
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 5}  # spec.runPolicy.backoffLimit, the restart budget
+    assert js["spec"]["ttlSecondsAfterFinished"] == 600
+    assert opschema.jobset_schema_errors(js) == [] and opschema.dropped_fields(js) == []
+
+
+def test_jobset_pods_get_the_torchrun_contract_from_their_completion_index() -> None:
+    job = job_from(jobset_doc())
+    js = builders.build_jobset(job, OperatorSettings(master_port=29500))
+    (container,) = _trainer(js)["template"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    name = job.metadata.name
+    assert env["PET_NNODES"]["value"] == "4" and env["PET_NPROC_PER_NODE"]["value"] == "8"
+    # <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain = the JobSet's name>
+    assert env["PET_MASTER_ADDR"]["value"] == f"{name}-trainer-0-0.{name}"
+    assert env["PET_MASTER_PORT"]["value"] == "29500"
+    assert env["PET_NODE_RANK"] == {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+    assert {"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"} in container["ports"]
+
+
+def test_jobset_pod_template_is_the_pytorchjobs() -> None:
+    """One pod-template builder: the JobSet's pods differ from the PyTorchJob Master's only by the PET_*
+    entries the training-operator would inject and the Job's restartPolicy."""
+    doc = jobset_doc()
+    job = job_from(doc)
+    js_pod = copy.deepcopy(_trainer(builders.build_jobset(job, OperatorSettings()))["template"]["spec"]["template"])
+    doc["spec"]["childKind"] = "PyTorchJob"
+    ptj_pod = builders.build_pytorchjob(job_from(doc), OperatorSettings())["spec"]["pytorchReplicaSpecs"]["Master"][
+        "template"]
+    assert js_pod["spec"].pop("restartPolicy") == "Never"
+    js_container, ptj_container = js_pod["spec"]["containers"][0], ptj_pod["spec"]["containers"][0]
+    js_env = js_container.pop("env")
+    assert [e for e in js_env if not e["name"].startswith("PET_")] == ptj_container.pop("env")
+    assert js_pod == ptj_pod
+
+
+def test_jobset_suspend_labels_and_ownership_follow_the_pytorchjob_rules() -> None:
+    doc = jobset_doc()
+    js = builders.build_child(job_from(doc), OperatorSettings())
+    assert js["spec"]["suspend"] is True, "queue-managed: created suspended, for Kueue to admit"
+    assert js["metadata"]["labels"][builders.LABEL_KUEUE_QUEUE] == "team-a"
+    assert js["metadata"]["labels"][builders.LABEL_KUEUE_PRIORITY] == "high"
+    assert js["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert js["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] == builders.spec_hash(job_from(doc))
+    doc["metadata"]["labels"] = {}
+    assert builders.build_child(job_from(doc), OperatorSettings())["spec"]["suspend"] is False
+    doc["spec"]["suspend"] = True
+    assert builders.build_child(job_from(doc), OperatorSettings())["spec"]["suspend"] is True
+
+
+def test_a_second_role_is_one_more_replicated_job() -> None:
+    """The builder's roles are entries: a reward server added beside the trainer stays schema-valid and
+    the success policy still waits for the trainer only."""
+    job = job_from(jobset_doc())
+    js = builders.build_jobset(job, OperatorSettings())
+    server = builders.replicated_job(job, "reward-server", 1, copy.deepcopy(_trainer(js)["template"]["spec"]["template"]))
+    js["spec"]["replicatedJobs"].append(server)
+    assert opschema.jobset_schema_errors(js) == [] and opschema.dropped_fields(js) == []
+    assert js["spec"]["successPolicy"]["targetReplicatedJobs"] == ["trainer"]
+
+
+def test_the_child_kind_is_a_launch_time_field_and_the_default_keeps_old_hashes() -> None:
+    doc = load_example("quickstart.yaml")
+    default = builders.spec_hash(job_from(doc))
+    doc["spec"]["childKind"] = "PyTorchJob"
+    assert builders.spec_hash(job_from(doc)) == default
+    doc["spec"]["childKind"] = "JobSet"
+    assert builders.spec_hash(job_from(doc)) != default
+
+
+def test_jobset_names_leave_room_for_pod_hostnames() -> None:
+    from rljob_api.validation import name_errors
+
+    doc = jobset_doc()
+    doc["metadata"]["name"] = "a" * 50
+    assert name_errors("a" * 50, job_from(doc).spec) == []  # 4 nodes: a-...-trainer-0-3 has 62 characters
+    doc["spec"]["nnodes"] = 2000
+    job = job_from(doc)
+    (error,) = name_errors(job.metadata.name, job.spec)
+    assert error.path == "metadata.name" and "at most 48 characters" in error.message
+    doc["spec"]["childKind"] = "PyTorchJob"
+    assert name_errors(job.metadata.name, job_from(doc).spec) == []
+
+
+def test_rljob_render_prints_a_suspended_jobset_for_the_kueue_example(capsys: pytest.CaptureFixture[str]) -> None:
+    from rljob_cli.main import main
+
+    path = EXAMPLES / "qwen3-8b-grpo-jobset-kueue.yaml"
+    assert main(["render", str(path)]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    (js,) = [d for d in docs if d["kind"] == "JobSet"]
+    assert not [d for d in docs if d["kind"] == "PyTorchJob"]
+    assert js["spec"]["suspend"] is True and js["metadata"]["labels"][builders.LABEL_KUEUE_QUEUE] == "team-a"
+    env = {e["name"]: e for e in _trainer(js)["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    assert opschema.jobset_schema_errors(js) == []
+
+
+def test_vendored_jobset_crd_is_what_its_script_writes() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_jobset_crd", HERE / "vendor" / "build_jobset_crd.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert opschema.VENDORED_JOBSET_CRD.read_text() == module.text(), (
+        "run python tests/operator/vendor/build_jobset_crd.py and commit the result")

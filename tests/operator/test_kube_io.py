@@ -154,3 +154,56 @@ def test_events_are_posted_in_the_background(server: ApiServerThread, ns: str) -
     events = KubeClient(server.url).events_for(ns, "j")
     assert [(e["type"], e["reason"], e["source"]) for e in events] == [
         ("Normal", "Created", {"component": "rljob-operator"})]
+
+
+def test_workloads_read_as_unknown_with_one_log_line_where_kueue_is_absent(
+        server: ApiServerThread, ns: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Without Kueue's Workload CRD the operator cannot tell an ignored child from a queued one: it says so
+    once in its log and concludes nothing (observed.workloads None: no NoKueueWorkload)."""
+    from realserver import real
+
+    if real():
+        pytest.skip("stand-in only: needs a server without the Workload CRD, and on a shared real server the "
+                    "operator suite installs it (CRDs outlive the test modules)")
+    api = make_api(server, [])
+
+    async def go():
+        return [await api.list_workloads(ns) for _ in range(3)]
+
+    with caplog.at_level("WARNING", logger="rljob_operator.kube_io"):
+        assert asyncio.run(go()) == [None, None, None]
+    api.close()
+    lines = [r.getMessage() for r in caplog.records if "workloads.kueue.x-k8s.io" in r.getMessage()]
+    assert len(lines) == 1 and "is not installed" in lines[0], lines
+
+
+def test_observe_reads_both_child_kinds_and_the_workloads_of_a_queued_child(server: ApiServerThread,
+                                                                             ns: str) -> None:
+    from cluster import JOBSETS
+
+    kube = KubeClient(server.url)
+    from realserver import real
+
+    kube.apply_crd(opschema.without_empty_string_defaults(opschema.jobset_crd()) if real() else opschema.jobset_crd())
+    kube.apply_crd(opschema.workload_crd())
+    doc = yaml.safe_load((opschema.REPO / "examples" / "quickstart.yaml").read_text())
+    doc["metadata"] = {"name": "obs", "labels": {"kueue.x-k8s.io/queue-name": "q"}}
+    doc["spec"]["childKind"] = "JobSet"
+    job = kube.create(RLJOBS, ns, doc)
+    from rljob_api.validation import parse_rljob
+    from rljob_operator import builders
+
+    parsed = parse_rljob({**doc, "metadata": {**doc["metadata"], "namespace": ns, "uid": job["metadata"]["uid"]}})
+    js = kube.create(JOBSETS, ns, builders.build_jobset(parsed, OperatorSettings()))
+    api = make_api(server, [])
+
+    async def go():
+        return await api.observe(kube.get(RLJOBS, ns, "obs"), now=kube_io.utc_now())
+
+    observed = asyncio.run(go())
+    assert observed.pytorchjob is None and observed.jobset["metadata"]["uid"] == js["metadata"]["uid"]
+    assert observed.workloads == ()  # suspended and queue-labelled: looked up; none yet
+    kube.create_workload(ns, js)
+    observed = asyncio.run(go())
+    assert [w["metadata"]["ownerReferences"][0]["uid"] for w in observed.workloads] == [js["metadata"]["uid"]]
+    api.close()

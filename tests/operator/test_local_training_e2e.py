@@ -156,7 +156,8 @@ def test_suspend_checkpoints_and_resume_continues(cluster, kube, s3_server, s3_b
 
 
 def test_kueue_preemption_checkpoints_and_readmission_resumes(cluster, kube, s3_server, s3_bucket):
-    """A second client plays Kueue: admission un-suspends the PyTorchJob, preemption suspends it. The
+    """A second client plays Kueue: it creates the job's Workload, admission un-suspends the PyTorchJob,
+    preemption suspends it. The
     preempted pods stop as on a user suspend (SIGTERM -> committed checkpoint), and re-admission
     resumes from that checkpoint; the operator never un-suspends the job itself."""
     ns, standin, kubectl = cluster
@@ -168,6 +169,7 @@ def test_kueue_preemption_checkpoints_and_readmission_resumes(cluster, kube, s3_
     time.sleep(3)
     assert not standin.metrics_ports("queued"), "no pods before Kueue admits the job"
     kueue = KubeClient(kube.base_url)
+    kueue.create_workload(ns, pj)  # as Kueue does for every job it manages (else: NoKueueWorkload)
     kueue.patch(PYTORCHJOBS, ns, "queued", {"spec": {"runPolicy": {"suspend": False}}})
     wait_until(lambda: standin.metrics_ports("queued"), timeout=60, what="pods after admission")
     wait_until(lambda: trainer_status(kube, ns, "queued").get("step", 0) >= 3, timeout=600, what="training progress",

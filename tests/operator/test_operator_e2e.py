@@ -13,6 +13,8 @@ import pytest
 import yaml
 from cluster import (
     CONFIGMAPS,
+    JOBSETS,
+    KUEUE_GRACE_SECONDS,
     PYTORCHJOBS,
     RESYNC_SECONDS,
     RLJOBS,
@@ -239,12 +241,15 @@ def test_spec_changes_are_rejected_while_running_and_applied_while_suspended(
 def test_kueue_admits_and_preempts_and_the_operator_never_unsuspends(kube: KubeClient, operator,
                                                                     eventually: Eventually, api_server,
                                                                     ns: str) -> None:
-    """A second client plays Kueue: it un-suspends the PyTorchJob to admit it and suspends it to preempt it."""
+    """A second client plays Kueue: it creates the PyTorchJob's Workload, un-suspends the PyTorchJob to admit it
+    and suspends it to preempt it."""
     queue = {builders.LABEL_KUEUE_QUEUE: "team-a", builders.LABEL_KUEUE_PRIORITY: "low"}
     body = rljob("queued")
     body["metadata"]["labels"] = queue
     kube.create(RLJOBS, ns, body)
     ptj = eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "queued"), "the PyTorchJob")
+    kueue = KubeClient(kube.base_url)
+    kueue.create_workload(ns, ptj)
     assert queue.items() <= ptj["metadata"]["labels"].items()
     assert ptj["spec"]["runPolicy"]["suspend"] is True, "created suspended, for Kueue to admit"
     eventually.condition(ns, "queued", c.ADMITTED, "False", c.REASON_QUEUED)
@@ -255,7 +260,6 @@ def test_kueue_admits_and_preempts_and_the_operator_never_unsuspends(kube: KubeC
     names = [col["name"] for col in table["columnDefinitions"]]
     assert table["rows"][0]["cells"][names.index("Queue")] == "Queued"
 
-    kueue = KubeClient(kube.base_url)
     kueue.patch(PYTORCHJOBS, ns, "queued", {"spec": {"runPolicy": {"suspend": False}}})  # admission
     eventually.condition(ns, "queued", c.ADMITTED, "True", c.REASON_ADMITTED)
     eventually.event(ns, "queued", c.REASON_ADMITTED)
@@ -273,6 +277,7 @@ def test_kueue_admits_and_preempts_and_the_operator_never_unsuspends(kube: KubeC
     assert kube.condition(ns, "queued", c.SUSPENDED)["reason"] == c.REASON_NOT_SUSPENDED
     time.sleep(RESYNC_SECONDS + 2)  # past a level-based resync: still not flipped back against the queue
     assert kube.get(PYTORCHJOBS, ns, "queued")["spec"]["runPolicy"]["suspend"] is True
+    assert kube.condition(ns, "queued", c.ADMITTED)["reason"] == c.REASON_QUEUED, "its Workload exists"
 
     kueue.patch(PYTORCHJOBS, ns, "queued", {"spec": {"runPolicy": {"suspend": False}}})  # re-admission
     eventually.condition(ns, "queued", c.ADMITTED, "True", c.REASON_ADMITTED)
@@ -352,31 +357,39 @@ def test_api_errors_become_a_condition_and_are_retried(kube: KubeClient, operato
     assert fault.hits == 6
     eventually.condition(ns, "iota", c.RUNNING, "False", c.REASON_PENDING)
     assert len(kube.items(PYTORCHJOBS, ns)) == 1
+    # The create that finally worked is a create, not the recreation of a "missing" PyTorchJob, and the
+    # spec's acceptance was announced (it used to be lost with the failed cycle's status write).
+    eventually.event(ns, "iota", c.EVENT_CREATED)
+    accepted = eventually.event(ns, "iota", c.REASON_SPEC_ACCEPTED)
+    assert accepted["type"] == "Normal"
+    warning = eventually.event(ns, "iota", c.REASON_CREATE_FAILED)
+    assert warning["type"] == "Warning" and "500" in warning["message"]
+    reasons = [e["reason"] for e in kube.events_for(ns, "iota")]
+    assert c.EVENT_RECREATED not in reasons and reasons.count(c.REASON_SPEC_ACCEPTED) == 1, reasons
     assert operator.metric("rljob_operator_api_errors_total", verb="create", code="500") >= 6
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known issue: in about 1 of 3 full-suite runs the PyTorchJob change made right after both watches "
-    "were relisted (410 Expired) is not delivered within the 9 s bound; the 10 s resync then repairs the "
-    "status. Whether the harness's watch resume or kopf's relist drops the event is not yet known."))
 def test_expired_watches_are_relisted(kube: KubeClient, operator, eventually: Eventually, api_server,
                                       ns: str) -> None:
+    """A child's status written while the operator's watches are down (an API-server restart, a control-plane
+    upgrade) reaches the RLJob when the watches come back, not at the next resync: kopf re-lists after 410
+    Expired and the re-listed PyTorchJob is reconciled like any event (it used to be dropped)."""
     start_running(kube, eventually, ns, "kappa")
     api_server.call(api_server.server.compact)
     before = len(api_server.call(api_server.server.request_log))
     assert api_server.call(api_server.server.drop_watches) >= 2
+    kube.set_pytorchjob_conditions(ns, "kappa", ("Succeeded", "True", "PyTorchJobSucceeded"))  # no watch open
     # kopf resumes from its last resourceVersion, gets 410 Expired, and lists again.
     for plural in ("/rljobs", "/pytorchjobs"):  # both watches recover, each at its own backoff
         eventually(lambda plural=plural: any(m == "GET" and plural in p and "watch" not in p
                                              for m, p in api_server.call(api_server.server.request_log)[before:]),
                    f"a fresh list of {plural[1:]}")
-    kube.set_pytorchjob_conditions(ns, "kappa", ("Succeeded", "True", "PyTorchJobSucceeded"))
-    # A re-established watch may still be in kopf's backoff: allow up to just under the resync period,
-    # so a pass still proves the watch (not the resync) delivered the change.
-    relisted = RESYNC_SECONDS - 1
-    eventually.condition(ns, "kappa", c.SUCCEEDED, "True", timeout=relisted)
+    relisted = time.monotonic()
+    eventually.condition(ns, "kappa", c.SUCCEEDED, "True", timeout=5.0)  # the issue's bound, far below the resync
+    assert time.monotonic() - relisted < RESYNC_SECONDS - 1
     kube.create(RLJOBS, ns, rljob("lambda"))
-    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "lambda"), "a PyTorchJob after the relist", timeout=relisted)
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "lambda"), "a PyTorchJob after the relist",
+               timeout=RESYNC_SECONDS - 1)
 
 
 def test_operator_metrics(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
@@ -404,6 +417,169 @@ def test_restart_mid_reconcile_creates_no_duplicates(kube: KubeClient, operator,
     kube.set_pytorchjob_conditions(ns, "nu", ("Running", "True", "PyTorchJobRunning"))
     eventually.condition(ns, "nu", c.RUNNING, "True")
     api_server.call(api_server.server.clear_faults)
+
+
+# ---------------------------------------------------------------------------- the JobSet child
+
+
+def start_jobset(kube: KubeClient, eventually: Eventually, ns: str, name: str, labels: dict[str, str] | None = None,
+                 **spec: Any) -> dict[str, Any]:
+    body = rljob(name, childKind="JobSet", **spec)
+    if labels:
+        body["metadata"]["labels"] = labels
+    kube.create(RLJOBS, ns, body)
+    return eventually(lambda: kube.maybe_get(JOBSETS, ns, name), "the JobSet")
+
+
+def test_jobset_child_is_created_owned_and_mirrored(kube: KubeClient, operator, eventually: Eventually,
+                                                   ns: str) -> None:
+    js = start_jobset(kube, eventually, ns, "js-alpha", nnodes=2)
+    job = kube.get(RLJOBS, ns, "js-alpha")
+    assert js["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    assert kube.maybe_get(PYTORCHJOBS, ns, "js-alpha") is None
+    assert opschema.jobset_schema_errors(js) == [] and opschema.dropped_fields(js) == []
+    (role,) = js["spec"]["replicatedJobs"]
+    assert (role["name"], role["template"]["spec"]["completions"], role["template"]["spec"]["parallelism"]) == (
+        "trainer", 2, 2)
+    env = {e["name"]: e for e in role["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PET_MASTER_ADDR"]["value"] == "js-alpha-trainer-0-0.js-alpha"
+    assert env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    eventually.condition(ns, "js-alpha", c.ACCEPTED, "True", c.REASON_SPEC_ACCEPTED)
+    created = eventually.event(ns, "js-alpha", c.EVENT_CREATED)
+    assert created["message"] == "Created JobSet js-alpha."
+    assert kube.get(RLJOBS, ns, "js-alpha")["status"]["jobSetName"] == "js-alpha"
+    kube.set_jobset_status(ns, "js-alpha", ready=1)
+    eventually.condition(ns, "js-alpha", c.RUNNING, "True", c.REASON_JOBSET_RUNNING)
+    kube.set_jobset_status(ns, "js-alpha", ("Completed", "True", "AllJobsCompleted"), ready=1)
+    eventually.condition(ns, "js-alpha", c.SUCCEEDED, "True", c.REASON_JOBSET_SUCCEEDED)
+    eventually.event(ns, "js-alpha", c.EVENT_SUCCEEDED)
+
+
+def test_jobset_suspend_resume_and_spec_edits(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    js = start_jobset(kube, eventually, ns, "js-beta")
+    kube.set_jobset_status(ns, "js-beta", ready=1)
+    eventually.condition(ns, "js-beta", c.RUNNING, "True", c.REASON_JOBSET_RUNNING)
+    kube.patch(RLJOBS, ns, "js-beta", {"spec": {"training": {"lr": 0.01}}})
+    eventually.condition(ns, "js-beta", c.ACCEPTED, "False", c.REASON_SPEC_CHANGE_REJECTED)
+    kube.patch(RLJOBS, ns, "js-beta", {"spec": {"training": {"lr": 0.003}}})  # revert
+    eventually.condition(ns, "js-beta", c.ACCEPTED, "True")
+    kube.patch(RLJOBS, ns, "js-beta", {"spec": {"suspend": True}})
+    eventually(lambda: kube.get(JOBSETS, ns, "js-beta")["spec"]["suspend"] is True, "spec.suspend on the JobSet")
+    eventually.condition(ns, "js-beta", c.SUSPENDED, "False", c.REASON_SUSPENDING)
+    kube.set_jobset_status(ns, "js-beta", ("Suspended", "True", "SuspendedJobs"), suspended=1)
+    eventually.condition(ns, "js-beta", c.SUSPENDED, "True", c.REASON_SUSPENDED)
+    eventually.condition(ns, "js-beta", c.RUNNING, "False", c.REASON_JOB_SUSPENDED)
+    kube.patch(RLJOBS, ns, "js-beta", {"spec": {"suspend": False}})
+    eventually(lambda: kube.get(JOBSETS, ns, "js-beta")["spec"]["suspend"] is False, "resumed")
+    eventually.condition(ns, "js-beta", c.SUSPENDED, "False", c.REASON_RESUMED)
+    assert kube.get(JOBSETS, ns, "js-beta")["metadata"]["uid"] == js["metadata"]["uid"], "suspend never recreates"
+    # A spec edit while suspended replaces the JobSet (its network/success/failure policies are immutable).
+    kube.patch(RLJOBS, ns, "js-beta", {"spec": {"suspend": True, "runPolicy": {"backoffLimit": 7}}})
+    eventually.event(ns, "js-beta", c.EVENT_SPEC_CHANGE_APPLIED)
+    new = eventually(lambda: (j := kube.maybe_get(JOBSETS, ns, "js-beta")) and j["metadata"]["uid"] != js[
+        "metadata"]["uid"] and j, "the replacement JobSet")
+    assert new["spec"]["failurePolicy"]["maxRestarts"] == 7 and new["spec"]["suspend"] is True
+
+
+def test_child_kind_edit_while_suspended_moves_the_job_to_a_jobset(kube: KubeClient, operator,
+                                                                   eventually: Eventually, ns: str) -> None:
+    ptj = start_running(kube, eventually, ns, "mover")
+    kube.patch(RLJOBS, ns, "mover", {"spec": {"childKind": "JobSet"}})
+    cond = eventually.condition(ns, "mover", c.ACCEPTED, "False", c.REASON_SPEC_CHANGE_REJECTED)
+    assert "spec.childKind" in cond["message"]
+    assert kube.get(PYTORCHJOBS, ns, "mover")["metadata"]["uid"] == ptj["metadata"]["uid"]
+    kube.patch(RLJOBS, ns, "mover", {"spec": {"suspend": True}})
+    eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "mover") is None, "the PyTorchJob deleted")
+    js = eventually(lambda: kube.maybe_get(JOBSETS, ns, "mover"), "the JobSet")
+    assert js["spec"]["suspend"] is True
+    eventually.condition(ns, "mover", c.ACCEPTED, "True")
+    status = kube.get(RLJOBS, ns, "mover")["status"]
+    assert status["jobSetName"] == "mover" and "pytorchJobName" not in status
+
+
+def test_jobset_kueue_admits_and_preempts(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    """A second client plays Kueue for the JobSet: creates its Workload, admits (un-suspends) and preempts."""
+    queue = {builders.LABEL_KUEUE_QUEUE: "team-a"}
+    js = start_jobset(kube, eventually, ns, "js-queued", labels=queue)
+    assert js["spec"]["suspend"] is True and js["metadata"]["labels"][builders.LABEL_KUEUE_QUEUE] == "team-a"
+    kueue = KubeClient(kube.base_url)
+    kueue.create_workload(ns, js)
+    eventually.condition(ns, "js-queued", c.ADMITTED, "False", c.REASON_QUEUED)
+    kueue.patch(JOBSETS, ns, "js-queued", {"spec": {"suspend": False}})  # admission
+    eventually.condition(ns, "js-queued", c.ADMITTED, "True", c.REASON_ADMITTED)
+    kube.set_jobset_status(ns, "js-queued", ready=1)
+    eventually.condition(ns, "js-queued", c.RUNNING, "True", c.REASON_JOBSET_RUNNING)
+    kueue.patch(JOBSETS, ns, "js-queued", {"spec": {"suspend": True}})  # preemption
+    eventually.condition(ns, "js-queued", c.ADMITTED, "False", c.REASON_QUEUED)
+    assert eventually.event(ns, "js-queued", c.EVENT_PREEMPTED)["type"] == "Warning"
+    kube.set_jobset_status(ns, "js-queued", ("Suspended", "True", "SuspendedJobs"), suspended=1)
+    eventually.condition(ns, "js-queued", c.RUNNING, "False", c.REASON_QUEUED)
+    time.sleep(KUEUE_GRACE_SECONDS + 1)
+    assert kube.get(JOBSETS, ns, "js-queued")["spec"]["suspend"] is True, "never un-suspended against the queue"
+    assert kube.condition(ns, "js-queued", c.ADMITTED)["reason"] == c.REASON_QUEUED
+    kueue.patch(JOBSETS, ns, "js-queued", {"spec": {"suspend": False}})  # re-admission
+    eventually.condition(ns, "js-queued", c.ADMITTED, "True", c.REASON_ADMITTED)
+
+
+def test_no_kueue_workload_is_reported_then_cleared(kube: KubeClient, operator, eventually: Eventually,
+                                                    ns: str) -> None:
+    """Kueue >= 0.19 ignores PyTorchJobs by default: nothing creates a Workload for the queued PyTorchJob, so
+    after the grace period (KUEUE_GRACE_SECONDS here) the RLJob says so, once, with both fixes."""
+    body = rljob("ignored")
+    body["metadata"]["labels"] = {builders.LABEL_KUEUE_QUEUE: "team-a"}
+    kube.create(RLJOBS, ns, body)
+    ptj = eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "ignored"), "the PyTorchJob")
+    eventually.condition(ns, "ignored", c.ADMITTED, "False", c.REASON_QUEUED)
+    cond = eventually.condition(ns, "ignored", c.ADMITTED, "False", c.REASON_NO_KUEUE_WORKLOAD,
+                                timeout=KUEUE_GRACE_SECONDS + EVENT_DRIVEN)
+    warning = eventually.event(ns, "ignored", c.REASON_NO_KUEUE_WORKLOAD)
+    assert warning["type"] == "Warning" and warning["message"] == cond["message"]
+    assert "kubeflow.org/pytorchjob" in cond["message"] and "integrations.frameworks" in cond["message"]
+    assert "spec.childKind: JobSet" in cond["message"]
+    time.sleep(2.0)
+    assert [e["reason"] for e in kube.events_for(ns, "ignored")].count(c.REASON_NO_KUEUE_WORKLOAD) == 1
+    # Kueue (now configured for PyTorchJobs) creates the Workload: the condition clears at once.
+    KubeClient(kube.base_url).create_workload(ns, ptj)
+    eventually.condition(ns, "ignored", c.ADMITTED, "False", c.REASON_QUEUED)
+    assert eventually.event(ns, "ignored", c.EVENT_KUEUE_WORKLOAD_FOUND)["type"] == "Normal"
+
+
+def test_deleting_a_jobset_rljob_leaves_nothing_behind(kube: KubeClient, operator, eventually: Eventually,
+                                                       ns: str) -> None:
+    start_jobset(kube, eventually, ns, "js-gone")
+    kube.delete(RLJOBS, ns, "js-gone")
+    for resource, pattern in [*CHILD_KINDS[:-1], (JOBSETS, "{}")]:
+        eventually(lambda r=resource, p=pattern: kube.maybe_get(r, ns, p.format("js-gone")) is None,
+                   f"{pattern.format('js-gone')} garbage-collected", timeout=30)
+
+
+def test_hand_deleted_jobset_is_recreated(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    js = start_jobset(kube, eventually, ns, "js-again")
+    eventually.event(ns, "js-again", c.EVENT_CREATED)
+    kube.delete(JOBSETS, ns, "js-again")
+    eventually(lambda: (j := kube.maybe_get(JOBSETS, ns, "js-again")) and j["metadata"]["uid"] != js["metadata"][
+        "uid"], "the recreated JobSet")
+    assert "JobSet js-again was missing" in eventually.event(ns, "js-again", c.EVENT_RECREATED)["message"]
+
+
+def test_deleting_a_namespace_is_quiet(kube: KubeClient, operator, eventually: Eventually, ns: str) -> None:
+    """Deleting a namespace takes its RLJobs and their children in any order: a cycle that finds its
+    child gone and may not create one (403, the namespace is terminating) has nothing to do and nothing
+    to warn about."""
+    from cluster import NAMESPACES
+
+    start_running(kube, eventually, ns, "ns-a")
+    start_jobset(kube, eventually, ns, "ns-b")
+    logged = len(operator.logs())
+    kube.delete(NAMESPACES, None, ns)
+    eventually(lambda: kube.maybe_get(NAMESPACES, None, ns) is None, f"namespace {ns} gone", timeout=80)
+    time.sleep(2.0)
+    warnings = [line for line in operator.logs()[logged:].splitlines() if ns in line and "WARNING" in line]
+    assert warnings == []
+
+
+# ---------------------------------------------------------------------------- last: what every test sent
 
 
 def test_nothing_the_operator_sent_was_pruned(api_server, operator) -> None:

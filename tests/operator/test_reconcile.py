@@ -13,7 +13,7 @@ from rljob_api.validation import parse_rljob
 from rljob_operator import builders
 from rljob_operator import conditions as c
 from rljob_operator.progress import ANNOTATION, encode_progress
-from rljob_operator.reconcile import Observed, Plan, apply_failed_status, changed_fields, reconcile
+from rljob_operator.reconcile import Observed, Plan, apply_failed_status, changed_fields, failure_events, reconcile
 from rljob_operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings()
@@ -577,3 +577,147 @@ def test_apply_failed_status_marks_only_jobs_not_yet_created() -> None:
     ptj = ptj_of(body, ("Running", "PyTorchJobRunning"))
     running_plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm_of(body)), SETTINGS)
     assert apply_failed_status(step(body, running_plan), running_plan, "boom", T2) is None
+
+
+def test_create_failed_then_created_is_a_create_with_spec_accepted_not_a_recreation() -> None:
+    """The status written after a failed create must not claim the child existed (the retry was reported as
+    `PyTorchJobRecreated ... was missing`), and its events are posted with it (SpecAccepted was lost)."""
+    body = stored()
+    plan = reconcile(body, Observed(now=T0), SETTINGS)
+    status = apply_failed_status(body, plan, "403 Forbidden", T1)
+    assert "pytorchJobName" not in status
+    assert [(e.type, e.reason) for e in failure_events(body, status)] == [
+        ("Normal", c.REASON_SPEC_ACCEPTED), ("Warning", c.REASON_CREATE_FAILED)]
+    body = step(body, Plan(status=status))
+    assert failure_events(body, status) == [], "a second failure posts nothing new"
+    retry = reconcile(body, Observed(now=T2, configmap=cm_of(body)), SETTINGS)
+    assert retry.create[-1].event.reason == c.EVENT_CREATED
+    assert "Created PyTorchJob quickstart." == retry.create[-1].event.message
+    assert retry.status["pytorchJobName"] == "quickstart"
+    assert c.REASON_SPEC_ACCEPTED not in [e.reason for e in retry.events], "posted once, with the failure"
+
+
+# ---------------------------------------------------------------------------- the JobSet child
+
+
+def js_of(body: dict[str, Any], *conds: tuple[str, str], suspend: bool | None = None, ready: int = 0,
+          restarts: int = 0, created: str = T0) -> dict[str, Any]:
+    js = copy.deepcopy(children_of(body)["JobSet"])
+    js["metadata"].update(uid="js-uid", creationTimestamp=created)
+    if suspend is not None:
+        js["spec"]["suspend"] = suspend
+    js["status"] = {"conditions": [
+        {"type": t, "status": "True", "reason": reason, "message": f"{t} message"} for t, reason in conds],
+        "restarts": restarts,
+        "replicatedJobsStatus": [{"name": "trainer", "ready": ready, "succeeded": 0, "failed": 0, "active": 1,
+                                  "suspended": 0}]}
+    return js
+
+
+def test_jobset_child_is_created_and_its_status_mirrored() -> None:
+    body = stored(childKind="JobSet")
+    plan = reconcile(body, Observed(now=T0), SETTINGS)
+    assert [cr.body["kind"] for cr in plan.create][-1] == "JobSet"
+    assert plan.create[-1].event.message == "Created JobSet quickstart."
+    assert plan.status["jobSetName"] == "quickstart" and "pytorchJobName" not in plan.status
+    assert "JobSet quickstart runs it" in cond(plan, c.ACCEPTED)["message"]
+    assert_valid_status(plan.status)
+    body = step(body, plan)
+    pending = reconcile(body, Observed(now=T1, jobset=js_of(body), configmap=cm_of(body)), SETTINGS)
+    body = step(body, pending)
+    assert cond(body["status"], c.RUNNING)["reason"] == c.REASON_PENDING
+    running = reconcile(body, Observed(now=T1, jobset=js_of(body, ready=1), configmap=cm_of(body)), SETTINGS)
+    assert (cond(running, c.RUNNING)["status"], cond(running, c.RUNNING)["reason"]) == ("True", c.REASON_JOBSET_RUNNING)
+    body = step(body, running)
+    restarting = reconcile(body, Observed(now=T1, jobset=js_of(body, restarts=1), configmap=cm_of(body)), SETTINGS)
+    assert cond(restarting, c.RUNNING)["reason"] == c.REASON_RESTARTING
+    done = reconcile(body, Observed(now=T2, jobset=js_of(body, ("Completed", "AllJobsCompleted"), ready=1),
+                                    configmap=cm_of(body)), SETTINGS)
+    assert (cond(done, c.SUCCEEDED)["status"], cond(done, c.SUCCEEDED)["reason"]) == ("True", c.REASON_JOBSET_SUCCEEDED)
+    failed = reconcile(body, Observed(now=T2, jobset=js_of(body, ("Failed", "ReachedMaxRestarts")),
+                                      configmap=cm_of(body)), SETTINGS)
+    assert cond(failed, c.FAILED)["reason"] == "ReachedMaxRestarts"
+    assert_valid_status(done.status)
+
+
+def test_jobset_suspend_is_patched_on_spec_suspend() -> None:
+    body = stored(childKind="JobSet", suspend=True)
+    body["status"] = reconcile(body, Observed(now=T0), SETTINGS).status
+    plan = reconcile(body, Observed(now=T1, jobset=js_of(body, suspend=False, ready=1), configmap=cm_of(body)),
+                     SETTINGS)
+    assert [(p.ref.kind, p.body) for p in plan.patch] == [("JobSet", {"spec": {"suspend": True}})]
+    suspended = reconcile(body, Observed(now=T1, jobset=js_of(body, ("Suspended", "JobSetSuspended"), suspend=True),
+                                         configmap=cm_of(body)), SETTINGS)
+    assert cond(step(body, suspended)["status"], c.SUSPENDED)["status"] == "True" and suspended.patch == ()
+
+
+def test_child_kind_edit_while_suspended_replaces_the_pytorchjob_with_a_jobset() -> None:
+    body = stored(suspend=True)
+    body["status"] = reconcile(body, Observed(now=T0), SETTINGS).status
+    ptj, cm = ptj_of(body, suspend=True), cm_of(body)
+    body["spec"]["childKind"] = "JobSet"
+    body["metadata"]["generation"] = 2
+    plan = reconcile(body, Observed(now=T1, pytorchjob=ptj, configmap=cm), SETTINGS)
+    assert [(d.ref.kind, d.event.reason) for d in plan.delete] == [("PyTorchJob", c.EVENT_SPEC_CHANGE_APPLIED)]
+    assert "spec.childKind" in plan.delete[0].event.message
+    body = step(body, plan)
+    assert "pytorchJobName" not in body["status"]
+    after = reconcile(body, Observed(now=T2, configmap=cm_of(body)), SETTINGS)
+    assert after.create[-1].body["kind"] == "JobSet" and after.create[-1].event.reason == c.EVENT_CREATED
+    running = stored(childKind="JobSet")
+    running["status"] = reconcile(running, Observed(now=T0), SETTINGS).status
+    rejected = reconcile(running, Observed(now=T1, pytorchjob=ptj_of(stored(), ("Running", "PyTorchJobRunning")),
+                                           configmap=cm_of(stored())), SETTINGS)
+    assert cond(rejected, c.ACCEPTED)["reason"] == c.REASON_SPEC_CHANGE_REJECTED and rejected.delete == ()
+
+
+QUEUE = {builders.LABEL_KUEUE_QUEUE: "team-a"}
+
+
+def queued_body(kind: str = "PyTorchJob") -> dict[str, Any]:
+    body = stored(childKind=kind)
+    body["metadata"]["labels"] = dict(QUEUE)
+    body["status"] = reconcile(body, Observed(now=T0), SETTINGS).status
+    return body
+
+
+def workload_for(child: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+            "metadata": {"name": f"{child['kind'].lower()}-x", "ownerReferences": [{
+                "apiVersion": child["apiVersion"], "kind": child["kind"], "name": child["metadata"]["name"],
+                "uid": child["metadata"]["uid"], "controller": True}]}}
+
+
+@pytest.mark.parametrize("kind", ["PyTorchJob", "JobSet"])
+def test_no_kueue_workload_after_the_grace_period_is_reported_and_cleared(kind: str) -> None:
+    settings = OperatorSettings(kueue_workload_grace_seconds=60)
+    body = queued_body(kind)
+    if kind == "JobSet":
+        child = js_of(body, suspend=True)
+    else:
+        child = ptj_of(body, suspend=True)
+        child["metadata"].update(uid="ptj-uid", creationTimestamp=T0)
+    seen = dict(now="2026-11-26T10:00:30Z", configmap=cm_of(body), **{kind.lower(): child})
+    # Within the grace period: Queued, and a cycle is due when it ends.
+    early = reconcile(body, Observed(workloads=(), **seen), settings)
+    assert cond(step(body, early)["status"], c.ADMITTED)["reason"] == c.REASON_QUEUED
+    assert early.requeue_after == pytest.approx(31.0)
+    # Unknown (the Workload CRD is absent): nothing is concluded, nothing requeued.
+    unknown = reconcile(body, Observed(workloads=None, **{**seen, "now": T1}), settings)
+    assert cond(step(body, unknown)["status"], c.ADMITTED)["reason"] == c.REASON_QUEUED and unknown.requeue_after is None
+    # Past it with no Workload owning the child (another job's does not count): NoKueueWorkload, one Warning.
+    other = workload_for({**child, "metadata": {**child["metadata"], "uid": "someone-else"}})
+    late = reconcile(body, Observed(workloads=(other,), **{**seen, "now": T1}), settings)
+    admitted = cond(late, c.ADMITTED)
+    assert (admitted["status"], admitted["reason"]) == ("False", c.REASON_NO_KUEUE_WORKLOAD)
+    framework = {"PyTorchJob": "kubeflow.org/pytorchjob", "JobSet": "jobset.x-k8s.io/jobset"}[kind]
+    assert framework in admitted["message"] and "spec.childKind: JobSet" in admitted["message"]
+    assert [(e.type, e.reason) for e in late.events] == [("Warning", c.REASON_NO_KUEUE_WORKLOAD)]
+    assert late.events[0].message == admitted["message"]
+    body = step(body, late)
+    again = reconcile(body, Observed(workloads=(), **{**seen, "now": T2}), settings)
+    assert again.events == () and again.status is None, "posted once"
+    # A Workload appears: back to Queued, with a Normal event.
+    found = reconcile(body, Observed(workloads=(workload_for(child),), **{**seen, "now": T2}), settings)
+    assert cond(found, c.ADMITTED)["reason"] == c.REASON_QUEUED
+    assert [(e.type, e.reason) for e in found.events] == [("Normal", c.EVENT_KUEUE_WORKLOAD_FOUND)]

@@ -65,6 +65,34 @@ def test_progress_carries_the_count_of_non_finite_rewards() -> None:
         decode_progress('{"step": 1, "time": "t", "nonfiniteRewards": -1}')
 
 
+def test_progress_carries_the_tracker_runs_and_the_status_model_takes_them() -> None:
+    from rljob_api.models import TrainerStatus
+
+    runs = [{"tracker": "mlflow", "runId": "abc", "url": "http://mlflow:5000/#/experiments/1/runs/abc"},
+            {"tracker": "wandb", "runId": "r1"}]  # a W&B offline run has no URL
+    doc = decode_progress(encode_progress(3, tracker_runs=runs, time=T0))
+    assert doc["trackerRuns"] == runs
+    assert TrainerStatus.model_validate(doc).tracker_runs[0].url == runs[0]["url"]
+    for bad in ([{"tracker": "neptune", "runId": "x"}], [{"tracker": "mlflow", "runId": ""}],
+                [{"tracker": "mlflow", "runId": "x", "url": "javascript:alert(1)"}]):
+        with pytest.raises(ProgressError, match="trackerRuns"):
+            decode_progress(json.dumps({"step": 1, "time": T0, "trackerRuns": bad}))
+
+
+def test_progress_carries_pass_at_k_into_the_status() -> None:
+    """The worker's last validation pass@k / mean@n reach status.trainer.valPassAtK (and the status model)."""
+    from rljob_api.models import TrainerStatus
+
+    doc = decode_progress(encode_progress(3, val_pass_at_k={"pass@1": 0.25, "pass@4": 0.5, "mean@4": 0.3}, time=T0))
+    assert doc["valPassAtK"] == {"pass@1": 0.25, "pass@4": 0.5, "mean@4": 0.3}
+    assert TrainerStatus.model_validate(doc).val_pass_at_k == doc["valPassAtK"]
+    for bad in ({"val/pass@1": 0.5}, {"pass@1": float("nan")}, {f"pass@{k}": 0.1 for k in range(1, 18)}):
+        with pytest.raises(ProgressError, match="valPassAtK"):
+            encode_progress(3, val_pass_at_k=bad, time=T0)
+    with pytest.raises(ProgressError, match="valPassAtK"):
+        decode_progress('{"step": 1, "time": "t", "valPassAtK": {"pass@1": "high"}}')
+
+
 @pytest.mark.parametrize("value", [
     "not json", "[]", '{"time": "t"}', '{"step": -1, "time": "t"}', '{"step": 1}', '{"step": true, "time": "t"}',
     '{"step": 1, "time": "t", "totalSteps": 0}', '{"step": 1, "time": "t", "rewardMean": "high"}',
@@ -128,3 +156,74 @@ def test_operator_cli_needs_a_scope() -> None:
         build_parser().parse_args(["-A", "-n", "x"])
     args = build_parser().parse_args(["-n", "team-a", "--namespace", "rl-*", "--metrics-port", "0"])
     assert args.namespaces == ["team-a", "rl-*"] and args.metrics_port == 0 and args.peering is None
+
+
+def test_metrics_bind_address_and_kueue_grace_settings() -> None:
+    assert OperatorSettings().operator_metrics_address == "0.0.0.0"  # the default is unchanged: every interface
+    assert OperatorSettings().kueue_workload_grace_seconds == 60.0
+    s = OperatorSettings.from_env({"RLJOB_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
+                                   "RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS": "5"})
+    assert (s.operator_metrics_address, s.kueue_workload_grace_seconds) == ("127.0.0.1", 5.0)
+    assert OperatorSettings.from_env({"RLJOB_OPERATOR_METRICS_ADDRESS": "::"}).operator_metrics_address == "::"
+    with pytest.raises(ValueError, match="RLJOB_OPERATOR_METRICS_ADDRESS='localhost' is not an IP address"):
+        OperatorSettings.from_env({"RLJOB_OPERATOR_METRICS_ADDRESS": "localhost"})
+    with pytest.raises(ValueError, match="RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS"):
+        OperatorSettings.from_env({"RLJOB_KUEUE_WORKLOAD_GRACE_SECONDS": "-1"})
+
+
+def test_the_metrics_server_binds_the_configured_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rljob_operator import metrics
+
+    calls = []
+    monkeypatch.setattr(metrics, "start_http_server", lambda port, addr: calls.append((port, addr)))
+    monkeypatch.setattr(metrics, "_server_started", False)
+    assert metrics.start_server(9999, "127.0.0.1") is True
+    assert calls == [(9999, "127.0.0.1")]
+
+
+def test_progress_with_many_long_quarantined_entries_still_reports_the_step() -> None:
+    """200 quarantined steps with long URIs: the report goes through (a real PATCH to a server on
+    127.0.0.1) within the annotation's cap; the list keeps the newest entries and counts the rest."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rljob_operator.progress import ANNOTATION, MAX_VALUE_BYTES
+    from rljob_worker.telemetry.status_report import StatusReporter
+
+    received: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802 - http.server's naming
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(body["metadata"]["annotations"][ANNOTATION])
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        prefix = "s3://bucket/" + "deep/" * 60 + "ns/job/quarantine/"
+        quarantined = [{"step": s, "uri": f"{prefix}step_{s:06d}-20260101T000000Z", "reason": "sha256 mismatch " * 20}
+                       for s in range(1, 201)]
+        reporter = StatusReporter("job", "ns", f"http://127.0.0.1:{server.server_port}", enabled=True)
+        assert reporter.report(step=1234, total_steps=2000, reward_mean=0.5, val_reward_mean=None, force=True,
+                               last_checkpoint={"step": 1230, "uri": prefix + "x" * 900}, quarantined=quarantined)
+    finally:
+        server.shutdown()
+        server.server_close()
+    (value,) = received
+    assert len(value.encode()) <= MAX_VALUE_BYTES
+    doc = decode_progress(value)
+    assert doc["step"] == 1234 and doc["lastCheckpoint"]["step"] == 1230
+    listed = [q["step"] for q in doc["quarantinedCheckpoints"]]
+    assert 1 <= len(listed) < 200 and listed == list(range(201 - len(listed), 201))  # the newest, oldest first
+    assert doc["quarantinedCheckpointsOmitted"] == 200 - len(listed)
+    # a short list is sent whole, with no count of omitted entries
+    small = decode_progress(encode_progress(3, quarantined=quarantined[:2], time=T0))
+    assert [q["step"] for q in small["quarantinedCheckpoints"]] == [1, 2] and "quarantinedCheckpointsOmitted" not in small

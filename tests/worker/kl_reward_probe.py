@@ -27,7 +27,7 @@ def main() -> int:
                              checkpoint_uri=f"file://{workdir}/ckpt")
     t = trainer.GRPOTrainer(spec, ctx)
     t.setup()
-    t.reward_fn = lambda *args, **kwargs: 1.0  # rewards [1, 1]
+    t.rewards.default.fn = lambda *args, **kwargs: 1.0  # rewards [1, 1]
 
     real_ref = t.ref.compute_logprobs
     kl_sums = [2.0, 0.0]

@@ -131,6 +131,18 @@ def test_a_missing_ground_truth_column_stops_a_reward_that_needs_it(tmp_path, ca
     assert "bare.parquet: column reward_model is missing" in caplog.text and "my_rewards:length" in caplog.text
 
 
+def test_a_ground_truth_column_empty_in_every_row_stops_a_reward_that_needs_it(tmp_path):
+    """Present but empty for every row: the run trained on reward 0 and exited 0. Now start-up refuses it,
+    with the count and the first row; a file where some rows have a ground truth still loads."""
+    empty = write(tmp_path, [verl_row("1+2=", ""), verl_row("3+4=", " ", 1), verl_row("5+6=", "", 2)], "empty.parquet")
+    with pytest.raises(DataError, match=r"spec\.data\.trainFiles\[0\] .*empty\.parquet: column reward_model\."
+                                        r"ground_truth is empty in all 3 rows \(first: row 0, .*1\+2=.*'gsm8k'"):
+        load_datasets(spec(empty), char_tokenizer(), seed=0, reward="gsm8k")
+    load_datasets(spec(empty), char_tokenizer(), seed=0, reward="format")  # needs no ground truth
+    some = write(tmp_path, [verl_row("1+2=", ""), verl_row("3+4=", "7", 1)], "some.parquet")
+    load_datasets(spec(some), char_tokenizer(), seed=0, reward="gsm8k")
+
+
 @pytest.mark.parametrize("content", [b"", b"prompt,answer\n1+1,2\n", b"PAR1 but not really"])
 def test_unreadable_file_names_the_file(tmp_path, content):
     bad = tmp_path / "bad.parquet"

@@ -7,6 +7,7 @@ tests/worker/test_fused_logprobs.py OUT_DIR``) it plays the TP2 scenario."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -24,10 +25,10 @@ from rljob_worker.megatron.fused_logprobs import (
 )
 
 HIDDEN, VOCAB, PADDED = 24, 50, 56  # 6 padded rows: TP2 shards of 28, the second holds 22 real + 6 pad
-TOL = 1e-5
+N_TOKENS = 37
 
 
-def _case(n: int = 37, seed: int = 0):
+def _case(n: int = N_TOKENS, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, HIDDEN, generator=g)
     weight = torch.randn(PADDED, HIDDEN, generator=g) * 0.5
@@ -36,6 +37,21 @@ def _case(n: int = 37, seed: int = 0):
     targets[:3] = torch.tensor([0, VOCAB - 1, PADDED // 2])  # edges: first, last real id, first id of shard 2
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     return hidden, weight, targets, g_lp, g_ent
+
+
+def _tolerance() -> float:
+    """fp32 reordering bound (tolerances.reorder_bound): a value passes through the logit's dot product
+    (HIDDEN terms), the softmax's sum over the padded vocabulary (PADDED) and, for the weight's gradient,
+    the sum over tokens (N_TOKENS); the magnitude is the largest sum of |h_i| |w_ji| over the real rows
+    plus log(VOCAB) (log-sum-exp)."""
+    from tolerances import reorder_bound
+
+    hidden, weight, *_ = _case()
+    magnitude = (hidden.abs() @ weight[:VOCAB].abs().T).max().item() + math.log(VOCAB)
+    return reorder_bound(HIDDEN + PADDED + N_TOKENS, magnitude)
+
+
+TOL = _tolerance()
 
 
 def _grads(fn, hidden, weight, g_lp, g_ent):

@@ -13,6 +13,7 @@ from rljob_worker.algorithms.gae import (
     masked_whiten,
     token_level_rewards,
     value_loss,
+    whiten_advantages,
 )
 
 
@@ -101,6 +102,32 @@ def test_masked_whiten_uses_the_counted_tokens_and_the_unbiased_variance():
 
 def test_masked_whiten_of_one_token_is_only_centred():
     close(masked_whiten(t([[5.0, 1.0]]), t([[1, 0]])), [[0.0, 0.0]])
+
+
+def test_whiten_scope_batch_and_mini_batch_by_hand():
+    """Advantages 1, 2, 3, 5 (one token per row, a padded column), two mini-batches of two rows.
+    batch (verl): mean 11/4, unbiased variance (1.75^2 + 0.75^2 + 0.25^2 + 2.25^2) / 3 = 35/12.
+    mini-batch: [1, 2] (mean 1.5, variance 0.5) and [3, 5] (mean 4, variance 2): each -1/sqrt2, +1/sqrt2."""
+    adv = torch.tensor([[1.0, 9.0], [2.0, 9.0], [3.0, 9.0], [5.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0]] * 4)
+    std = math.sqrt(35 / 12)
+    expected = torch.tensor([[-1.75 / std, 0], [-0.75 / std, 0], [0.25 / std, 0], [2.25 / std, 0]], dtype=torch.float64)
+    torch.testing.assert_close(whiten_advantages(adv, mask, "batch", 2), expected, atol=1e-7, rtol=0)  # eps 1e-8 in var
+    r = 1 / math.sqrt(2)
+    expected = torch.tensor([[-r, 0], [r, 0], [-r, 0], [r, 0]], dtype=torch.float64)
+    torch.testing.assert_close(whiten_advantages(adv, mask, "mini-batch", 2), expected, atol=1e-7, rtol=0)
+    # one mini-batch: the two scopes agree
+    torch.testing.assert_close(whiten_advantages(adv, mask, "mini-batch", 1), whiten_advantages(adv, mask, "batch", 1))
+    # data-parallel: rank 0 holds rows 0 and 2, rank 1 rows 1 and 3 of the same mini-batches; `reduce` adds the
+    # other rank's moments, and each rank's rows come out as in the one-rank batch
+    from rljob_worker.algorithms.gae import masked_moments
+
+    rank0, rank1 = adv[[0, 2]], adv[[1, 3]]
+    out0 = whiten_advantages(rank0, mask[:2], "batch", 2, lambda m: m + masked_moments(rank1, mask[:2]))
+    torch.testing.assert_close(out0[:, 0], torch.tensor([-1.75 / std, 0.25 / std], dtype=torch.float64),
+                               atol=1e-7, rtol=0)
+    with pytest.raises(ValueError, match="batch or mini-batch"):
+        whiten_advantages(adv, mask, "rows", 2)
 
 
 # --------------------------------------------------------------------------- value loss

@@ -158,13 +158,14 @@ def test_trainer_logprobs_are_of_the_distribution_the_rollout_sampled(tmp_path):
 def test_rollout_correction_learns_under_a_controlled_mismatch(tmp_path):
     """The engine samples from the nucleus of mass 0.9 (top-p, which the trainer's policy does not apply):
     a known rollout/training gap, the engine's log-prob of each sampled token above the trainer's by
-    minus the log of the nucleus' mass. With sequence masking on (a tight cap, 1.1, so that it acts on this
-    small gap) the target-token task still learns, and the metrics report the gap and what the
+    minus the log of the nucleus' mass (at most -ln 0.9 = 0.105 nats). With sequence masking on (a band
+    [1/1.1, 1.1], ln 1.1 = 0.095 nats, inside that bound so that it acts on this small gap) the target-token task still learns, and the metrics report the gap and what the
     correction did. (The gap has one sign, trainer below engine, so truncation, which caps weights above
     the threshold, has nothing to cap here; tests/worker/test_rollout_correction.py covers it by hand.)"""
     spec = quickstart_spec()
     spec["rollout"]["topP"] = 0.9
-    spec["algorithm"]["rolloutCorrection"] = {"tokenTruncation": True, "sequenceMasking": True, "threshold": 1.1}
+    spec["algorithm"]["rolloutCorrection"] = {"tokenTruncation": True, "sequenceMasking": True, "threshold": 1.1,
+                                                "sequenceMaskingThreshold": 1.1}
     spec["training"].update(testFreq=-1, valBeforeTrain=False)
     spec["checkpoint"].update(saveFreq=-1, exportHf=False)
     records = run_trainer(spec, tmp_path)

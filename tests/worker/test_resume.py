@@ -112,3 +112,37 @@ def test_wrong_s3_credentials_fail_at_startup(tmp_path, s3_server, s3_bucket):
     assert "checkpoint.uri" in out and "Traceback" not in out.split("checkpoint.uri")[0][-200:]
     assert not (tmp_path / "w" / "metrics.jsonl").exists(), "trained before noticing the credentials were wrong"
     assert time.monotonic() - started < 170
+
+
+@pytest.mark.slow
+def test_a_restarted_disable_job_continues_its_own_steps_and_stops_when_none_loads(tmp_path):
+    """resumeMode disable, the same RLJob (uid) restarted after a SIGKILL: it continues from its own step 6
+    (it used to move them to superseded/ and train from step 1). Then every committed step is bit-flipped:
+    the restart quarantines them and stops with exit 2, naming them (it used to train from step 1, exit 0)."""
+    spec = short_spec(steps=10, save_freq=3)
+    spec["checkpoint"].update(resumeMode="disable", maxToKeep=2)
+    uri, work, env = f"file://{tmp_path}/ckpt", tmp_path / "run", {"RLJOB_UID": "uid-1"}
+    proc = start(spec, work, uri, env)
+    wait_for_step(work, 8, proc)  # past the step-6 checkpoint
+    proc.kill()
+    proc.wait()
+    code, out = finish(start(spec, work, uri, env))  # the pod restarts: same uid
+    assert code == 0, out[-3000:]
+    assert "resumed from step 6" in out and "this job's own" in out, out[-3000:]
+    job = tmp_path / "ckpt" / "test" / "test"
+    assert not (job / "superseded").exists()
+    steps = sorted(p.name for p in job.glob("step_*") if (p / "COMMIT").exists())
+    assert steps == ["step_000009", "step_000010"], steps
+    for step in steps:  # one bit of one shard of every committed step
+        shard = max((p for p in (job / step).rglob("*") if p.is_file() and p.name not in ("COMMIT", "meta.json")),
+                    key=lambda p: p.stat().st_size)
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    code, out = finish(start(spec, work, uri, env))
+    # the harness has no configuration-error handler: the pod's entry point prints this one line, exit 2
+    # (tests/worker/test_startup_errors.py)
+    assert code != 0 and "ProgressLost" in out, out[-3000:]
+    line = next(ln for ln in out.splitlines() if "none of it loads" in ln)
+    assert "quarantine/step_000009-" in line and "quarantine/step_000010-" in line and "--fresh" in line, line
+    assert not (job / "step_000001").exists(), "it trained from scratch"

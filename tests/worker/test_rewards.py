@@ -143,6 +143,25 @@ def user_module(tmp_path, monkeypatch):
             while completion == "slow":
                 pass
             return 0.5
+
+        def retries(prompt, completion, ground_truth, extra):
+            # a retry loop that catches Exception: the alarm must not be swallowed by it
+            deadline = time.monotonic() + float(extra.get("sleep", 0))
+            while completion == "slow" and time.monotonic() < deadline:
+                try:
+                    time.sleep(0.05)
+                except Exception:
+                    pass
+            return 0.5
+
+        def own_alarm(prompt, completion, ground_truth, extra):
+            # sets its own SIGALRM handler and timer: rljob's alarm never fires
+            import signal
+            if completion == "slow":
+                signal.signal(signal.SIGALRM, lambda *a: None)
+                signal.setitimer(signal.ITIMER_REAL, 30)
+                time.sleep(float(extra["sleep"]))
+            return 0.5
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     return name
@@ -213,10 +232,11 @@ def test_score_all_rejects_non_numbers():
 def pool():
     executor = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
     yield executor
-    processes = list((executor._processes or {}).values())  # a timed-out reward may still be sleeping
     executor.shutdown(wait=False, cancel_futures=True)
-    for proc in processes:
+    # a timed-out reward may still be sleeping, and the pool may have started a replacement for it
+    for proc in multiprocessing.active_children():
         proc.kill()
+        proc.join(timeout=10)
 
 
 def test_score_all_in_a_process_pool(user_module, pool):
@@ -247,3 +267,19 @@ def test_score_all_inline_times_out_a_hanging_reward_too(user_module, hang):
     assert time.monotonic() - start < 10
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     assert score_all(fn, *batch(["fast"], sleep=0), timeout_s=0.5) == [0.5]
+
+
+@pytest.mark.parametrize("reward, words", [
+    ("retries", r"timed out after 0\.5s on sample 1"),
+    ("own_alarm", r"timed out on sample 1 \(prompt 'prompt 1'\): it ran 1\.\ds, over spec\.reward\.timeoutSeconds 0\.5s, "
+                  r"and the alarm did not stop it .*numWorkers > 0 bounds every reward"),
+])
+def test_score_all_inline_a_reward_that_beats_the_alarm_still_fails_as_timed_out(user_module, reward, words):
+    """numWorkers 0: a reward that catches Exception in a retry loop, or sets its own SIGALRM, used to run past
+    timeoutSeconds and score. The first is interrupted now; the second is caught when it returns (1.2 s > 0.5 s)."""
+    import signal
+
+    fn = resolve_reward(f"{user_module}:{reward}")
+    with pytest.raises(RewardError, match=words):
+        score_all(fn, *batch(["fast", "slow", "fast"], sleep=1.2), timeout_s=0.5)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

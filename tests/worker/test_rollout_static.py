@@ -6,6 +6,10 @@ and weight sync must reach the tensors the static forward reads.
 """
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from rljob_api.enums import RolloutCompile
@@ -15,6 +19,9 @@ from rljob_worker.rollout import SamplingParams, make_engine
 from rljob_worker.rollout.compile_config import compile_cache_env, compile_enabled
 from rljob_worker.rollout.hf_engine import HFEngine
 from rljob_worker.rollout.hf_static_engine import HFStaticEngine, bucket_for, dynamo_compiles, kv_buckets
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tolerances import logprob_bound  # noqa: E402
 
 TOK = build_char_tokenizer()
 PROMPTS = [TOK(s, add_special_tokens=False)["input_ids"] for s in ["12+3=", "9=", "4444 8=", "0", "77+1=2 #"]]
@@ -48,6 +55,21 @@ def sharp_model_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def lp_tol(sharp_model_dir):
+    """`(temperature) -> bound` on log-prob differences between two summation orders of this model
+    (tolerances.logprob_bound), from its largest logit over the prompts and 100 greedy tokens after them."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((sharp_model_dir / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(str(sharp_model_dir), dtype=torch.float32)
+    out = HFEngine(str(sharp_model_dir), dtype=torch.float32, device=CPU, eos_token_id=len(VOCAB) + 5,
+                   pad_token_id=PAD_ID).generate(PROMPTS, SamplingParams(n=1, temperature=0, max_new_tokens=100))
+    with torch.no_grad():
+        top = max(model(torch.tensor([p + r])).logits.abs().max().item() for p, r in zip(PROMPTS, out.response_ids))
+    return lambda temperature=1.0: logprob_bound(config, top, temperature)
+
+
 def engines(model_dir, eos=EOS_ID):
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": eos, "pad_token_id": PAD_ID}
     return HFEngine(str(model_dir), **kw), HFStaticEngine(str(model_dir), **kw)
@@ -59,14 +81,14 @@ def pair(sharp_model_dir):
 
 
 @pytest.mark.parametrize("max_new", [1, 5, 12, 40])
-def test_greedy_output_equals_hf_engine(pair, max_new):
+def test_greedy_output_equals_hf_engine(pair, max_new, lp_tol):
     ref, static = pair
     params = SamplingParams(n=2, temperature=0, max_new_tokens=max_new)
     a, b = ref.generate(PROMPTS, params), static.generate(PROMPTS, params)
     assert b.response_ids == a.response_ids
     assert b.finished == a.finished
     for x, y in zip(a.response_logprobs, b.response_logprobs):
-        assert y == pytest.approx(x, abs=1e-4)
+        assert y == pytest.approx(x, abs=lp_tol())
 
 
 def test_eos_never_sampled_runs_to_max_new_tokens(sharp_model_dir):
@@ -149,10 +171,11 @@ def _rescored(model_dir, prompts, out, temperature):
     return rows
 
 
-def test_compiled_decode_step_equals_the_uncompiled_one(sharp_model_dir):
+def test_compiled_decode_step_equals_the_uncompiled_one(sharp_model_dir, lp_tol):
     """torch.compile of the decode step with its in-step sampler (the GPU default) changes no token: compiled
     here with inductor on the CPU against the same engine uncompiled (same in-step sampler, same noise for the
-    same seed): greedy and temperature sampling give identical tokens and log-probs within 1e-5, greedy equals
+    same seed): greedy and temperature sampling give identical tokens and log-probs within the reordering bound
+    of fp32 (lp_tol: compiled kernels sum in another order; 1e-5 was this machine's number), greedy equals
     the HF engine, and a sampled token's log-prob is the one the HF model's own forward gives it."""
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     ref = HFEngine(str(sharp_model_dir), **kw)
@@ -163,18 +186,18 @@ def test_compiled_decode_step_equals_the_uncompiled_one(sharp_model_dir):
     want, got, same = ref.generate(PROMPTS, greedy), compiled.generate(PROMPTS, greedy), eager.generate(PROMPTS, greedy)
     assert got.response_ids == want.response_ids == same.response_ids
     for a, b in zip(got.response_logprobs, same.response_logprobs):
-        assert a == pytest.approx(b, abs=1e-5)
+        assert a == pytest.approx(b, abs=lp_tol())
     hot = SamplingParams(n=2, temperature=1.5, max_new_tokens=6, seed=7)
     first, again, plain = compiled.generate(PROMPTS, hot), compiled.generate(PROMPTS, hot), eager.generate(PROMPTS, hot)
     assert first.response_ids == again.response_ids == plain.response_ids
     for a, b in zip(first.response_logprobs, plain.response_logprobs):
-        assert a == pytest.approx(b, abs=1e-5)
+        assert a == pytest.approx(b, abs=lp_tol(1.5))
     prompts = [p for p in PROMPTS for _ in range(2)]
     for lps, want in zip(first.response_logprobs, _rescored(sharp_model_dir, prompts, first, 1.5)):
-        assert lps == pytest.approx(want, abs=1e-4)
+        assert lps == pytest.approx(want, abs=lp_tol(1.5))
 
 
-def test_in_step_top_p_sampling_draws_from_the_nucleus(sharp_model_dir):
+def test_in_step_top_p_sampling_draws_from_the_nucleus(sharp_model_dir, lp_tol):
     """top-p inside the step (eager here; the same code is what the GPU graph captures): every pick lies in the
     nucleus of the HF model's distribution, its log-prob is the renormalised nucleus log-prob, and a fixed seed
     repeats."""
@@ -193,7 +216,7 @@ def test_in_step_top_p_sampling_draws_from_the_nucleus(sharp_model_dir):
             logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
         logp = torch.log_softmax(filter_logits(logits, 1.0, -1, 0.5), -1).gather(-1, torch.tensor(ids)[:, None])
         assert torch.isfinite(logp).all()  # never outside the nucleus
-        assert lps == pytest.approx(logp.squeeze(-1).tolist(), abs=1e-4)
+        assert lps == pytest.approx(logp.squeeze(-1).tolist(), abs=lp_tol())
     assert len({tuple(r) for r in out.response_ids}) > 1  # it samples
 
 
@@ -254,7 +277,7 @@ def test_compile_cache_env_points_under_the_workdir_unless_set(tmp_path):
         "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
-def test_prefill_in_row_chunks_changes_nothing(sharp_model_dir, pair):
+def test_prefill_in_row_chunks_changes_nothing(sharp_model_dir, pair, lp_tol):
     """Long prompts prefill a few rows at a time (bounded scores memory): one row per chunk gives the
     same greedy continuations and log-probs as the whole batch at once, and the decode that follows
     reads the cache the chunks wrote."""
@@ -269,7 +292,7 @@ def test_prefill_in_row_chunks_changes_nothing(sharp_model_dir, pair):
     want, got = ref.generate(PROMPTS, params), chunked.generate(PROMPTS, params)
     assert got.response_ids == want.response_ids
     for a, b in zip(got.response_logprobs, want.response_logprobs):
-        assert a == pytest.approx(b, abs=1e-4)
+        assert a == pytest.approx(b, abs=lp_tol())
 
 
 def test_release_cache_frees_the_session_and_the_next_rollout_rebuilds_it(pair):
@@ -359,9 +382,10 @@ def _cuda_engines(model_dir, **static_kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
-def test_gpu_graphs_greedy_equal_the_hf_engine_across_key_buckets(sharp_model_dir, compiled):
+def test_gpu_graphs_greedy_equal_the_hf_engine_across_key_buckets(sharp_model_dir, compiled, lp_tol):
     """fp32 greedy through the CUDA graphs (one per key bucket: 100 tokens after 16-token prompts cross the
-    64-slot buckets of a 128-slot cache), compiled or not: the HF engine's tokens, log-probs to 1e-4."""
+    64-slot buckets of a 128-slot cache), compiled or not: the HF engine's tokens, log-probs to fp32's
+    reordering bound (lp_tol)."""
     ref, static = _cuda_engines(sharp_model_dir, compile_decode=compiled, max_graphs=8)
     assert static.use_cuda_graph and static.sample_in_step and static.compile_decode == compiled
     params = SamplingParams(n=2, temperature=0, max_new_tokens=100)
@@ -369,14 +393,14 @@ def test_gpu_graphs_greedy_equal_the_hf_engine_across_key_buckets(sharp_model_di
     assert static.graph_captures == 2  # keys 64 and 128
     assert got.response_ids == want.response_ids
     for a, b in zip(got.response_logprobs, want.response_logprobs):
-        assert a == pytest.approx(b, abs=1e-4)
+        assert a == pytest.approx(b, abs=lp_tol())
     assert static.generate([p[:2] for p in PROMPTS], params).response_ids == ref.generate(
         [p[:2] for p in PROMPTS], params).response_ids  # another prompt width: same session and graphs
     assert static.graph_captures == 2
 
 
 @pytest.mark.gpu
-def test_gpu_graph_replays_draw_fresh_noise_as_the_eager_steps_do(sharp_model_dir):
+def test_gpu_graph_replays_draw_fresh_noise_as_the_eager_steps_do(sharp_model_dir, lp_tol):
     """Sampling inside the graph: a replay advances the engine's generator exactly as the eager step does, so a
     seeded run through the graphs equals the same engine stepping eagerly (a graph that froze its noise would
     repeat one draw every step and differ), repeats for the same seed and differs for another."""
@@ -388,7 +412,7 @@ def test_gpu_graph_replays_draw_fresh_noise_as_the_eager_steps_do(sharp_model_di
         a, b = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
         assert a.response_ids == b.response_ids
         for x, y in zip(a.response_logprobs, b.response_logprobs):
-            assert x == pytest.approx(y, abs=1e-4)
+            assert x == pytest.approx(y, abs=lp_tol(params.temperature))
         assert graphed.generate(PROMPTS, params).response_ids == a.response_ids
         other = SamplingParams(**{**params.__dict__, "seed": 6})
         assert graphed.generate(PROMPTS, other).response_ids != a.response_ids

@@ -103,7 +103,16 @@ def build_cases(tmp: Path, s3_server, bucket: str, busy_port: int) -> dict[str, 
     missing_s3_model["s3"] = {"endpoint": s3_server.endpoint_url, "credentialsSecretRef": {"name": "s3-credentials"}}
     no_truth_rows = [{"prompt": f"{i}+1=", "data_source": "t", "extra_info": {"index": i}} for i in range(8)]
     no_truth = parquet_spec(write_parquet(tmp / "no-truth.parquet", no_truth_rows))
+    unreachable = quickstart_spec()  # busy_port listens but never answers HTTP: the probe times out
+    unreachable["reward"] = {"remote": {"url": f"http://127.0.0.1:{busy_port}/score", "retries": 0,
+                                        "timeoutSeconds": 2}}
+    no_secret = quickstart_spec()
+    no_secret["reward"] = {"remote": {"url": "http://127.0.0.1:9/score", "headersSecretRef": {
+        "name": "verifier-key", "headers": {"Authorization": "token"}}}}
     return {
+        "remote reward unreachable": Case(unreachable, "spec.reward.remote.url", also="does not answer"),
+        "remote reward secret env missing": Case(no_secret, "spec.reward.remote.headersSecretRef",
+                                                 also="Secret 'verifier-key' key 'token'"),
         "hf engine with rollout TP 2": Case(hf_rollout_tp, "spec.rollout.tensorModelParallelSize=2",
                                             also="needs spec.rollout.engine: vllm"),
         "vllm engine on rank 0 only": Case(vllm_rank0, "spec.rollout.ranks: rank0", also="is for the hf engines"),
@@ -179,6 +188,8 @@ def outcomes(tmp_path_factory, s3_server) -> dict[str, Outcome]:
 
 
 CASE_NAMES = [
+    "remote reward unreachable",
+    "remote reward secret env missing",
     "hf engine with rollout TP 2",
     "vllm engine on rank 0 only",
     "ground truth column missing",
@@ -235,3 +246,19 @@ def test_a_start_up_error_through_torchrun_is_one_line_with_exit_2(tmp_path):
     errors = [line for line in non_log_lines(proc.stderr) if not line.startswith("rljob: ")]
     assert len(errors) == 1 and errors[0].startswith("rljob worker: spec.reward.function"), proc.stderr
     assert "finished with exit code 2" in proc.stdout
+
+
+def test_the_api_knows_every_builtin_model_the_worker_builds():
+    """rljob_api validates builtin:// names without the worker's dependencies; the two lists must agree."""
+    from rljob_api.models import BUILTIN_MODEL_NAMES
+    from rljob_worker.data.builtin_models import BUILTIN_MODELS
+
+    assert sorted(BUILTIN_MODEL_NAMES) == sorted(BUILTIN_MODELS)
+
+
+def test_a_job_whose_saved_progress_no_longer_loads_is_a_configuration_error():
+    """exit 2 with one line (the pod's entry point), like every other start-up refusal."""
+    from rljob_worker.checkpoint.commit import ProgressLost
+    from rljob_worker.startup_errors import is_configuration_error
+
+    assert is_configuration_error(ProgressLost("none of it loads"))

@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <worker pid>` prints every thread's stack to stderr (the pod log): where a stuck job waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank = os.environ.get("RANK", "0")
+    from rljob_worker.runtime.pipe_output import OUTPUT_LOG_VAR, protect_output
+
+    default_workdir = Path(os.environ.get("RLJOB_WORKDIR") or
+                           f"/tmp/rljob/{os.environ.get('RLJOB_NAMESPACE', 'default')}/{os.environ.get('RLJOB_NAME', 'rljob')}")
+    protect_output(Path(os.environ.get(OUTPUT_LOG_VAR) or default_workdir / "output.log"))  # `| tee` ended by Ctrl-C
     # megatron-core announces every missing optional kernel package; the worker image has them,
     # CPU runs do not need them, and either way the notices bury the progress lines.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = RunContext(
         job_name=name,
         namespace=namespace,
-        workdir=Path(os.environ.get("RLJOB_WORKDIR", f"/tmp/rljob/{namespace}/{name}")),
+        workdir=default_workdir,
         checkpoint_uri=os.environ.get("RLJOB_CHECKPOINT_URI") or None,
         max_steps=int(max_steps) if max_steps else None,
         show_progress_bar=os.environ.get("RLJOB_PROGRESS_BAR") == "1" and rank == "0",
@@ -120,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # start-up errors are configuration errors: one clear line, no traceback wall
-        from rljob_worker.startup_errors import is_configuration_error
+        from rljob_worker.startup_errors import disk_full_message, is_configuration_error
 
+        full = disk_full_message(exc)
+        if full:  # a full disk during a save: the path and the free space, not 65 lines of traceback
+            print(f"rljob worker: {full}", file=sys.stderr)
+            return 1
         if is_configuration_error(exc):
             print(f"rljob worker: {exc}", file=sys.stderr)
             return 2

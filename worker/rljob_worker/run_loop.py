@@ -12,7 +12,7 @@ One step of the loop, on every rank::
     step += 1; metrics = train_step()            (+ timing/step_s, timing/<stage>_s, memory/<stage>_peak_gib)
     telemetry, checkpoint poll
     validation when due (testFreq, and after the last step)
-    metrics.jsonl line, progress line, RLJob status
+    metrics.jsonl line (and the same to the experiment trackers of spec.tracking), progress line, RLJob status
     all ranks agree whether SIGTERM arrived; save when due (saveFreq, last step; never with saveFreq 0) or on preemption
     on SIGTERM: wait for the upload, raise Preempted (exit 143: PyTorchJob retries)
 """
@@ -97,6 +97,9 @@ class RunLoop:
         self.step = 0
         self._stop_requested = False
         self._status_reporter = None
+        self.trackers = None  # rank 0's experiment trackers (spec.tracking), opened after the resume
+        self._tracker_state: dict[str, Any] | None = None  # their run ids, from the checkpoint
+        self._completed = False
 
     # ------------------------------------------------------------------ what a trainer supplies
     def build_data(self) -> None:
@@ -129,15 +132,21 @@ class RunLoop:
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint keeps besides the model (extend it, and :meth:`load_trainer_state`)."""
         return {"step": self.step, "sampler": self.sampler.state_dict(),
-                "history": [{"step": r.step, "metrics": r.metrics} for r in self.history[-1000:]]}
+                "history": [{"step": r.step, "metrics": r.metrics} for r in self.history[-1000:]],
+                "trackers": self.trackers.state() if self.trackers is not None else self._tracker_state}
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.history = [StepResult(h["step"], h["metrics"]) for h in state.get("history", [])]
+        self._tracker_state = state.get("trackers")
 
     def after_resume(self) -> None:
         """After a checkpoint was loaded (e.g. hand the weights to a rollout engine)."""
+
+    def validation_table(self) -> tuple[list[str], list[list[Any]]] | None:
+        """Rank 0, after a validation: (columns, rows) of its samples for the experiment trackers, or None."""
+        return None
 
     def checkpoint_models(self) -> dict[str, Any]:
         """Models saved and resumed beside ``self.actor`` in the same step folder, by sub-folder name."""
@@ -149,14 +158,27 @@ class RunLoop:
 
     def close(self) -> None:
         """Release what the run holds (always called, also after a failure)."""
+        if self.trackers is not None:
+            self.trackers.close(completed=self._completed)  # bounded flush (RLJOB_TRACKER_FLUSH_S)
+            self.trackers = None
         telemetry = getattr(self, "telemetry", None)
         if telemetry is not None:
             telemetry.close()
 
     # ------------------------------------------------------------------ set-up
+    def _phase(self, name: str, since: float) -> float:
+        """One line per start-up phase with its time (rank 0), so a start-up is never a silent minute."""
+        now = time.monotonic()
+        if self.env.rank == 0:
+            print(f"start-up: {name} {now - since:.1f}s", flush=True)
+        return now
+
     def setup(self) -> None:
         """Everything that can fail on bad input fails here, before any training."""
+        from rljob_worker import STARTED
+
         spec, env = self.spec, self.env
+        t = self._phase("imports", STARTED)
         init_distributed(env)
         self.is_main = env.rank == 0
         self.device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -166,19 +188,60 @@ class RunLoop:
         torch.manual_seed(seed)
         self.dtype = torch_dtype(spec.model.dtype.value, self.device)
 
+        t = self._phase("distributed init", t)
         self.build_data()  # configuration first (cheap, and the usual mistakes)
-        if self.device.type == "cpu":
-            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
-
-            apply_cpu_patches()
+        t = self._phase("data", t)
         from rljob_worker.checkpoint.run_checkpoints import RunCheckpoints
 
         self.checkpoints = RunCheckpoints(spec, self.ctx, self.env)
         self.checkpoints.check_access()
+        self.finished_at = self._finished_step()
+        t = self._phase("checkpoint store", t)
+        if self.finished_at is not None:  # a re-run with nothing left: say so before building any model
+            self.step = self.finished_at
+            return
+        if self.device.type == "cpu":  # (imports megatron: part of the model's build)
+            from rljob_worker.megatron.cpu_compat import apply_cpu_patches
+
+            apply_cpu_patches()
         self.build_model()
+        t = self._phase("model build", t)
         self.telemetry = self._make_telemetry()
         signal.signal(signal.SIGTERM, self._request_stop)
         self._resume()
+        self._phase("resume", t)
+        if self.is_main and (self.spec.tracking.mlflow or self.spec.tracking.wandb):
+            self._open_trackers()
+
+    def _open_trackers(self) -> None:
+        from rljob_worker.telemetry.trackers import RunTrackers
+
+        self.trackers = RunTrackers.open(
+            self.spec, job=self.ctx.job_name, namespace=self.ctx.namespace, workdir=Path(self.ctx.workdir),
+            state=self._tracker_state, telemetry=self.telemetry,
+            spec_doc=self.spec.model_dump(mode="json", by_alias=True))
+        self.trackers.backfill(self.history)  # resumed: steps the tracker lost with the killed process
+
+    def _finished_step(self) -> int | None:
+        """The job's newest committed step when it is >= total_steps and would be resumed (resumeMode auto or
+        uri, the same resume-fixed settings), read from the store's listing and meta.json; else None. The
+        same answer on every rank."""
+        from rljob_worker.runtime.distributed import broadcast_object
+
+        found = None
+        # (not with a split critic: its pool serves the actor's steps and waits for them)
+        if (self.env.rank == 0 and self.spec.checkpoint.resume_mode.value != "disable"
+                and getattr(self, "pools", None) is None):
+            try:
+                ref = self.checkpoints.manager.latest_committed()
+            except Exception as exc:  # noqa: BLE001 - the full resume path reports storage problems properly
+                log.info("could not list the committed steps early (%s); deciding at resume", exc)
+                ref = None
+            if ref is not None and ref.step >= self.total_steps and not any(
+                    k in self.checkpoints.spec_fields and ref.spec_fields[k] != self.checkpoints.spec_fields[k]
+                    for k in ref.spec_fields):
+                found = ref.step
+        return broadcast_object(found)
 
     def _make_telemetry(self):
         from rljob_worker.telemetry.trainer_metrics import TrainerTelemetry
@@ -210,13 +273,21 @@ class RunLoop:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[StepResult]:
         spec, t = self.spec, self.spec.training
-        if self.step >= self.total_steps and self.is_main:
+        if self.step >= self.total_steps and self.is_main and getattr(self, "finished_at", None) is None:
             print(f"nothing to train: resumed at step {self.step} of {self.total_steps} from {self.checkpoints.uri}; "
                   "delete that checkpoint folder (or `rljob run --fresh`) to train again", flush=True)
+        if getattr(self, "finished_at", None) is not None:
+            if self.is_main:
+                print(f"nothing to train: the newest committed step is {self.step} of {self.total_steps}, under "
+                      f"{self.checkpoints.uri}; delete that checkpoint folder (or `rljob run --fresh`) to train again",
+                      flush=True)
+            return self.history
         if t.val_before_train and self.val_set is not None and self.step == 0:
             logged = self.validate_for_log()
             if logged:
-                self._append_metrics_log(logged)
+                self._append_metrics_log(logged, validated=True)
+            elif self.trackers is not None:
+                self._track(logged, validated=True)
         bar = self._progress_bar()
         from rljob_worker.run_health import RunHealth
 
@@ -235,9 +306,10 @@ class RunLoop:
 
             last = self.step == self.total_steps
             logged = dict(metrics)
-            if self.val_set is not None and t.test_freq > 0 and (self.step % t.test_freq == 0 or last):
+            validated = self.val_set is not None and t.test_freq > 0 and (self.step % t.test_freq == 0 or last)
+            if validated:
                 logged.update(self.validate_for_log())
-            self._append_metrics_log(logged)
+            self._append_metrics_log(logged, validated=validated)
             self._report_progress(metrics, bar)
             self.health.record(self.step, metrics)  # same metrics on every rank: all stop together
             stop = self._agree_to_stop()
@@ -255,6 +327,7 @@ class RunLoop:
         self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
         if spec.checkpoint.export_hf:
             self.checkpoints.export_hf(self.actor, self.tokenizer, self.model_dir)
+        self._completed = True
         return self.history
 
     # ------------------------------------------------------------------ checkpoints
@@ -304,10 +377,13 @@ class RunLoop:
             print(line, flush=True)
         self._publish_status(metrics)
 
-    def _append_metrics_log(self, metrics: dict[str, float]) -> None:
-        """One JSON line per step in <workdir>/metrics.jsonl (rank 0): the run's learning curve."""
+    def _append_metrics_log(self, metrics: dict[str, float], validated: bool = False) -> None:
+        """One JSON line per step in <workdir>/metrics.jsonl (rank 0): the run's learning curve; the same
+        line goes to the experiment trackers."""
         if not self.is_main:
             return
+        if self.trackers is not None:
+            self._track(metrics, validated)
         Path(self.ctx.workdir).mkdir(parents=True, exist_ok=True)
         line = (json.dumps({"step": self.step, **metrics}) + "\n").encode()
         # one write(2) on an O_APPEND descriptor: a reader following the file sees whole lines, except at worst a
@@ -317,6 +393,17 @@ class RunLoop:
             os.write(fd, line)
         finally:
             os.close(fd)
+
+    def _track(self, metrics: dict[str, float], validated: bool) -> None:
+        """Rank 0: this step's line to the trackers; after a validation also its scores (``last_validation``, which
+        GRPO keeps out of metrics.jsonl) and its samples as a table. Queued: returns at once."""
+        line = dict(metrics)
+        if validated:
+            line = {**(getattr(self, "last_validation", None) or {}), **line}
+        self.trackers.log_metrics(self.step, line)
+        table = self.validation_table() if validated else None
+        if table is not None:
+            self.trackers.log_table(self.step, "validation/samples", *table)
 
     def _publish_status(self, metrics: dict[str, float], force: bool = False) -> None:
         """Progress for RLJob.status (the operator folds it in); a no-op outside a cluster."""
@@ -331,6 +418,7 @@ class RunLoop:
                                      last_checkpoint=self.checkpoints.last_committed, force=force,
                                      nonfinite_rewards=health.nonfinite_rewards if health else None,
                                      quarantined=self.checkpoints.quarantined,
+                                     tracker_runs=self.trackers.runs() if self.trackers is not None else None,
                                      **self.status_values(metrics))
 
 

@@ -130,6 +130,16 @@ tests/chart/test_rbac.py asserts that these rules equal what the operator's code
 - apiGroups: ["kubeflow.org"]
   resources: ["pytorchjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The child JobSet (spec.childKind: JobSet): the same verbs as for PyTorchJobs.
+- apiGroups: ["jobset.x-k8s.io"]
+  resources: ["jobsets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Kueue's Workloads: a queue-labelled child that no Workload owns after
+# operator.kueueWorkloadGraceSeconds gets Admitted=False, reason NoKueueWorkload (kube_io lists them;
+# kopf watches them to notice one appearing). Read-only.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "watch"]
 # The <job>-spec ConfigMap: read, create, rewrite when a suspended job's spec changed.
 - apiGroups: [""]
   resources: ["configmaps"]
@@ -137,6 +147,14 @@ tests/chart/test_rbac.py asserts that these rules equal what the operator's code
 # Events on RLJobs, posted by kopf.
 - apiGroups: [""]
   resources: ["events"]
+  verbs: ["create"]
+# The judge of spec.reward.server: Deployment and Service <job>-judge (owned by the RLJob); the Service
+# verb also creates the headless <job>-metrics Service of worker.metricsService.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["create"]
+- apiGroups: [""]
+  resources: ["services"]
   verbs: ["create"]
 {{- if .Values.worker.progressRbac }}
 # Per-job progress reporting (worker.progressRbac): ServiceAccount <job>-worker, Role and
@@ -146,12 +164,6 @@ tests/chart/test_rbac.py asserts that these rules equal what the operator's code
   verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create"]
-{{- end }}
-{{- if .Values.worker.metricsService }}
-# Headless <job>-metrics Service over the training pods (worker.metricsService).
-- apiGroups: [""]
-  resources: ["services"]
   verbs: ["create"]
 {{- end }}
 {{- if .Values.rbac.podMonitors }}

@@ -3,6 +3,7 @@ aggregation, policy and value losses, rollout correction, batch filters."""
 
 from .advantages import broadcast_to_tokens, compute_outcome_advantages, compute_token_reward_advantages
 from .aggregation import aggregate_loss, loss_counts, masked_mean, masked_zero
+from .evaluation import pass_at_k, sample_metrics
 from .gae import compute_gae, explained_variance, masked_whiten, token_level_rewards, value_loss
 from .kl import apply_kl_to_rewards, kl_penalty
 from .policy_loss import LossConfig, entropy_bonus, grpo_loss, policy_loss
@@ -31,10 +32,12 @@ __all__ = [
     "masked_whiten",
     "masked_zero",
     "nonzero_variance_groups",
+    "pass_at_k",
     "overlong_penalty",
     "policy_loss",
     "response_length_clip_ratio",
     "rollout_correction_weights",
+    "sample_metrics",
     "select_groups",
     "token_level_rewards",
     "value_loss",

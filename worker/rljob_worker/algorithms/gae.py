@@ -9,6 +9,8 @@ position inside a response (a tool observation) is skipped by the recursion, so 
 it bootstraps from the value of the next *counted* token, not of the observation token.
 """
 
+from collections.abc import Callable
+
 import torch
 from rljob_api.enums import LossAggregation
 
@@ -108,6 +110,29 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, shif
     if not shift_mean:
         whitened = whitened + mean
     return masked_zero(whitened, mask)
+
+
+def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, scope: str, mini_batches: int,
+                      reduce: Callable[[torch.Tensor], torch.Tensor] = lambda moments: moments) -> torch.Tensor:
+    """PPO's advantage whitening over the batch or over each mini-batch (``algorithm.whitenScope``).
+
+    advantages, mask: (N, T), this rank's rows; mini_batches: how many equal contiguous row slices the
+    update splits them into (as ``split_batch``). scope ``batch``: one mean and unbiased variance over
+    every counted token (verl's compute_advantage); ``mini-batch``: one per slice. ``reduce`` sums a (3,)
+    moments tensor over the data-parallel ranks (identity on one rank). Returns (N, T), 0 outside the mask.
+    """
+    if str(scope) == "batch":
+        return whiten(advantages, mask, reduce(masked_moments(advantages, mask)))
+    if str(scope) != "mini-batch":
+        raise ValueError(f"whiten scope must be batch or mini-batch, got {scope!r}")
+    n = advantages.shape[0]
+    if n % mini_batches:
+        raise ValueError(f"cannot split {n} rows into {mini_batches} equal mini-batches")
+    size = n // mini_batches
+    parts = [whiten(advantages[i:i + size], mask[i:i + size], reduce(masked_moments(advantages[i:i + size],
+                                                                                    mask[i:i + size])))
+             for i in range(0, n, size)]
+    return torch.cat(parts)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:

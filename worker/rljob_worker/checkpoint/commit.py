@@ -78,8 +78,19 @@ class CheckpointCorrupt(CheckpointError):
     """A committed step's downloaded files do not match the sizes and sha256 sums of its meta.json."""
 
 
+class ProgressLost(CheckpointError):
+    """The job has saved progress, none of which loads any more; starting from step 0 would hide that."""
+
+
 QUARANTINE = "quarantine"  # <base>/quarantine/step_NNNNNN-<time>/: corrupt steps, kept for inspection
 SUPERSEDED = "superseded"  # <base>/superseded/<time>/step_NNNNNN/: an earlier run's steps (resumeMode: disable)
+# superseded/<time>/ folders kept (each holds one earlier job's steps); older ones are deleted when a
+# new one is set aside. maxToKeep 0 (keep every checkpoint) keeps them all.
+SUPERSEDED_KEEP = 2
+
+
+def _stamp() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def step_dirname(step: int) -> str:
@@ -127,6 +138,7 @@ class CheckpointRef:
     created: str | None = None
     files: tuple[FileEntry, ...] = ()
     spec_fields: dict = field(default_factory=dict, compare=False)  # the settings a resume must not change
+    owner: str | None = field(default=None, compare=False)  # the RLJob uid (or local run id) that saved it
 
     @property
     def total_bytes(self) -> int:
@@ -196,6 +208,7 @@ class CheckpointManager:
         max_to_keep: int | None = None,
         *,
         max_workers: int = 8,
+        owner: str | None = None,
     ):
         if max_to_keep is not None and max_to_keep < 0:
             raise ValueError(f"max_to_keep must be >= 0 or None (keep all), got {max_to_keep}")
@@ -203,6 +216,9 @@ class CheckpointManager:
         self.base_prefix = base_prefix.strip("/")
         self.max_to_keep = max_to_keep or None
         self.max_workers = max_workers
+        # Who saves here: the RLJob's uid (its restarted pods share it) or a local run's id. Recorded in
+        # each step's meta.json, so resumeMode disable can tell this job's own steps from an earlier job's.
+        self.owner = owner or None
         self._pending: SaveHandle | None = None
         self._lock = threading.Lock()  # one save at a time
         self._retention_lock = threading.Lock()
@@ -275,7 +291,7 @@ class CheckpointManager:
         return CheckpointRef(
             step=int(meta["step"]), key=key, uri=where, store=store, metrics=dict(meta.get("metrics") or {}),
             spec_hash=meta.get("spec_hash"), created=meta.get("created"), files=files,
-            spec_fields=dict(meta.get("spec_fields") or {}),
+            spec_fields=dict(meta.get("spec_fields") or {}), owner=meta.get("owner"),
         )
 
     def list_committed(self) -> list[CheckpointRef]:
@@ -453,6 +469,7 @@ class CheckpointManager:
             "metrics": metrics,
             "spec_hash": spec_hash,
             "spec_fields": dict(spec_fields or {}),
+            "owner": self.owner,
             "created": _now(),
             "total_bytes": sum(e.size for e in entries),
             "files": [e.to_json() for e in entries],
@@ -474,6 +491,7 @@ class CheckpointManager:
         return CheckpointRef(
             step=step, key=key, uri=self.step_uri(step), store=self.store, metrics=metrics,
             spec_hash=spec_hash, created=meta["created"], files=tuple(entries), spec_fields=dict(spec_fields or {}),
+            owner=self.owner,
         )
 
     # -- restoring ----------------------------------------------------------------------------
@@ -526,23 +544,61 @@ class CheckpointManager:
         """Move a corrupt committed step to ``<base>/quarantine/step_NNNNNN-<time>/``; returns its new URI.
 
         Recorded in ``self.quarantined`` so the progress report can tell the operator (a Warning event)."""
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        uri = self._move_step(step, self._key(QUARANTINE, f"{step_dirname(step)}-{stamp}"))
+        uri = self._move_step(step, self._key(QUARANTINE, f"{step_dirname(step)}-{_stamp()}"))
         self.quarantined.append({"step": step, "uri": uri, "reason": reason[:200]})
         return uri
 
+    def _step_owner(self, step: int) -> str | None:
+        try:
+            return self._load_ref(step).owner
+        except CheckpointError:
+            return None  # unreadable: not provably this job's
+
     def set_aside_committed(self) -> tuple[list[int], str | None]:
-        """Move every committed step to ``<base>/superseded/<time>/`` (``resumeMode: disable`` on a
-        prefix holding an earlier run): the new run then owns the prefix, retention counts only its
-        steps and a later auto-resume loads only its steps; the old ones stay for whoever wants them.
+        """Move every committed step of an earlier job to ``<base>/superseded/<time>/`` (``resumeMode:
+        disable`` on a prefix holding an earlier run): the new run then owns the prefix, retention counts
+        only its steps and a later auto-resume loads only its steps; the old ones stay for whoever wants
+        them. Steps this job saved itself (same ``owner``: a restart of the same RLJob) stay in place.
         Returns the steps moved and the folder they went to."""
-        steps = [r.step for r in self.list_committed()]
+        steps = [r.step for r in self.list_committed()
+                 if self.owner is None or self._step_owner(r.step) != self.owner]
         if not steps:
             return [], None
-        dest = self._key(SUPERSEDED, datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ"))
+        dest = self._key(SUPERSEDED, _stamp())
         for step in steps:
             self._move_step(step, f"{dest}/{step_dirname(step)}")
+        self._prune_superseded()
         return steps, self.store.uri_for(dest)
+
+    def _prune_superseded(self) -> None:
+        """Keep the newest SUPERSEDED_KEEP folders under superseded/ (all of them with maxToKeep 0)."""
+        if self.max_to_keep is None:
+            return
+        base = self._key(SUPERSEDED) + "/"
+        folders = sorted({o.key[len(base):].split("/", 1)[0] for o in self.store.list_prefix(base)})
+        for old in folders[:-SUPERSEDED_KEEP]:
+            prefix = f"{base}{old}/"
+            for commit in [o.key for o in self.store.list_prefix(prefix) if o.key.endswith("/" + COMMIT)]:
+                self.store.delete(commit)  # uncommit first, as retention does
+            self.store.delete_prefix(prefix)
+            log.info("deleted the superseded steps under %s (only the newest %d superseded runs are kept)",
+                     self.store.uri_for(prefix.rstrip("/")), SUPERSEDED_KEEP)
+
+    def list_quarantined(self) -> list[dict[str, Any]]:
+        """Steps under ``<base>/quarantine/``: ``{"step", "uri", "owner"}``, oldest step first."""
+        base = self._key(QUARANTINE) + "/"
+        folders = sorted({o.key[len(base):].split("/", 1)[0] for o in self.store.list_prefix(base)})
+        out = []
+        for folder in folders:
+            m = re.match(r"^step_(\d{6,})-", folder)
+            if not m:
+                continue
+            try:
+                owner = json.loads(self.store.get_bytes(f"{base}{folder}/{META}")).get("owner")
+            except (StorageError, ValueError, AttributeError):
+                owner = None
+            out.append({"step": int(m.group(1)), "uri": self.store.uri_for(base + folder), "owner": owner})
+        return sorted(out, key=lambda q: q["step"])
 
     # -- retention ----------------------------------------------------------------------------
 
@@ -602,8 +658,8 @@ def resolve_resume(mode: str, manager: CheckpointManager, explicit_uri: str | No
         # a restart continues from that, not from the seed again.
         own = manager.latest_committed()
         if own is not None:
-            log.info("resuming from this job's own step %d, not from resumeFrom %s (the seed of its first start)",
-                     own.step, explicit_uri)
+            log.warning("resuming from this job's own step %d, not from resumeFrom %s (the seed of its first "
+                        "start only)", own.step, explicit_uri)
             return own
         return manager.ref_from_uri(explicit_uri)
     raise ValueError(f"checkpoint.resume must be auto, disable or uri, got {mode!r}")
@@ -646,10 +702,20 @@ def restore_for_resume(manager: CheckpointManager, mode: Any, resume_from: str |
             log.warning("resumeMode is disable: moved the committed steps %s of an earlier run under %s to %s "
                         "(kept, not deleted); this run starts from scratch and owns the prefix", moved,
                         manager.base_uri, where)
-        return None
+        if manager.owner is None:
+            return None
+        if not manager.list_committed():
+            _refuse_lost_progress(manager, own_only=True)
+            return None
+        log.warning("resumeMode is disable, but the committed steps under %s are this job's own (a restart of "
+                    "the same RLJob or run, %s): continuing from them", manager.base_uri, manager.owner)
+        mode, resume_from = "auto", None
     while True:
+        if _mode_name(mode) != "auto" and manager.latest_committed() is None:
+            _refuse_lost_progress(manager)  # a seed never silently replaces the job's own progress
         ref = resolve_resume(mode, manager, resume_from)
         if ref is None:
+            _refuse_lost_progress(manager)
             return None
         own = _is_own(manager, ref)
         if own and spec_fields is not None:
@@ -672,6 +738,28 @@ def restore_for_resume(manager: CheckpointManager, mode: Any, resume_from: str |
             shutil.rmtree(local_dir, ignore_errors=True)
 
 
+def _refuse_lost_progress(manager: CheckpointManager, own_only: bool = False) -> None:
+    """Raise :class:`ProgressLost` when the job saved steps none of which loads (all quarantined as corrupt,
+    or committed but incomplete): a silent start from step 0 would throw that progress away.
+    ``own_only``: count only quarantined steps this job (``manager.owner``) saved."""
+    committed = [r.step for r in manager.list_committed()]
+    quarantined = [q for q in manager.list_quarantined() if not own_only or q["owner"] == manager.owner]
+    if not committed and not quarantined:
+        return
+    parts = []
+    if committed:
+        parts.append(f"committed steps {committed} are incomplete (their files do not match meta.json)")
+    if quarantined:
+        parts.append("steps failed their checksums and were moved to " + ", ".join(
+            f"{q['uri']}" for q in quarantined[-5:]) + (f" (and {len(quarantined) - 5} more)" if len(quarantined) > 5 else ""))
+    raise ProgressLost(
+        f"this job saved progress under {manager.base_uri}/ but none of it loads: " + "; ".join(parts) + ". "
+        "Starting from step 0 would throw it away, so the run stops. To start over on purpose, move "
+        f"{manager.base_uri}/{QUARANTINE}/ elsewhere (the corrupt steps stay for inspection)"
+        + (f" and delete the incomplete steps {committed}" if committed else "")
+        + ", give the job a new name, or run `rljob run --fresh` (deletes the job's checkpoints)")
+
+
 __all__ = [
     "COMMIT",
     "META",
@@ -681,6 +769,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointRef",
+    "ProgressLost",
     "RetentionPlan",
     "SaveHandle",
     "SpecChanged",

@@ -10,9 +10,12 @@ a normal exit. Another run may take it over only when
 - the holder ran on this host and its process is gone (a killed local run), or
 - the heartbeat is older than ``stale_after_s`` (a holder that died elsewhere).
 
-Object stores have no compare-and-swap everywhere, so acquiring writes, waits a moment and reads
-back: of two runs starting in the same instant, the one whose write landed last keeps it, the
-other one stops.
+Every write is a compare-and-swap on the store (S3 ``If-None-Match: *`` to create, ``If-Match:
+<etag>`` to renew or take over; on a file system an exclusive create and a compare under a file
+lock): of two runs that read the same state, only the first write lands, the other finds the
+object changed, reads it again and stops. A server without conditional writes (501) falls back to
+write, wait ``settle_s`` and read back, which a slow write can still beat; the read-back also stays
+after a conditional write, for servers that ignore the headers.
 """
 from __future__ import annotations
 
@@ -27,7 +30,13 @@ import uuid
 from typing import Any
 
 from rljob_worker.checkpoint.commit import CheckpointError
-from rljob_worker.checkpoint.store import ObjectNotFoundError, ObjectStore, StorageError
+from rljob_worker.checkpoint.store import (
+    ConditionalWriteUnsupported,
+    ObjectNotFoundError,
+    ObjectStore,
+    PreconditionFailed,
+    StorageError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,8 @@ class CheckpointLease:
         self.identity = identity or local_identity()
         self.stale_after_s, self.heartbeat_s, self.settle_s = stale_after_s, heartbeat_s, settle_s
         self.lost = False
+        self._etag: str | None = None  # the tag of our last write; None until acquired
+        self._conditional = True  # False after the server said it has no conditional writes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -70,15 +81,32 @@ class CheckpointLease:
         return self.store.uri_for(self.key)
 
     def read(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.store.get_bytes(self.key))
-        except ObjectNotFoundError:
-            return None
-        except ValueError:
-            return None  # a torn or foreign object: treat the prefix as free
+        return self._read_tagged()[0]
 
-    def _write(self) -> None:
-        self.store.put_bytes(self.key, json.dumps({**self.identity, "heartbeat": time.time()}).encode())
+    def _read_tagged(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(holder, etag); holder None when there is no lease, {} for a torn or foreign object (free)."""
+        try:
+            data, etag = self.store.get_bytes_tagged(self.key)
+        except ObjectNotFoundError:
+            return None, None
+        try:
+            holder = json.loads(data)
+        except ValueError:
+            return {}, etag
+        return (holder if isinstance(holder, dict) else {}), etag
+
+    def _write(self, match: str | None) -> None:
+        """Write our heartbeat if the lease is still at tag ``match`` (None: absent); PreconditionFailed if not."""
+        data = json.dumps({**self.identity, "heartbeat": time.time()}).encode()
+        if self._conditional:
+            try:
+                self._etag = self.store.put_bytes_if(self.key, data, match)
+                return
+            except ConditionalWriteUnsupported as e:
+                log.warning("%s; the checkpoint lease falls back to write and read back", e)
+                self._conditional = False
+        self.store.put_bytes(self.key, data)
+        self._etag = self.store.get_bytes_tagged(self.key)[1]
 
     def _may_take(self, holder: dict[str, Any]) -> str | None:
         """Why `holder`'s lease may be taken over (None: it may not)."""
@@ -106,19 +134,34 @@ class CheckpointLease:
             f"other's checkpoints: stop the other run first (if it died, its lease expires {self.stale_after_s:.0f} s "
             "after its last heartbeat), or give this one another job name or spec.checkpoint.uri")
 
-    def acquire(self) -> None:
+    def refusal_if_held(self) -> LeaseHeld | None:
+        """Read only: the refusal a run of this identity would meet now (None when the prefix is free or its
+        holder may be taken over). `rljob run --fresh` asks before deleting anything."""
         holder = self.read()
-        if holder is not None:
-            why = self._may_take(holder)
-            if why is None:
-                raise self._refusal(holder)
-            if why != "ours":
-                log.warning("taking over the checkpoint lease %s from pid %s on %s: %s", self.uri, holder.get("pid"),
-                            holder.get("host"), why)
-        self._write()
+        if holder is None or self._may_take(holder) is not None:
+            return None
+        return self._refusal(holder)
+
+    def acquire(self) -> None:
+        for _attempt in range(5):  # each retry follows a write that lost a race, so the next read sees the winner
+            holder, etag = self._read_tagged()
+            if holder is not None:
+                why = self._may_take(holder) if holder else "it is not a lease this version wrote"
+                if why is None:
+                    raise self._refusal(holder)
+                if why != "ours":
+                    log.warning("taking over the checkpoint lease %s from pid %s on %s: %s", self.uri,
+                                holder.get("pid"), holder.get("host"), why)
+            try:
+                self._write(etag)
+                break
+            except PreconditionFailed:
+                continue
+        else:
+            raise self._refusal(self.read() or {})
         time.sleep(self.settle_s)
-        now = self.read()
-        if now is None or now.get("run_id") != self.identity["run_id"]:
+        now, _ = self._read_tagged()
+        if not now or now.get("run_id") != self.identity["run_id"]:
             raise self._refusal(now or holder or {})
         self._thread = threading.Thread(target=self._beat, name="rljob-lease", daemon=True)
         self._thread.start()
@@ -127,13 +170,23 @@ class CheckpointLease:
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                holder = self.read()
-                if holder is not None and holder.get("run_id") != self.identity["run_id"]:
+                try:
+                    self._write(self._etag)
+                    continue
+                except PreconditionFailed:
+                    pass
+                holder, etag = self._read_tagged()
+                if holder is None:  # deleted behind our back (nobody holds it): take it again
+                    self._write(None)
+                elif holder.get("run_id") == self.identity["run_id"]:  # our own retried write landed
+                    self._etag = etag
+                else:
                     self.lost = True
                     log.error("lost the checkpoint lease %s to pid %s on %s; this run will not save again",
                               self.uri, holder.get("pid"), holder.get("host"))
                     return
-                self._write()
+            except PreconditionFailed:  # someone created it in between: the next beat reads who
+                self._etag = None
             except StorageError as e:  # an outage: the next beat retries; staleness needs stale_after_s
                 log.warning("checkpoint lease heartbeat failed (will retry): %s", e)
 
@@ -149,8 +202,10 @@ class CheckpointLease:
             self._thread.join(timeout=5)
             self._thread = None
             try:
-                holder = self.read()
-                if holder is not None and holder.get("run_id") == self.identity["run_id"]:
-                    self.store.delete(self.key)
+                holder, etag = self._read_tagged()
+                if holder and holder.get("run_id") == self.identity["run_id"] and etag is not None:
+                    self.store.delete_if(self.key, etag)  # not if another run took it meanwhile
+            except PreconditionFailed:
+                pass
             except StorageError as e:
                 log.warning("could not release the checkpoint lease %s: %s", self.uri, e)

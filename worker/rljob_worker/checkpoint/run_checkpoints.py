@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,16 +39,23 @@ def _utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-# Settings a resume must not change: what the weights were trained from and on, the algorithm, and
-# what decides the data order the sampler position refers to. Learning rate, steps, saveFreq,
-# validation, metrics, resources and the parallel layout (megatron checkpoints reshard) may change.
+# Settings a resume must not change: what the weights were trained from and on (the policy's and the
+# critic's), their dtype and architecture overrides, the algorithm (SFT's objective included), and what
+# decides the data order the sampler position refers to. Learning rates and schedules, steps, saveFreq,
+# validation (data.valFiles, data.synthetic.numValPrompts), rollout engine settings, rewards, metrics,
+# resources and the parallel layout (megatron checkpoints reshard) may change. A top-level name stands
+# for its whole section; tests/checkpoint/test_resume_fields.py classifies every spec field.
 RESUME_FIXED_FIELDS = (
-    "model.path", "model.tokenizerPath",
-    "data.trainFiles", "data.synthetic", "data.promptKey", "data.maxPromptLength", "data.promptOverflow",
-    "data.applyChatTemplate", "data.shuffle",
+    "model.path", "model.tokenizerPath", "model.dtype",
+    "data.trainFiles", "data.synthetic.task", "data.synthetic.numPrompts", "data.promptKey",
+    "data.maxPromptLength", "data.promptOverflow", "data.applyChatTemplate", "data.shuffle",
     "algorithm",
+    "sft.format", "sft.responseKey", "sft.messagesKey", "sft.maxLength", "sft.overflow", "sft.lossOnPromptTokens",
+    "sft.packing",
     "rollout.samplesPerPrompt",
     "training.trainBatchSizePerNode", "training.seed",
+    "megatron.overrideTransformerConfig",
+    "critic.model.path", "critic.outputLayerIndex", "critic.cliprangeValue", "critic.megatron.overrideTransformerConfig",
 )
 
 
@@ -100,8 +108,11 @@ class RunCheckpoints:
         self.spec, self.env = spec, env
         self.uri = ctx.checkpoint_uri or spec.checkpoint.uri
         self.store = open_store(self.uri, endpoint_url=spec.s3.endpoint, region=spec.s3.region)
+        # The owner of the steps this run saves: the RLJob's uid (its restarted pods continue its run
+        # even with resumeMode disable), or for `rljob run` the launcher's run id.
+        owner = os.environ.get("RLJOB_UID") or os.environ.get("RLJOB_RUN_ID") or None
         self.manager = CheckpointManager(self.store, base_prefix=f"{ctx.namespace}/{ctx.job_name}",
-                                         max_to_keep=spec.checkpoint.max_to_keep or None)
+                                         max_to_keep=spec.checkpoint.max_to_keep or None, owner=owner)
         self.local_root = Path(ctx.workdir) / "checkpoints"
         spec_json = spec.model_dump(mode="json", by_alias=True)
         self.spec_hash = spec_hash(spec_json)

@@ -49,6 +49,8 @@ MiB = 1024 * 1024
 _HASH_CHUNK = 4 * MiB
 # Hidden temporary files of LocalStore carry this marker; listings skip them.
 _TMP_MARKER = ".rljob-tmp-"
+# Hidden lock files of LocalStore's conditional writes (never deleted while in use); listings skip them.
+_LOCK_MARKER = ".rljob-lock"
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
@@ -58,6 +60,14 @@ class StorageError(RuntimeError):
 
 class ObjectNotFoundError(StorageError):
     """The key does not exist."""
+
+
+class PreconditionFailed(StorageError):
+    """A conditional write or delete found the object other than expected (created, changed or gone)."""
+
+
+class ConditionalWriteUnsupported(StorageError):
+    """The server ignores or refuses conditional requests (If-None-Match / If-Match)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +170,7 @@ def _iter_local_files(local_dir: Path) -> list[tuple[str, Path, int]]:
     out = []
     for dirpath, _dirnames, filenames in os.walk(local_dir):
         for name in filenames:
-            if _TMP_MARKER in name:
+            if _TMP_MARKER in name or name.endswith(_LOCK_MARKER):
                 continue
             p = Path(dirpath) / name
             if not p.is_file():
@@ -226,6 +236,16 @@ class ObjectStore(Protocol):
 
     def get_bytes(self, key: str) -> bytes:
         """Raise :class:`ObjectNotFoundError` when the key does not exist."""
+
+    def get_bytes_tagged(self, key: str) -> tuple[bytes, str]:
+        """The object and its entity tag (changes whenever the object is rewritten)."""
+
+    def put_bytes_if(self, key: str, data: bytes, match: str | None) -> str:
+        """Compare-and-swap: write only if the key does not exist (``match`` None) or still has the
+        tag ``match``; returns the new tag. Raises :class:`PreconditionFailed` otherwise."""
+
+    def delete_if(self, key: str, match: str) -> None:
+        """Delete the key only if it still has the tag ``match`` (else :class:`PreconditionFailed`)."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -368,6 +388,64 @@ class LocalStore(_StoreBase):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    # Compare-and-swap on a file system: the tag is the content's sha256. A create is a hard link of
+    # a complete temporary file (link(2) fails when the name exists: an exclusive create that never
+    # shows half a file); compare-then-replace holds an flock(2) on a lock file beside the key, so
+    # two processes (or two threads with their own descriptors) never both see the old tag.
+
+    def get_bytes_tagged(self, key: str) -> tuple[bytes, str]:
+        data = self.get_bytes(key)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def _locked(self, key: str):
+        import contextlib
+        import fcntl
+
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        @contextlib.contextmanager
+        def lock():
+            fd = os.open(path.with_name(f".{path.name}{_LOCK_MARKER}"), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield path
+            finally:
+                os.close(fd)  # releases the lock
+
+        return lock()
+
+    def put_bytes_if(self, key: str, data: bytes, match: str | None) -> str:
+        with self._locked(key) as dest:
+            if match is None:
+                tmp = dest.with_name(f".{dest.name}{_TMP_MARKER}{uuid.uuid4().hex}")
+                try:
+                    tmp.write_bytes(data)
+                    os.link(tmp, dest)
+                except FileExistsError as e:
+                    raise PreconditionFailed(f"{self.uri_for(key)} exists already") from e
+                finally:
+                    tmp.unlink(missing_ok=True)
+            else:
+                try:
+                    current = hashlib.sha256(dest.read_bytes()).hexdigest()
+                except FileNotFoundError as e:
+                    raise PreconditionFailed(f"{self.uri_for(key)} is gone") from e
+                if current != match:
+                    raise PreconditionFailed(f"{self.uri_for(key)} was rewritten by someone else")
+                self.put_bytes(key, data)
+        return hashlib.sha256(data).hexdigest()
+
+    def delete_if(self, key: str, match: str) -> None:
+        with self._locked(key) as dest:
+            try:
+                current = hashlib.sha256(dest.read_bytes()).hexdigest()
+            except FileNotFoundError:
+                return
+            if current != match:
+                raise PreconditionFailed(f"{self.uri_for(key)} was rewritten by someone else")
+            dest.unlink()
+
     def copy(self, src_key: str, dst_key: str) -> None:
         src = self._path(src_key)
         if not src.is_file():
@@ -383,7 +461,7 @@ class LocalStore(_StoreBase):
         out = []
         for dirpath, _dirs, names in os.walk(start):
             for name in names:
-                if _TMP_MARKER in name:
+                if _TMP_MARKER in name or name.endswith(_LOCK_MARKER):
                     continue
                 p = Path(dirpath) / name
                 key = p.relative_to(self.root).as_posix()
@@ -402,9 +480,12 @@ class LocalStore(_StoreBase):
             p = self._path(o.key)
             p.unlink(missing_ok=True)
             dirs.add(p.parent)
-        # Remove folders left empty, deepest first, never the root.
+        # Remove folders left empty (but for lock files), deepest first, never the root.
         for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
             while d != self.root and self.root in d.parents:
+                for lock in d.glob(f"*{_LOCK_MARKER}") if d.is_dir() else ():
+                    if not lock.with_name(lock.name[1:-len(_LOCK_MARKER)]).exists():
+                        lock.unlink(missing_ok=True)
                 try:
                     d.rmdir()
                 except OSError:
@@ -694,6 +775,47 @@ class S3Store(_StoreBase):
             f"reading {self.uri_for(key)}",
             lambda: self._client.get_object(Bucket=self.bucket, Key=k)["Body"].read(),
         )
+
+    # Conditional requests: If-None-Match: * creates only a missing key, If-Match: <etag> replaces or
+    # deletes only the version read (AWS S3 since 2024, SeaweedFS 4.x, MinIO). A server that answers
+    # 501 has none; one that ignores the headers is caught by the lease's read-back.
+
+    def _conditional(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return self._retry(what, fn)
+        except StorageError as e:
+            code, status = _error_code(e)
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                raise PreconditionFailed(f"{what}: the object changed meanwhile ({code or status})") from e
+            if code == "NotImplemented" or status == 501:
+                raise ConditionalWriteUnsupported(f"{what}: {self._endpoint_name()} has no conditional writes") from e
+            raise
+
+    def get_bytes_tagged(self, key: str) -> tuple[bytes, str]:
+        k = self._key(key)
+
+        def get() -> tuple[bytes, str]:
+            resp = self._client.get_object(Bucket=self.bucket, Key=k)
+            return resp["Body"].read(), resp["ETag"]
+
+        return self._retry(f"reading {self.uri_for(key)}", get)
+
+    def put_bytes_if(self, key: str, data: bytes, match: str | None) -> str:
+        k = self._key(key)
+        cond = {"IfNoneMatch": "*"} if match is None else {"IfMatch": match}
+        # A retried PUT whose lost first attempt landed fails its own condition: the caller re-reads
+        # and finds its own content.
+        resp = self._conditional(f"writing {self.uri_for(key)} ({'create' if match is None else 'if unchanged'})",
+                                 lambda: self._client.put_object(Bucket=self.bucket, Key=k, Body=data, **cond))
+        return resp["ETag"]
+
+    def delete_if(self, key: str, match: str) -> None:
+        k = self._key(key)
+        try:
+            self._conditional(f"deleting {self.uri_for(key)} if unchanged",
+                              lambda: self._client.delete_object(Bucket=self.bucket, Key=k, IfMatch=match))
+        except ObjectNotFoundError:
+            return
 
     def exists(self, key: str) -> bool:
         try:

@@ -133,6 +133,16 @@ def check_ground_truth(rows: list[dict], path: str, setting: str, reward: str | 
                                 "layout: reward_model: {ground_truth: ...}) or choose a reward that needs none")
             log.warning("%s: spec.reward.function %r gets '' as the ground truth of such rows", where, reward)
             return
+    if reward in NEEDS_GROUND_TRUTH and rows and all(_blank(r["reward_model"]["ground_truth"]) for r in rows):
+        # present in every row but empty in all of them: every sample would score 0 and the run "succeed"
+        first = {k: v for k, v in rows[0].items() if k != "reward_model"}
+        raise DataError(f"{setting} {path}: column reward_model.ground_truth is empty in all {len(rows)} rows "
+                        f"(first: row 0, {str(first)[:160]}), and spec.reward.function {reward!r} scores against "
+                        "it: fill it in, or choose a reward that needs none")
+
+
+def _blank(value) -> bool:
+    return str(value).strip() == ""
 
 
 def load_datasets(spec: DataSpec, tokenizer, seed: int, fetch=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -54,8 +55,10 @@ def _score_one(fn: RewardFn, prompt: str, completion: str, truth: str, extra: di
     return float(fn(prompt, completion, truth, extra))
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):  # not an Exception: a reward's `except Exception` retry loop must not swallow it
+    def __init__(self, elapsed_s: float | None = None):
+        super().__init__(elapsed_s)
+        self.elapsed_s = elapsed_s
 
 
 def _score_inline(fn: RewardFn, args: tuple, timeout_s: float) -> float:
@@ -70,11 +73,16 @@ def _score_inline(fn: RewardFn, args: tuple, timeout_s: float) -> float:
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    start = time.monotonic()
     try:
-        return _score_one(fn, *args)
+        value = _score_one(fn, *args)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    elapsed = time.monotonic() - start
+    if elapsed > timeout_s:  # the alarm did not stop it (swallowed, or the reward set its own SIGALRM)
+        raise _Timeout(elapsed)
+    return value
 
 
 def score_all(
@@ -94,7 +102,12 @@ def score_all(
         for i, (p, c, t, e) in enumerate(args):
             try:
                 out.append(_score_inline(fn, (p, c, t, e), timeout_s))
-            except _Timeout:
+            except _Timeout as late:
+                if late.elapsed_s is not None:
+                    raise RewardError(
+                        f"reward function timed out on sample {i} (prompt {p[:60]!r}): it ran {late.elapsed_s:.1f}s, "
+                        f"over spec.reward.timeoutSeconds {timeout_s}s, and the alarm did not stop it (the reward "
+                        "catches it or sets its own SIGALRM); spec.reward.numWorkers > 0 bounds every reward") from None
                 raise RewardError(f"reward function timed out after {timeout_s}s on sample {i} "
                                   f"(prompt {p[:60]!r}; spec.reward.timeoutSeconds)") from None
             except Exception as exc:

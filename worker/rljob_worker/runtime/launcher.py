@@ -71,69 +71,123 @@ def start_pod(job: RLJob, node_rank: int, master_port: int, spec_path: Path, ext
                             start_new_session=True)
 
 
-RUN_MARKER = ".rljob-run"  # written into every workdir `rljob run` uses; `--fresh` deletes only in such folders
-_RUN_OUTPUTS = ("spec.json", "work", "pod-*.log")  # what a run writes into its workdir, besides the marker
+RUN_MARKER = ".rljob-run"  # the run's manifest in its workdir: which job, and every path a run of it wrote
+_RUN_FILES = ("spec.json", "output.log", "work")  # top-level names a run writes (besides pod-N.log)
 
 
 class FreshRefused(ValueError):
     """`--fresh` would delete something the job did not write."""
 
 
-def mark_workdir(job: RLJob, root: Path) -> None:
-    """Record that `root` holds this job's run outputs, so a later `--fresh` may delete them (and only them)."""
+class WorkdirRefused(ValueError):
+    """A run would write over a path in its workdir that it did not create."""
+
+
+def _read_manifest(root: Path) -> dict | None:
+    try:
+        doc = json.loads((root / RUN_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _is_ours(job: RLJob, doc: dict | None) -> bool:
+    return bool(doc) and doc.get("job") == job.metadata.name and doc.get("namespace") == job.metadata.namespace
+
+
+def _write_manifest(root: Path, doc: dict) -> None:
+    tmp = root / f"{RUN_MARKER}.tmp"
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, root / RUN_MARKER)
+
+
+def files_under(folder: Path, root: Path) -> set[str]:
+    """Every file (and symlink) below `folder`, relative to `root`."""
+    if not folder.is_dir():
+        return set()
+    return {p.relative_to(root).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
+
+
+def claim_workdir(job: RLJob, root: Path, nnodes: int = 1) -> set[str]:
+    """Before a run writes into `root`: refuse when a path it would write exists and no earlier run of this
+    job wrote it (the user's own `spec.json` in `--workdir .`), else write the manifest. Returns the files
+    under `root/work` now (a run adds to the manifest only what appears there while it runs)."""
+    doc = _read_manifest(root)
+    if doc is not None and not _is_ours(job, doc):
+        raise WorkdirRefused(f"--workdir {root}: it holds the outputs of job {doc.get('namespace')}/{doc.get('job')} "
+                             f"({RUN_MARKER}); pass --workdir with a new or empty folder")
+    written = set(doc.get("written", ())) if doc else set()
+    ours = {n.rstrip("/") for n in written}  # "work/": the folder is the run's (it created it)
+    for name in (*_RUN_FILES, *(f"pod-{r}.log" for r in range(1, nnodes))):
+        if (root / name).exists() and name not in ours:
+            raise WorkdirRefused(f"--workdir {root}: {root / name} exists and was not written by `rljob run` of "
+                                 f"{job.metadata.namespace}/{job.metadata.name}; a run writes spec.json, output.log, "
+                                 "work/ and pod-N.log there: pass --workdir with a new or empty folder")
     root.mkdir(parents=True, exist_ok=True)
-    marker = root / RUN_MARKER
-    if not marker.exists():
-        marker.write_text(json.dumps({"job": job.metadata.name, "namespace": job.metadata.namespace,
-                                      "outputs": list(_RUN_OUTPUTS)}) + "\n")
+    if not (root / "work").exists():
+        written.add("work/")
+    _write_manifest(root, {"job": job.metadata.name, "namespace": job.metadata.namespace, "written": sorted(written)})
+    return files_under(root / "work", root)
+
+
+def record_written(job: RLJob, root: Path, paths: set[str]) -> None:
+    """Add `paths` (relative to `root`) to the manifest: what `--fresh` may delete later."""
+    doc = _read_manifest(root) or {"job": job.metadata.name, "namespace": job.metadata.namespace}
+    doc["written"] = sorted(set(doc.get("written", ())) | set(paths))
+    _write_manifest(root, doc)
+
+
+def mark_workdir(job: RLJob, root: Path) -> None:
+    """Claim `root` for this job (see claim_workdir)."""
+    claim_workdir(job, root)
 
 
 def fresh_targets(job: RLJob, root: Path) -> list[Path]:
-    """What `--fresh` deletes in `root`: the outputs an earlier `rljob run` of this job wrote there.
+    """What `--fresh` deletes in `root`: the files the manifest says a run of this job wrote, and the manifest.
 
-    Raises FreshRefused for a folder with content but no marker of this job (a folder the run
+    Raises FreshRefused for a folder with content but no manifest of this job (a folder the run
     did not create, e.g. `--workdir .` on a first run), so nothing of the user's is ever deleted."""
     if not root.exists():
         return []
-    marker = root / RUN_MARKER
-    owner = None
-    if marker.is_file():
-        try:
-            owner = json.loads(marker.read_text())
-        except ValueError:
-            owner = None
-    ours = isinstance(owner, dict) and owner.get("job") == job.metadata.name and \
-        owner.get("namespace") == job.metadata.namespace
-    if not ours:
+    doc = _read_manifest(root)
+    if not _is_ours(job, doc):
         if not root.is_dir() or any(root.iterdir()):
-            who = f"job {owner.get('namespace')}/{owner.get('job')}" if isinstance(owner, dict) else "no rljob run"
+            who = f"job {doc.get('namespace')}/{doc.get('job')}" if doc else "no rljob run"
             raise FreshRefused(
                 f"--fresh: refusing to delete anything in {root}: it was not created by `rljob run` for "
                 f"{job.metadata.namespace}/{job.metadata.name} ({who} marker {RUN_MARKER} there); "
                 "pass --workdir with a new or empty folder, or delete what you no longer need by hand")
         return []
-    found = [p for pattern in _RUN_OUTPUTS for p in sorted(root.glob(pattern))]
-    return found + [marker]
+    found = [root / rel for rel in doc.get("written", ()) if (root / rel).is_file() or (root / rel).is_symlink()]
+    return found + [root / RUN_MARKER]
 
 
 def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
     """`--fresh`: remove the job's committed checkpoints and the run outputs it wrote into `root`.
 
     Checks the workdir first, so a refusal deletes nothing at all."""
-    import shutil
-
     from rljob_worker.checkpoint.store import open_store
+
+    from rljob_worker.checkpoint.lease import CheckpointLease
 
     targets = fresh_targets(job, root)
     store = open_store(checkpoint_uri, endpoint_url=job.spec.s3.endpoint, region=job.spec.s3.region)
     prefix = f"{job.metadata.namespace}/{job.metadata.name}/"
+    held = CheckpointLease(store, prefix).refusal_if_held()  # a running job's steps and LEASE stay
+    if held is not None:
+        raise FreshRefused(f"--fresh: deleting nothing: {held}")
     store.delete_prefix(prefix)
     for path in targets:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    listed = ", ".join(str(p) for p in targets) or "no local outputs"
+        path.unlink(missing_ok=True)
+    # folders the deletions emptied (never one that still holds a file the run cannot prove it wrote)
+    for folder in sorted({p.parent for p in targets if p.parent != root}, key=lambda p: -len(p.parts)):
+        while folder != root and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
+    kept = files_under(root / "work", root)
+    listed = (f"{len(targets) - 1} file(s) the earlier runs wrote in {root}" if len(targets) > 1 else "no local outputs")
+    if kept:
+        listed += f" (kept {len(kept)} file(s) under {root / 'work'} no run recorded writing, e.g. {sorted(kept)[0]})"
     print(f"rljob: --fresh: deleted the checkpoints under {store.uri_for(prefix.rstrip('/'))}/ and {listed}",
           flush=True)
 
@@ -161,10 +215,21 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
         except (FreshRefused, StorageError) as exc:
             print(f"rljob: {exc}", file=sys.stderr)
             return 2
-    mark_workdir(job, root)
+    try:
+        work_before = claim_workdir(job, root, spec.nnodes)
+    except WorkdirRefused as exc:
+        print(f"rljob: {exc}", file=sys.stderr)
+        return 2
+    top_before = {n for n in ("output.log", *(f"pod-{r}.log" for r in range(1, spec.nnodes))) if (root / n).exists()}
+    from rljob_worker.runtime.pipe_output import OUTPUT_LOG_VAR, protect_output
+
+    output_log = root / "output.log"
+    protect_output(output_log)  # a closed stdout (`| tee` ended by Ctrl-C) must not stop the run or its save
     spec_path = write_spec(job, root)
+    record_written(job, root, {"spec.json"})
     master_port = free_port()
-    extra = {"RLJOB_WORKDIR": str(root / "work"), "RLJOB_PROGRESS_BAR": "1" if sys.stdout.isatty() else "0"}
+    extra = {"RLJOB_WORKDIR": str(root / "work"), "RLJOB_PROGRESS_BAR": "1" if sys.stdout.isatty() else "0",
+             OUTPUT_LOG_VAR: str(output_log)}
     if checkpoint_uri:
         extra["RLJOB_CHECKPOINT_URI"] = checkpoint_uri
     if steps is not None:
@@ -198,6 +263,10 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
         if guard is not None:
             guard.stdin.close()
             guard.wait()
+        # what this run wrote, so that `--fresh` deletes exactly that (files the user adds later stay)
+        new_top = {n for n in ("output.log", *(f"pod-{r}.log" for r in range(1, spec.nnodes)))
+                   if (root / n).exists() and n not in top_before}
+        record_written(job, root, new_top | (files_under(root / "work", root) - work_before))
     code = next((c for c in codes if c != 0), 0)
     print(f"rljob: {job.metadata.name} finished with exit code {code} in {time.monotonic() - started:.0f}s; "
           f"outputs in {root}", flush=True)

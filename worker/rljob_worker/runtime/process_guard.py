@@ -63,6 +63,24 @@ def ignore_stop_signals() -> None:
     preemption save down with it; the helpers end with the worker instead."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this process when its parent goes. A helper that ignores SIGTERM and
+    whose worker was SIGKILLed (a killed pod, a test ending a run) otherwise lived on as an orphan
+    (~270 MB each, found after the test suite)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took hold
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def start_guard(run_id: str) -> subprocess.Popen | None:

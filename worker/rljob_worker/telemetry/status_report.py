@@ -37,7 +37,10 @@ class StatusReporter:
 
     def report(self, *, step: int, total_steps: int | None, reward_mean: float | None,
                val_reward_mean: float | None, last_checkpoint: dict[str, Any] | None, force: bool = False,
-               nonfinite_rewards: int | None = None, quarantined: list[dict[str, Any]] | None = None) -> bool:
+               nonfinite_rewards: int | None = None, quarantined: list[dict[str, Any]] | None = None,
+               tracker_runs: list[dict[str, Any]] | None = None,
+               val_pass_at_k: dict[str, float] | None = None) -> bool:
+
         if not self.enabled:
             return False
         now = time.monotonic()
@@ -46,7 +49,9 @@ class StatusReporter:
         try:
             value = encode_progress(step, total_steps=total_steps, reward_mean=reward_mean,
                                     val_reward_mean=val_reward_mean, last_checkpoint=last_checkpoint,
-                                    nonfinite_rewards=nonfinite_rewards, quarantined=quarantined)
+                                    nonfinite_rewards=nonfinite_rewards, quarantined=quarantined,
+                                    tracker_runs=tracker_runs,
+                                    val_pass_at_k=val_pass_at_k)
             patch_progress(value, name=self.name, namespace=self.namespace, api_base=self.api_base, timeout=3.0)
         except Exception as exc:  # noqa: BLE001 - progress is best effort; training goes on
             if not self._warned:

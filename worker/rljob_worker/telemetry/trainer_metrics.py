@@ -283,6 +283,31 @@ class TrainerTelemetry:
         if self._save_freq is not None:
             self._save_freq_gauge.labels(**self._base).set(self._save_freq)
 
+        # Experiment trackers (telemetry.trackers): calls that failed, records given up on.
+        self._tracker_errors = Counter(
+            "rljob_tracker_errors", "Failed experiment-tracker calls (MLflow, W&B), by tracker; training goes on.",
+            lab + ["tracker"], registry=reg)
+        self._tracker_dropped = Counter(
+            "rljob_tracker_dropped", "Records (a step's metrics, a table) never delivered to an experiment tracker: "
+            "its queue was full, or the run ended before the tracker came back.", lab + ["tracker"], registry=reg)
+        # Remote rewards (record_remote_reward), by route: "*" (spec.reward) or the data source of bySource.
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, lab + ["route"], registry=reg)
+
+        self._remote = {
+            "requests": counter("rljob_reward_remote_requests", "HTTP requests sent to a remote reward, retries included."),
+            "retries": counter("rljob_reward_remote_retries", "Retried requests to a remote reward (errors, timeouts, "
+                               "HTTP 408/429/5xx, malformed answers)."),
+            "failures": counter("rljob_reward_remote_failures", "Samples a remote reward could not score after every "
+                                "retry (onFailure then applied)."),
+            "zeroed": counter("rljob_reward_remote_zeroed", "Failed remote samples scored 0 (onFailure zero)."),
+            "dropped": counter("rljob_reward_remote_dropped", "Failed remote samples whose group was dropped from the "
+                               "gradient (onFailure drop-group)."),
+        }
+        self._remote_seconds = Histogram("rljob_reward_remote_seconds",
+                                         "Wall time of scoring one batch at a remote reward, by route.",
+                                         lab + ["route"], buckets=DURATION_BUCKETS, registry=reg)
+
         # GPU memory (record_gpu_memory / set_gpu_memory).
         self._gpu = {
             "allocated": gauge("rljob_gpu_memory_allocated_bytes",
@@ -437,6 +462,23 @@ class TrainerTelemetry:
         """Add a rollout's tool calls, {(tool, outcome): count}, to rljob_tool_calls_total."""
         for (tool, outcome), count in counts.items():
             self._tool_calls.labels(**self._base, tool=str(tool), outcome=str(outcome)).inc(int(count))
+
+    # ------------------------------------------------------------------ experiment trackers
+    def record_tracker_error(self, tracker: str) -> None:
+        """One failed call to an experiment tracker (``tracker``: mlflow or wandb)."""
+        self._tracker_errors.labels(**self._base, tracker=tracker).inc()
+
+    def record_tracker_dropped(self, tracker: str, records: int = 1) -> None:
+        """Records the tracker will never get (queue full, or undelivered at the end)."""
+        self._tracker_dropped.labels(**self._base, tracker=tracker).inc(records)
+
+    def record_remote_reward(self, route: str, *, requests: int, retries: int, failures: int, zeroed: int,
+                             dropped: int, seconds: float) -> None:
+        """Count one scoring call at a remote reward (``route``: ``*`` for spec.reward, else the data source)."""
+        for key, value in (("requests", requests), ("retries", retries), ("failures", failures),
+                           ("zeroed", zeroed), ("dropped", dropped)):
+            self._remote[key].labels(**self._base, route=str(route)).inc(int(value))
+        self._remote_seconds.labels(**self._base, route=str(route)).observe(float(seconds))
 
     # ------------------------------------------------------------------ GPU memory
     def record_gpu_memory(self) -> None:

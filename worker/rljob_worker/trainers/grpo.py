@@ -60,7 +60,7 @@ from rljob_worker.data.batching import (
 )
 from rljob_worker.data.prompts import EpochSampler, load_datasets
 from rljob_worker.data.token_budget import balanced_dp_order
-from rljob_worker.rewards import resolve_reward, score_all
+from rljob_worker.rewards import RewardRouter
 from rljob_worker.rollout import RolloutOutput, SamplingParams
 from rljob_worker.rollout.every_rank import (
     check_hf_engine_layout,
@@ -75,6 +75,7 @@ from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
 from rljob_worker.telemetry.flops import active_parameters
 
 log = logging.getLogger("rljob.trainer")
+VALIDATION_TABLE_ROWS = 64  # validation samples (prompt, response, ground truth, reward) sent to the trackers
 
 
 class GRPOTrainer(RunLoop):
@@ -87,8 +88,14 @@ class GRPOTrainer(RunLoop):
     def build_data(self) -> None:
         """Reward, model folder, tokenizer, data: the usual mistakes fail here, before any model is built."""
         spec, env = self.spec, self.env
-        self.reward_fn = resolve_reward(spec.reward.function)
         self.reward_pool = _reward_pool(spec.reward.num_workers) if self.is_main else None
+        # every rank resolves the functions and reads the remote headers' env; rank 0 scores and probes
+        from rljob_api.models import judge_url
+
+        self.rewards = RewardRouter(spec.reward, pool=self.reward_pool,
+                                    judge_url=judge_url(self.ctx.job_name, self.ctx.namespace))
+        if self.is_main:
+            self.rewards.probe()
         from rljob_worker.data.model_source import resolve_model_dir
 
         self.model_dir = resolve_model_dir(spec, self.ctx.workdir, local_rank=env.local_rank)
@@ -103,7 +110,8 @@ class GRPOTrainer(RunLoop):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
         self.train_set, self.val_set = load_datasets(spec.data, self.tokenizer, spec.training.seed,
-                                                     fetch=self._fetcher(), reward=spec.reward.function)
+                                                     fetch=self._fetcher(),
+                                                     reward=None if spec.reward.remote else spec.reward.function)
         self.agent = _build_agent(spec, self.tokenizer) if spec.rollout.agent is not None else None
         self.prompts_per_step = spec.training.train_batch_size_per_node * spec.nnodes
         self.sampler = EpochSampler(len(self.train_set), self.prompts_per_step, spec.training.seed, spec.data.shuffle)
@@ -225,7 +233,10 @@ class GRPOTrainer(RunLoop):
                 for model, flags in self._offload_plan:
                     model.offload(**flags)
         samples_here = self.is_main or self.engine_everywhere
-        payload = self._rollout_and_score(metrics) if samples_here else None  # stages: rollout, reward
+        # a remote reward scores in the background while the log-probs below are computed (joined in 3.)
+        defer = (self.rewards.overlap and not a.dynamic_sampling
+                 and not (self.use_ref and a.kl_placement == KLPlacement.REWARD))
+        payload = self._rollout_and_score(metrics, defer=defer) if samples_here else None  # stages: rollout, reward
         payload = broadcast_object(payload)
         if self._offload_plan:
             with self.telemetry.stage("actor_offload"):
@@ -239,11 +250,12 @@ class GRPOTrainer(RunLoop):
         mini_batches_per_step = self.prompts_per_step // (spec.training.ppo_mini_batch_size_per_node * spec.nnodes)
         kl_in_reward = self.use_ref and a.kl_placement == KLPlacement.REWARD
         budget = spec.training.max_tokens_per_micro_batch
+        order = None
         if budget and self.dp_size > 1 and not kl_in_reward:
             # token budget: ranks get rows of equal token totals (each optimizer step keeps its rows;
             # the advantages are already per row; KL in the reward computes them later by prompt group)
-            batch = take_rows(batch, balanced_dp_order(batch["attention_mask"].sum(-1).tolist(), self.dp_size,
-                                                       mini_batches_per_step))
+            order = balanced_dp_order(batch["attention_mask"].sum(-1).tolist(), self.dp_size, mini_batches_per_step)
+            batch = take_rows(batch, order)
         per_rank = batch["input_ids"].shape[0] // self.dp_size
         lo = self.dp_rank * per_rank
         local = slice_batch(batch, lo, lo + per_rank)
@@ -252,6 +264,11 @@ class GRPOTrainer(RunLoop):
 
         # 3. old and reference log-probs (N/dp, T), from the megatron model
         self._old_and_ref_logprobs(local, old=not single_update, micro_batch_size=lp_micro)
+        if payload["deferred"]:  # join the background scoring: rank 0's advantages (N, T) go to every rank
+            joined = broadcast_object(self._join_scores() if self.is_main else None)
+            metrics.update(joined["metrics"])
+            advantages = joined["advantages"] if order is None else joined["advantages"][order]
+            local["advantages"] = advantages[lo:lo + per_rank]
         if kl_in_reward:  # the KL-shaped rewards feed the advantage estimator
             local["advantages"] = self._kl_in_reward_advantages(batch, local, lo, metrics)
         local.pop("token_rewards", None)
@@ -293,47 +310,113 @@ class GRPOTrainer(RunLoop):
             out["perf/mfu"] = tokens * flops_per_token / max(seconds, 1e-9) / peak
         return out
 
-    def _rollout_and_score(self, metrics: dict[str, float]) -> dict[str, Any]:
-        """Rank 0: sample n responses per prompt, score them, compute advantages (N,) and build the batch."""
+    def _rollout_and_score(self, metrics: dict[str, float], defer: bool = False) -> dict[str, Any]:
+        """Rank 0: sample n responses per prompt, score them, compute advantages (N,) and build the batch.
+        With `defer` the remote scores are still coming: the batch goes without advantages and
+        :meth:`_join_scores` adds them after the log-prob passes."""
         spec, n = self.spec, self.spec.rollout.samples_per_prompt
         self._step_nonfinite, self._step_scored = 0, 0  # counted by _sample_and_score, refills included
-        records, responses, rewards, rollout_s, generated = self._sample_and_score(self.prompts_per_step)
+        self._step_dropped, self._step_remote = None, {}  # drop-group rows; remote counts (_collect_scores)
+        records, responses, rewards, rollout_s, generated = self._sample_and_score(self.prompts_per_step, defer=defer)
         if spec.algorithm.dynamic_sampling:
             records, responses, rewards = self._dynamic_sampling(records, responses, rewards, metrics)
             rollout_s, generated = rollout_s + self._refill_seconds, generated + self._refill_tokens
         prompts = [r for r in records for _ in range(n)]
         out = RolloutOutput([r[0] for r in responses], [r[1] for r in responses], [r[2] for r in responses])
         lengths = torch.tensor([len(r) for r in out.response_ids], dtype=torch.float32)
-        shaped = rewards.clone()
-        ob = spec.algorithm.overlong_buffer
-        if ob.enable:
-            shaped = shaped + algo.overlong_penalty(lengths, spec.data.max_response_length, ob.length, ob.penalty_factor)
         loss_masks = [r[3] for r in responses] if self.agent is not None else None
         batch = pad_batch([r.prompt_ids for r in prompts], out.response_ids, self.pad_id, loss_masks=loss_masks)
         # the engine's log-probs of the tokens it sampled (a tool response has none): on the loss positions
         sampled_logprobs = (out.response_logprobs if loss_masks is None else
                             [[lp for lp, m in zip(lps, mask) if m] for lps, mask in zip(out.response_logprobs, loss_masks)])
         batch["rollout_logprobs"] = scatter_response_values(sampled_logprobs, batch["response_mask"])
+        metrics.update({
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": algo.response_length_clip_ratio(lengths, spec.data.max_response_length),
+            "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
+            **(self._tool_metrics if self.agent is not None else {}),
+        })
+        sources = [r.data_source for r in prompts]
+        if defer and self.is_main:
+            self._deferred = (lengths, batch["response_mask"], sources)
+        if not defer:
+            metrics.update(self._advantages_from_rewards(batch, rewards, lengths, sources))
+        return {"batch": batch, "metrics": metrics, "deferred": defer}
+
+    def _join_scores(self) -> dict[str, Any]:
+        """Rank 0, deferred scoring: wait for the scores, then {advantages (N, T), reward metrics}."""
+        lengths, response_mask, sources = self._deferred
+        with self.telemetry.stage("reward"):  # only the wait the log-prob passes did not hide
+            rewards = self._collect_scores(self._pending_scores)
+        self._pending_scores = self._deferred = None
+        batch = {"response_mask": response_mask}
+        metrics = self._advantages_from_rewards(batch, rewards, lengths, sources)
+        return {"advantages": batch["advantages"], "metrics": metrics}
+
+    def _advantages_from_rewards(self, batch: dict[str, torch.Tensor], rewards: torch.Tensor, lengths: torch.Tensor,
+                                 sources: list[str]) -> dict[str, float]:
+        """batch["scores"] and batch["advantages"] (or "token_rewards" with KL in the reward) from the (N,)
+        rewards; the reward and advantage metrics. Groups with a drop-group sample get zero advantages."""
+        spec, n, a = self.spec, self.spec.rollout.samples_per_prompt, self.spec.algorithm
+        shaped = rewards.clone()
+        ob = a.overlong_buffer
+        if ob.enable:
+            shaped = shaped + algo.overlong_penalty(lengths, spec.data.max_response_length, ob.length, ob.penalty_factor)
         batch["scores"] = shaped  # (N,) the shaped outcome reward of each response (PPO's critic reads them)
-        a = spec.algorithm
+        dropped = self._step_dropped if self._step_dropped is not None else torch.zeros(rewards.shape, dtype=torch.bool)
+        group_dropped = dropped.view(-1, n).any(-1).repeat_interleave(n)  # (N,)
         adv_metrics = {}
         if self.use_ref and a.kl_placement == KLPlacement.REWARD:
             # the outcome on each response's last token; KL joins it once the reference log-probs exist
             batch["token_rewards"] = _outcome_on_last_token(shaped, batch["response_mask"])
         else:
             advantages, adv_metrics = self._outcome_advantages(shaped, n, batch["response_mask"])
+            advantages = advantages.masked_fill(group_dropped, 0.0)  # onFailure drop-group: no gradient
             batch["advantages"] = algo.broadcast_to_tokens(advantages, batch["response_mask"])
-        metrics.update({
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
-            "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
+        kept = rewards[~group_dropped] if bool(group_dropped.any()) and not bool(group_dropped.all()) else rewards
+        metrics = {
+            "reward/mean": float(kept.mean()), "reward/std": float(kept.std(unbiased=False)),
+            "reward/min": float(kept.min()), "reward/max": float(kept.max()),
             "reward/nonfinite_count": float(self._step_nonfinite), "reward/samples": float(self._step_scored),
-            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": algo.response_length_clip_ratio(lengths, spec.data.max_response_length),
-            "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
             **{f"advantage/{k}": v for k, v in adv_metrics.items()},
-            **(self._tool_metrics if self.agent is not None else {}),
-        })
-        return {"batch": batch, "metrics": metrics}
+            **{f"reward/remote_{k}" if k != "seconds" else "timing/reward_remote_s": float(v)
+               for k, v in self._step_remote.items()},
+        }
+        if bool(group_dropped.any()):
+            metrics["reward/dropped_groups"] = float(group_dropped.sum()) / n
+        for source in sorted(set(sources)):
+            rows = torch.tensor([s == source and not d for s, d in zip(sources, group_dropped.tolist())])
+            if bool(rows.any()):
+                metrics[f"reward/{source}/mean"] = float(rewards[rows].mean())
+            metrics[f"reward/{source}/count"] = float(rows.sum())
+        return metrics
+
+    def _collect_scores(self, pending) -> torch.Tensor:
+        """Rank 0: the (N,) rewards of a scoring call, NaN/Inf sanitised and counted; the drop-group rows
+        in self._step_dropped; remote counts in the step's metrics and Prometheus."""
+        scored = pending.result()
+        rewards, bad = sanitize_rewards(torch.tensor(scored.scores, dtype=torch.float32))
+        self._step_nonfinite += bad
+        self._step_scored += rewards.numel()
+        if bad:
+            log.warning("step %d: %d of %d rewards were NaN or Inf and are scored 0; spec.reward.function %r "
+                        "returns non-finite values", self.step, bad, rewards.numel(), self.spec.reward.function)
+        if not self.spec.algorithm.dynamic_sampling:  # (validation refuses drop-group with dynamic sampling)
+            self._step_dropped = torch.tensor(scored.dropped, dtype=torch.bool)
+        for route, counts in scored.routes.items():
+            if self.rewards.routes[route].remote is not None:
+                self.telemetry.record_remote_reward(route, requests=counts.requests, retries=counts.retries,
+                                                    failures=counts.failures, zeroed=counts.zeroed,
+                                                    dropped=counts.dropped, seconds=counts.seconds)
+                for key in ("requests", "retries", "failures", "zeroed", "dropped"):
+                    self._step_remote[key] = self._step_remote.get(key, 0) + getattr(counts, key)
+                # remote routes run side by side: the step waited for the slowest
+                self._step_remote["seconds"] = max(self._step_remote.get("seconds", 0.0), counts.seconds)
+                if counts.failures:
+                    log.warning("step %d: %d samples of reward route %s (%s) failed every retry: %d scored 0, %d "
+                                "dropped with their groups", self.step, counts.failures, route,
+                                self.rewards.describe(route), counts.zeroed, counts.dropped)
+        return rewards
 
     def _outcome_advantages(self, scores: torch.Tensor, group_size: int,
                             response_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -342,8 +425,9 @@ class GRPOTrainer(RunLoop):
         return algo.compute_outcome_advantages(scores, group_size, a.advantage_estimator, norm_by_std=a.norm_adv_by_std,
                                                response_lengths=response_mask.sum(-1))
 
-    def _sample_and_score(self, num_prompts: int):
-        """Draw `num_prompts` prompts, sample n responses each and score them.
+    def _sample_and_score(self, num_prompts: int, defer: bool = False):
+        """Draw `num_prompts` prompts, sample n responses each and score them (`defer`: start scoring in the
+        background, rewards None; see _join_scores).
 
         Returns (records (P,), responses (P*n,) of (ids, logprobs, finished), rewards (P*n,), seconds, tokens).
         """
@@ -365,17 +449,14 @@ class GRPOTrainer(RunLoop):
                 extra["trajectory"] = trajectory
         rewards = None
         if self.is_main:  # rank 0 scores; with vLLM on every rank its scores are shared so all ranks agree
-            with self.telemetry.stage("reward"):
-                rewards = torch.tensor(score_all(self.reward_fn, [r.prompt_text for r in prompts], texts,
-                                                 [r.ground_truth for r in prompts], extras,
-                                                 pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds),
-                                       dtype=torch.float32)
-            rewards, bad = sanitize_rewards(rewards)  # NaN/Inf would poison every advantage of the batch
-            self._step_nonfinite += bad
-            self._step_scored += rewards.numel()
-            if bad:
-                log.warning("step %d: %d of %d rewards were NaN or Inf and are scored 0; spec.reward.function %r "
-                            "returns non-finite values", self.step, bad, rewards.numel(), spec.reward.function)
+            with self.telemetry.stage("reward"):  # local routes score here; remote ones too unless deferred
+                pending = self.rewards.submit([r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
+                                              [r.data_source for r in prompts], extras,
+                                              timeout_s=spec.reward.timeout_seconds, background=defer)
+                if defer:
+                    self._pending_scores = pending
+                else:  # NaN/Inf would poison every advantage of the batch: sanitised and counted
+                    rewards = self._collect_scores(pending)
         if self.engine_everywhere:
             rewards = broadcast_object(rewards)
         responses = list(zip(out.response_ids, out.response_logprobs, out.finished, loss_masks))
@@ -484,7 +565,8 @@ class GRPOTrainer(RunLoop):
             # pi_train / pi_rollout: the trainer's log-probs of the sampling policy against the engine's own
             weights, correction_metrics = algo.rollout_correction_weights(
                 old, micro["rollout_logprobs"], mask, threshold=correction.threshold,
-                token_truncation=correction.token_truncation, sequence_masking=correction.sequence_masking)
+                token_truncation=correction.token_truncation, sequence_masking=correction.sequence_masking,
+                mask_threshold=correction.sequence_masking_threshold)
             loss, metrics = algo.grpo_loss(logprobs, old, micro["advantages"], mask, config,
                                            ref_logprobs=micro.get("ref_logprobs"), entropy=entropy,
                                            token_weights=weights if correct else None,
@@ -547,8 +629,9 @@ class GRPOTrainer(RunLoop):
         result = broadcast_object(result)
         self.telemetry.record_validation(self.step, result)
         if self.is_main:
-            log.info("validation at step %d: reward %.3f accuracy %.3f", self.step, result["val/reward_mean"],
-                     result["val/accuracy"])
+            n = self.spec.rollout.val_n
+            log.info("validation at step %d: reward %.3f accuracy %.3f pass@%d %.3f", self.step,
+                     result["val/reward_mean"], result["val/accuracy"], n, result[f"val/pass@{n}"])
         self.last_validation = result
         return result
 
@@ -564,15 +647,23 @@ class GRPOTrainer(RunLoop):
         if not self.is_main:
             return None
         prompts = [r for r in records for _ in range(spec.rollout.val_n)]
-        extras = [{**r.extra, "max_response_length": spec.data.max_response_length} for r in prompts]
+        extras = [{**r.extra, "max_response_length": spec.data.max_response_length, "data_source": r.data_source}
+                  for r in prompts]
         for extra, trajectory in zip(extras, trajectories or []):
             extra["trajectory"] = trajectory
-        scores = score_all(self.reward_fn, [r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
-                           extras, pool=self.reward_pool, timeout_s=spec.reward.timeout_seconds)
-        scores = sanitize_rewards(torch.tensor(scores, dtype=torch.float32))[0].tolist()
-        return {"val/reward_mean": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
+        # a remote sample that failed every retry counts as 0 here (onFailure fail still stops the run)
+        scored = self.rewards.score([r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
+                                    [r.data_source for r in prompts], extras, timeout_s=spec.reward.timeout_seconds)
+        scores = sanitize_rewards(torch.tensor(scored.scores, dtype=torch.float32))[0].tolist()
+        self._validation_rows = [[r.prompt_text, text, str(r.ground_truth), float(score)] for r, text, score in
+                                 zip(prompts[:VALIDATION_TABLE_ROWS], texts, scores)]
+        return algo.sample_metrics(scores, spec.rollout.val_n, [r.data_source for r in records])
 
     # ------------------------------------------------------------------ the loop's hooks
+    def validation_table(self) -> tuple[list[str], list[list]] | None:
+        rows = getattr(self, "_validation_rows", None)
+        return (["prompt", "response", "ground_truth", "reward"], rows) if rows else None
+
     def after_resume(self) -> None:
         self._sync_weights()  # the rollout engine samples from the resumed policy
 
@@ -586,8 +677,10 @@ class GRPOTrainer(RunLoop):
         return f"reward {metrics.get('reward/mean', 0):.3f}"
 
     def status_values(self, metrics: dict[str, float]) -> dict[str, float | None]:
-        return {"reward_mean": metrics.get("reward/mean"),
-                "val_reward_mean": (getattr(self, "last_validation", None) or {}).get("val/reward_mean")}
+        last = getattr(self, "last_validation", None) or {}
+        return {"reward_mean": metrics.get("reward/mean"), "val_reward_mean": last.get("val/reward_mean"),
+                "val_pass_at_k": {k[4:]: v for k, v in last.items() if k.startswith(("val/pass@", "val/mean@"))}
+                or None}
 
     def summary_line(self) -> str | None:
         first = [r.metrics["reward/mean"] for r in self.history[:5]]
@@ -600,6 +693,9 @@ class GRPOTrainer(RunLoop):
         agent = getattr(self, "agent", None)
         if agent is not None:
             agent.tools.box.close()
+        rewards = getattr(self, "rewards", None)
+        if rewards is not None:
+            rewards.close()  # remote scoring threads
         pool = getattr(self, "reward_pool", None)
         if pool is not None:
             # A reward that hung past its timeout would keep the process alive: stop the workers.

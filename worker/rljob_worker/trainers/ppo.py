@@ -8,8 +8,9 @@ data-parallel rank's responses, T = prompt + response columns)::
     old / reference log-probs (n, T)           when the ratio or a KL-in-reward needs them
     values (n, T) = critic(batch)              the value of the state before each token
     token rewards (n, T) = score on the last response token - klCoef x KL per token (klPlacement reward)
-    advantages, returns (n, T) = GAE(gamma, lambda); advantages whitened over each mini-batch's
-                                 response tokens, across the data-parallel ranks
+    advantages, returns (n, T) = GAE(gamma, lambda); advantages whitened over each mini-batch's (or with
+                                 algorithm.whitenScope batch, the whole batch's) response tokens, across
+                                 the data-parallel ranks
     critic update: critic.ppoEpochs x mini-batches, clipped value loss aggregated like the policy loss
     actor update (after critic.warmupSteps steps): the GRPO loss with the GAE advantages, weight sync
 
@@ -166,10 +167,9 @@ class PPOTrainer(GRPOTrainer):
         if self.split:  # the critic pool trains on the returns of every row, while this pool updates the actor
             self.critic.request_update(all_gather_rows(local["returns"], self.actor.dp_group, self.device),
                                        mini_batches_per_step)
+        # whitened over the batch's or each mini-batch's response tokens (algorithm.whitenScope) on all DP ranks
+        advantages = gae.whiten_advantages(advantages, mask, a.whiten_scope, mini_batches_per_step, self._dp_sum)
         minis = split_batch({**local, "advantages": advantages}, mini_batches_per_step)
-        for mini in minis:  # whitened over the mini-batch's response tokens on all data-parallel ranks
-            moments = self._dp_sum(gae.masked_moments(mini["advantages"], mini["response_mask"]))
-            mini["advantages"] = gae.whiten(mini["advantages"], mini["response_mask"], moments)
         minis = [trim_padding(mini) for mini in minis]
         ev = gae.explained_variance_from_moments(
             self._dp_sum(gae.explained_variance_moments(local["old_values"], local["returns"], mask)))
