@@ -19,9 +19,6 @@ def secret_tool_spec() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="issue 31: measured 150 steps: tool calls 0.57 -> 0.99, reward 0.02 -> 0.73 "
-                   "and rising; >= 0.9 within the 200 steps of the example is not yet measured, and the run takes "
-                   "minutes, not the CI budget of a learning test")
 def test_secret_tool_task_learns_to_call_the_tool(tmp_path):
     records = run_trainer(secret_tool_spec(), tmp_path)
     reward = np.array([r["reward/mean"] for r in records])
