@@ -4,9 +4,14 @@ reward can only rise through the tool: it starts near chance and the share of tr
 tool rises with it."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
 from test_learning import REPO, run_trainer
 
 
