@@ -887,3 +887,18 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterable[MlflowSe
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megatron_results_manager_stopped() -> Iterable[None]:
+    """megatron-core's filesystem checkpoint writer keeps a results queue on a spawned Manager process for the
+    life of the process that saved (a module-level singleton). In a worker that ends with the worker; tests save
+    inside pytest, so the session stops it before the leak check looks for leftovers."""
+    yield
+    module = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue = getattr(module, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        with contextlib.suppress(Exception):
+            manager.shutdown()
+        module._results_queue = None

@@ -124,6 +124,13 @@ def hf_logits(model, input_ids, attention_mask):
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
 
 
+def max_abs_logit(hf_dir, input_ids, attention_mask, temperature: float = 1.0) -> float:
+    """The largest |logit| / T of the HF model over the batch's real tokens: the magnitude the
+    tolerances' bounds (tolerances.py) scale with."""
+    logits = hf_logits(load_hf_model(hf_dir), input_ids, attention_mask)
+    return logits[attention_mask.bool()].abs().max().item() / temperature
+
+
 def hf_logprobs(model, input_ids, attention_mask):
     """Reference in the actor's convention: log p(x_t | real x_<t) at t, 0 where undefined."""
     logits = hf_logits(model, input_ids, attention_mask)

@@ -1,10 +1,13 @@
 """Numeric tolerances derived from the arithmetic, not from the machine a test was tuned on.
 
 Two evaluations of the same float expression that differ only in the order of their sums (a compiled
-kernel against eager, a batched matmul against a single row, another CPU's SIMD width) differ by at
-most Higham's gamma_n = n * u / (1 - n * u) per sum of n terms, relative to the sum of the terms'
-magnitudes (u = eps / 2 is the unit roundoff). Two such evaluations together: n * eps. A value that
-passes through several sums in a chain accumulates the sum of their lengths.
+kernel against eager, a batched matmul against a single row, another CPU's SIMD width, a TP/DP/PP/CP
+layout all-reducing partial sums) differ by at most Higham's gamma_n = n * u / (1 - n * u) per sum of
+n terms, relative to the sum of the terms' magnitudes (u = eps / 2 is the unit roundoff). Two such
+evaluations together: n * eps. A value that passes through several sums in a chain accumulates the sum
+of their lengths. These are worst-case bounds; the typical error is ~sqrt(n) * eps, so a bound that
+holds here leaves room for another CPU and still sits orders of magnitude below a real bug (a wrong
+normaliser, a missing term, a factor of 2).
 """
 from __future__ import annotations
 
@@ -20,17 +23,103 @@ def reorder_bound(chain_length: int, magnitude: float, dtype: torch.dtype = torc
     return chain_length * eps * magnitude
 
 
-def logprob_bound(config: dict, max_abs_logit: float, temperature: float = 1.0,
-                  dtype: torch.dtype = torch.float32) -> float:
-    """Bound on |log p(token)| differences between two evaluations of a decoder's forward pass and
-    log-softmax that differ in summation order.
+def decoder_chain(config: dict, seq_len: int = 0) -> int:
+    """Length of the chain of sums feeding one logit of a decoder (HF config keys).
 
-    The chain feeding one logit: per layer the q/k/v and output projections (hidden_size terms each),
-    the MLP's down projection (intermediate_size terms); then the LM head (hidden_size terms) and the
-    log-softmax's sum over the vocabulary. The magnitude is that of the log-prob's own terms:
-    |z| / T + log(vocab_size) (log-sum-exp lies within log V of the largest logit).
+    Per layer: the input RMSNorm's mean square (hidden), the q/k/v projections (hidden), q.k (head_dim),
+    the attention softmax's denominator and the weighted sum of values (seq_len each), the output
+    projection (heads * head_dim), the pre-MLP RMSNorm (hidden), gate/up (hidden), down (the widest
+    intermediate size; an MoE layer adds the router (hidden) and the top-k mixture (num_experts)).
+    Then the final norm (hidden), the LM head (hidden) and the log-softmax's sum over the vocabulary.
     """
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    chain = config["num_hidden_layers"] * (2 * hidden + inter) + hidden + vocab
-    magnitude = max_abs_logit / temperature + math.log(vocab)
-    return reorder_bound(chain, magnitude, dtype)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads = config.get("num_attention_heads", 1)
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = max(config.get(k) or 0 for k in ("intermediate_size", "moe_intermediate_size",
+                                              "shared_expert_intermediate_size"))
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    router = hidden + experts if experts else 0
+    per_layer = 4 * hidden + head_dim + 2 * seq_len + heads * head_dim + inter + router
+    return config["num_hidden_layers"] * per_layer + 2 * hidden + vocab
+
+
+def logprob_bound(config: dict, max_abs_logit: float, temperature: float = 1.0,
+                  dtype: torch.dtype = torch.float32, seq_len: int = 0) -> float:
+    """Bound on |log p(token)| differences between two evaluations of a decoder's forward pass and
+    log-softmax that differ in summation order (decoder_chain). The magnitude is that of the log-prob's
+    own terms: |z| / T + log(vocab_size) (log-sum-exp lies within log V of the largest logit)."""
+    magnitude = max_abs_logit / temperature + math.log(config["vocab_size"])
+    return reorder_bound(decoder_chain(config, seq_len), magnitude, dtype)
+
+
+def logit_bound(config: dict, seq_len: int = 0, dtype: torch.dtype = torch.float32) -> float:
+    """Relative bound (to the largest |logit|) on two evaluations of a decoder's logits: the chain up to
+    the LM head, without the log-softmax's vocabulary sum."""
+    return reorder_bound(decoder_chain(config, seq_len) - config["vocab_size"], 1.0, dtype)
+
+
+def entropy_bound(config: dict, max_abs_logit: float, temperature: float = 1.0,
+                  dtype: torch.dtype = torch.float32, seq_len: int = 0) -> float:
+    """Bound on the per-token entropy H = -sum p log p when every log p is off by at most d
+    (logprob_bound): dH = -sum p (1 + log p) d_i, so |dH| <= d (1 + H) <= d (1 + log V); plus the sum
+    over V terms of total magnitude H <= log V."""
+    log_v = math.log(config["vocab_size"])
+    d = logprob_bound(config, max_abs_logit, temperature, dtype, seq_len)
+    return d * (1 + log_v) + reorder_bound(config["vocab_size"], log_v, dtype)
+
+
+def mean_bound(per_term: float, n_terms: int, magnitude: float, dtype: torch.dtype = torch.float32) -> float:
+    """Bound on a mean (a token-mean loss, a masked mean metric) of n_terms values each within per_term
+    of the other evaluation and at most `magnitude` in size: the values' error plus the sum's
+    reordering over n_terms (micro-batch partial sums and their all-reduce are a re-bracketing of it)."""
+    return per_term + reorder_bound(n_terms, magnitude, dtype)
+
+
+def hf_config(hf_dir) -> dict:
+    """The config.json of a saved HF model, as the dict the bounds read."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(hf_dir) / "config.json").read_text())
+
+
+def n_params(config: dict) -> int:
+    """Parameter count of a dense decoder (HF config keys; an upper bound for tied embeddings)."""
+    hidden, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    heads, kv = config.get("num_attention_heads", 1), config.get("num_key_value_heads") or config.get(
+        "num_attention_heads", 1)
+    head_dim = config.get("head_dim") or hidden // heads
+    attn = hidden * head_dim * (2 * heads + 2 * kv) + head_dim * (heads + 2 * kv) + 2 * head_dim
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if experts:
+        mlp = experts * 3 * hidden * config["moe_intermediate_size"] + hidden * experts
+        mlp = max(mlp, 3 * hidden * config["intermediate_size"]) + 3 * hidden * (
+            config.get("shared_expert_intermediate_size") or 0)
+    else:
+        mlp = 3 * hidden * config["intermediate_size"]
+    return layers * (attn + mlp + 2 * hidden) + hidden + 2 * vocab * hidden
+
+
+def grad_bound(config: dict, n_tokens: int, max_abs_logit: float, seq_len: int = 0,
+               dtype: torch.dtype = torch.float32) -> float:
+    """Relative bound on a decoder's parameter gradient (as a vector, or its norm) between two
+    evaluations whose sums run in another order: a different micro-batch split, DP/PP/CP layouts
+    all-reducing partial sums, a fused kernel against the unfused one.
+
+    The loss's gradient w.r.t. a logit is p - onehot: a log-prob off by d (logprob_bound) moves p by a
+    relative d. Backpropagation runs the forward chain's sums transposed (decoder_chain again), and a
+    weight's gradient sums over the n_tokens tokens of the mini-batch (micro-batch accumulation and the
+    DP all-reduce re-bracket that sum). The norm adds the sum of squares over every parameter: positive
+    terms, relative error <= n_params * u, halved by the square root. Relative to the gradient's own
+    size: assumes its large components are not the result of cancellation (a gradient is a sum of
+    per-token terms of either sign; the worst case n * eps is ~sqrt(n) times the typical error, which
+    covers that)."""
+    eps = torch.finfo(dtype).eps
+    d = logprob_bound(config, max_abs_logit, 1.0, dtype, seq_len)
+    return d + (decoder_chain(config, seq_len) + n_tokens) * eps + n_params(config) * eps / 4
+
+
+def binomial_bound(n: int, p: float, sigmas: float = 5.0) -> float:
+    """Half-width of a k-sigma band on a frequency of n independent Bernoulli(p) draws: k sqrt(p(1-p)/n).
+    At 5 sigma a correct sampler fails one run in ~1.7 million."""
+    return sigmas * math.sqrt(p * (1 - p) / n)
