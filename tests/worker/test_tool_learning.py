@@ -25,7 +25,7 @@ def secret_tool_spec() -> dict:
 
 @pytest.mark.slow
 def test_secret_tool_task_learns_to_call_the_tool(tmp_path):
-    records = run_trainer(secret_tool_spec(), tmp_path)
+    records = run_trainer(secret_tool_spec(), tmp_path, timeout=1800)  # ~2 min on 2 idle cores
     reward = np.array([r["reward/mean"] for r in records])
     calls = np.array([r["tool/trajectories_with_call"] for r in records])
     assert reward[:3].mean() < 0.2, reward  # near chance: the tool is needed and not yet used well
