@@ -890,7 +890,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterable[MlflowSe
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _megatron_results_manager_stopped() -> Iterable[None]:
+def _process_lifetime_helpers_stopped() -> Iterable[None]:
     """megatron-core's filesystem checkpoint writer keeps a results queue on a spawned Manager process for the
     life of the process that saved (a module-level singleton). In a worker that ends with the worker; tests save
     inside pytest, so the session stops it before the leak check looks for leftovers."""
@@ -902,3 +902,9 @@ def _megatron_results_manager_stopped() -> Iterable[None]:
         with contextlib.suppress(Exception):
             manager.shutdown()
         module._results_queue = None
+    # torch.compile's pool of compile workers (started where there are cores to spare, as on a GPU machine)
+    # lives as long as the process, too
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None and hasattr(async_compile, "shutdown_compile_workers"):
+        with contextlib.suppress(Exception):
+            async_compile.shutdown_compile_workers()

@@ -79,6 +79,7 @@ class ToolResponseRenderer:
             raise ValueError("spec.tools needs a tokenizer with a chat template that renders role 'tool' messages; "
                              "set model.tokenizerPath to one that has it")
         self.tokenizer = tokenizer
+        self._cache: dict[tuple, tuple[int, ...]] = {}
         self.render_text([("tool", "probe")])  # a template without tool messages fails at start-up, not mid-run
 
     def render_text(self, observations: list[tuple[str, str]]) -> str:
@@ -94,7 +95,14 @@ class ToolResponseRenderer:
         return rendered[rendered.index(_MARK) + len(_MARK):]
 
     def render(self, observations: list[tuple[str, str]]) -> list[int]:
-        return list(self.tokenizer(self.render_text(observations), add_special_tokens=False)["input_ids"])
+        key = tuple(observations)
+        ids = self._cache.get(key)
+        if ids is None:  # outputs repeat (errors, short answers): render each distinct one once
+            ids = tuple(self.tokenizer(self.render_text(observations), add_special_tokens=False)["input_ids"])
+            if len(self._cache) >= 4096:
+                self._cache.clear()
+            self._cache[key] = ids
+        return list(ids)
 
 
 def run_agent_loop(generate: Callable[[list[list[int]], SamplingParams], RolloutOutput],

@@ -1,10 +1,13 @@
 """The tools of spec.tools, called by the agent loop; every failure is an observation, never an exception.
 
-- ``function: module.path:function`` (trusted code of the job's author, like rewards): called in a worker thread
-  as ``f(arguments: dict, context: dict) -> str | JSON-serialisable``, where context holds the trajectory's
-  ``prompt``, ``ground_truth`` and ``extra`` (the data row's extra_info): per-prompt state such as a secret or a
-  test case. It runs in the worker's process: a call past timeoutSeconds gives the model a timeout
-  observation and the thread is abandoned (Python cannot stop it).
+- ``function: module.path:function`` (trusted code of the job's author, like rewards): called on the box's
+  thread pool as ``f(arguments: dict, context: dict) -> str | JSON-serialisable``, where context holds the
+  trajectory's ``prompt``, ``ground_truth`` and ``extra`` (the data row's extra_info): per-prompt state such as
+  a secret or a test case. It runs in the worker's process: a call past timeoutSeconds (counted from when it
+  started, or from when it was queued if the pool never got to it) gives the model a timeout observation, its
+  thread is abandoned (Python cannot stop it) and later calls go to a fresh pool, so a hung tool never takes
+  the box's threads away. One long-lived pool, not a thread per call: a call costs microseconds, not a thread
+  start.
 - ``builtin: python``: model-written code, run by :mod:`.sandbox` in a fresh subprocess with limits; the call's
   arguments are ``{"code": "..."}``.
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -73,12 +77,55 @@ class ToolBox:
         self.functions = {t.name: resolve_function(t.function, f"spec.tools[{i}].function")
                           for i, t in enumerate(tools) if t.function}
         self.truncate = truncate or (lambda text, n: text)
+        self.max_workers = max_workers
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rljob-tool")
 
     def call_all(self, calls: list[tuple[ToolCall, dict]]) -> list[ToolResult]:
         """Run (call, context) pairs concurrently; results in the same order."""
-        futures = [self.pool.submit(self.call, call, context) for call, context in calls]
-        return [f.result() for f in futures]
+        pending = []
+        for call, context in calls:
+            tool = self.tools.get(call.name) if call.error is None else None
+            if tool is not None and tool.function:
+                started = threading.Event()
+                pending.append((call, tool, started, time.monotonic(),
+                                self.pool.submit(self._run_function, tool, call.arguments, context, started)))
+            else:
+                pending.append((call, None, None, None, self.pool.submit(self.call, call, context)))
+        return [future.result() if tool is None else self._function_result(call, tool, started, queued, future)
+                for call, tool, started, queued, future in pending]
+
+    def _run_function(self, tool: ToolConfig, arguments: dict, context: dict, started: threading.Event):
+        started.set()
+        start = time.monotonic()
+        try:
+            return self.functions[tool.name](arguments, context), None, time.monotonic() - start
+        except Exception as exc:  # noqa: BLE001 - the model sees the failure, the run goes on
+            return None, exc, time.monotonic() - start
+
+    def _function_result(self, call: ToolCall, tool: ToolConfig, started: threading.Event, queued: float,
+                         future) -> ToolResult:
+        limit = tool.timeout_seconds
+        if started.wait(timeout=max(0.0, queued + limit - time.monotonic())):
+            try:
+                value, exc, seconds = future.result(timeout=limit)
+            except FutureTimeout:
+                value, exc, seconds = None, None, None
+        else:  # every thread of the pool is held by hung calls
+            value, exc, seconds = None, None, None
+        if seconds is None:
+            self._abandon_pool()
+            outcome, output = "timeout", f"Error: the tool {tool.name} did not answer within {limit:g} s"
+            seconds = limit
+        elif exc is not None:
+            outcome, output = "error", f"Error: the tool {tool.name} failed: {type(exc).__name__}: {exc}"
+        else:
+            outcome, output = _function_output(tool, value)
+        return ToolResult(tool.name, call.arguments, outcome, self.truncate(output, tool.max_output_tokens), seconds)
+
+    def _abandon_pool(self) -> None:
+        """A call hung: leave its thread to the old pool and send later calls to a fresh one."""
+        old, self.pool = self.pool, ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="rljob-tool")
+        old.shutdown(wait=False)
 
     def call(self, call: ToolCall, context: dict) -> ToolResult:
         start = time.monotonic()
@@ -92,7 +139,7 @@ class ToolBox:
         if tool.builtin == "python":
             outcome, output = self._python(tool, call.arguments)
         else:
-            outcome, output = self._function(tool, call.arguments, context)
+            return self.call_all([(call, context)])[0]
         return ToolResult(tool.name, call.arguments, outcome, self.truncate(output, tool.max_output_tokens),
                           time.monotonic() - start)
 
@@ -105,24 +152,14 @@ class ToolBox:
         result = run_python(code, limits)
         return result.outcome, result.output
 
-    def _function(self, tool: ToolConfig, arguments: dict, context: dict) -> tuple[str, str]:
-        future = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rljob-tool-{tool.name}")
-        try:
-            pending = future.submit(self.functions[tool.name], arguments, context)
-            try:
-                value = pending.result(timeout=tool.timeout_seconds)
-            except FutureTimeout:
-                return "timeout", f"Error: the tool {tool.name} did not answer within {tool.timeout_seconds:g} s"
-            except Exception as exc:  # noqa: BLE001 - the model sees the failure, the run goes on
-                return "error", f"Error: the tool {tool.name} failed: {type(exc).__name__}: {exc}"
-        finally:
-            future.shutdown(wait=False)
-        if isinstance(value, str):
-            return "ok", value
-        try:
-            return "ok", json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            return "invalid_output", f"Error: the tool {tool.name} returned a value that is not text or JSON ({exc})"
-
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _function_output(tool: ToolConfig, value) -> tuple[str, str]:
+    if isinstance(value, str):
+        return "ok", value
+    try:
+        return "ok", json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        return "invalid_output", f"Error: the tool {tool.name} returned a value that is not text or JSON ({exc})"

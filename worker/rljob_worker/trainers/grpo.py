@@ -730,6 +730,10 @@ def _build_agent(spec, tokenizer) -> _Agent:
                          "tokenizer that has it as one (Qwen2.5 / Qwen3 do)")
 
     def truncate(text: str, max_tokens: int) -> str:
+        # a token holds at least one UTF-8 byte (byte-level BPE, SentencePiece with byte fallback, characters), plus
+        # at most one standalone word-start marker: text that short fits without tokenizing it (most outputs)
+        if len(text.encode("utf-8")) + 1 <= max_tokens:
+            return text
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= max_tokens:
             return text
