@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FILE = REPO / "bench" / "results.jsonl"
 FIELDS = ("date", "card", "work", "shape", "metric", "value", "unit", "baseline", "baseline_value", "ratio",
           "same_run", "command", "commit")
-LOWER_IS_BETTER_UNITS = {"s", "ms", "s/step", "ms/step", "s/GB", "GiB"}
+LOWER_IS_BETTER_UNITS = {"s", "ms", "us", "s/step", "ms/step", "s/GB", "GiB"}
 
 
 def results_path() -> Path:
