@@ -150,13 +150,16 @@ def value_bound(config: dict, layers: int, magnitude: float, seq_len: int = 0,
 
 
 def value_grad_bound(config: dict, layers: int, n_tokens: int, seq_len: int = 0,
-                     dtype: torch.dtype = torch.float32) -> float:
+                     dtype: torch.dtype = torch.float32, norm_reordered: bool = True) -> float:
     """Relative bound on a critic's gradient (or its norm) between two summation orders (micro-batch
     split, TP): the forward chain to the value and its transpose in backpropagation, the weight
-    gradients' sum over n_tokens, and the norm's sum of squares (as grad_bound)."""
+    gradients' sum over n_tokens, and, where the two runs sum the norm's squares in another order (a TP
+    layout, not a micro-batch split of the same parameters), that sum (as grad_bound). A norm moves by
+    at most the relative error of its vector."""
     cfg = {**config, "num_hidden_layers": layers}
+    eps = torch.finfo(dtype).eps
     chain = decoder_chain(cfg, seq_len) - config["vocab_size"]
-    return (2 * chain + n_tokens) * torch.finfo(dtype).eps + n_params(cfg) * torch.finfo(dtype).eps / 4
+    return (2 * chain + n_tokens) * eps + (n_params(cfg) * eps / 4 if norm_reordered else 0.0)
 
 
 def squared_error_bound(value_tol: float, max_value: float, max_target: float, n_terms: int,
