@@ -131,6 +131,42 @@ def max_abs_logit(hf_dir, input_ids, attention_mask, temperature: float = 1.0) -
     return logits[attention_mask.bool()].abs().max().item() / temperature
 
 
+def reorder_bounds(hf_dir, input_ids, attention_mask) -> dict:
+    """The fp32 reordering bounds (tolerances.py) of the HF model in hf_dir on this batch, for two
+    evaluations whose sums run in another order (megatron against HF, TP/DP/PP/CP/EP layouts and
+    micro-batch splits against one process; a 2-rank all-reduce re-brackets a sum decoder_chain already
+    counts): logit (relative), lp / ent (absolute, per token), grad (relative), and the model's
+    config, max |logit| z, the number n of log-prob tokens and the sequence length."""
+    import tolerances as T
+
+    config, seq = T.hf_config(hf_dir), input_ids.shape[1]
+    z = max_abs_logit(hf_dir, input_ids, attention_mask)
+    n = int((attention_mask.bool() & (attention_mask.cumsum(1) > 1)).sum())
+    return {"logit": T.logit_bound(config, seq), "lp": T.logprob_bound(config, z, seq_len=seq),
+            "ent": T.entropy_bound(config, z, seq_len=seq), "config": config, "z": z, "n": n, "seq": seq,
+            "grad": T.grad_bound(config, n, z, seq_len=seq)}
+
+
+def metric_bounds(tol: dict, ref: dict) -> dict:
+    """Absolute bounds (tol: reorder_bounds) on update()'s metrics with seq_nll_loss, ref the other
+    run's: the loss/nll and entropy are token means (mean_bound); the load-balancing loss sums router
+    probabilities over the tokens and experts (positive terms: their magnitude is the loss); grad_norm
+    relative (grad_bound). A normaliser off by the micro-batch or rank count is a factor >= 2, orders
+    of magnitude above these."""
+    import math
+
+    import tolerances as T
+
+    log_v = math.log(tol["config"]["vocab_size"])
+    nll = T.mean_bound(tol["lp"], tol["n"], tol["z"] + log_v)
+    out = {"loss": nll, "nll": nll, "entropy": T.mean_bound(tol["ent"], tol["n"], log_v),
+           "grad_norm": tol["grad"] * abs(ref["grad_norm"])}
+    if "moe_aux_loss" in ref:
+        chain = T.decoder_chain(tol["config"], tol["seq"]) + tol["n"]
+        out["moe_aux_loss"] = T.reorder_bound(chain, abs(ref["moe_aux_loss"]))
+    return out
+
+
 def hf_logprobs(model, input_ids, attention_mask):
     """Reference in the actor's convention: log p(x_t | real x_<t) at t, 0 where undefined."""
     logits = hf_logits(model, input_ids, attention_mask)

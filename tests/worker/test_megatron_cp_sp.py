@@ -38,7 +38,10 @@ def run(tmp_path_factory):
     H.run_torchrun("cp_sp", hf["qwen2"], root / "out", timeout=300)
     got = torch.load(root / "out" / "cp_sp.pt")
     ref = {arch: H.run_parallel_steps(d, ParallelConfig()) for arch, d in hf.items()}
-    return got, ref, hf, root / "out"
+    # CP splits the attention's sums over the sequence, TP(+SP) the hidden/head sums and the norms'
+    # weight gradients: re-bracketings within the model's reordering bounds on varied_batch
+    tol = {arch: H.reorder_bounds(d, *H.varied_batch()) for arch, d in hf.items()}
+    return got, ref, hf, root / "out", tol
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,25 +50,30 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logprobs_entropy_and_logits_equal_one_process(run, layout):
-    got, ref = run[0][layout], run[1][LAYOUTS[layout]]
+    got, ref, tol = run[0][layout], run[1][LAYOUTS[layout]], run[4][LAYOUTS[layout]]
     for key in ("logprobs", "entropy", "logits"):
         assert got[key].shape == ref[key].shape, key
-        assert _rel(got[key], ref[key]) <= 1e-5, (key, _rel(got[key], ref[key]))
+    assert _rel(got["logits"], ref["logits"]) <= tol["logit"], _rel(got["logits"], ref["logits"])
+    for key, bound in (("logprobs", tol["lp"]), ("entropy", tol["ent"])):
+        assert (got[key] - ref[key]).abs().max() <= bound, (key, (got[key] - ref[key]).abs().max())
     assert torch.all(got["logprobs"][~H.varied_batch()[1].bool()] == 0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_updates_equal_one_process(run, layout):
-    got, ref = run[0][layout], run[1][LAYOUTS[layout]]
+    got, ref, tol = run[0][layout], run[1][LAYOUTS[layout]], run[4][LAYOUTS[layout]]
     assert len(got["history"]) == len(ref["history"]) == 2
+    # the second step follows an Adam step: taken as within the pre-step bounds (a gradient within
+    # rounding of zero could flip its sign-normalised step; no rounding bound covers it)
     for step, (g, r) in enumerate(zip(got["history"], ref["history"])):
+        bounds = H.metric_bounds(tol, r)
         for key in ("loss", "nll", "entropy", "grad_norm"):
-            assert g[key] == pytest.approx(r[key], rel=1e-5), (step, key)
+            assert g[key] == pytest.approx(r[key], abs=bounds[key]), (step, key)
         assert g["skipped"] == 0
     assert got["history"][1]["loss"] < got["history"][0]["loss"]
     # after two Adam steps the models still agree (Adam's first steps amplify float noise in
     # near-zero gradients, so compare what the model computes rather than every weight)
-    assert _rel(got["logprobs_after"], ref["logprobs_after"]) <= 1e-5
+    assert (got["logprobs_after"] - ref["logprobs_after"]).abs().max() <= tol["lp"]
 
 
 def test_cp_ranks_run_their_share_of_the_sequence(run):
@@ -91,12 +99,13 @@ def test_sequence_parallel_splits_the_sequence_and_tags_norms(run):
 
 
 def test_cp2_checkpoint_loads_into_one_process(run):
-    got, _, hf, out = run
+    got, _, hf, out, tol = run
     ids, mask = H.varied_batch()
     actor = MegatronActor.from_hf(hf["qwen2"], ParallelConfig(), OptimConfig(lr=1e-2), seed=5)
     assert actor.load_checkpoint(out / "ckpt_cp2")["step"] == 2
     lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": mask}, micro_batch_size=4)["logprobs"]
-    assert _rel(lp, got["cp2"]["logprobs_after"]) <= 1e-6
+    # the same weights, CP=1 against CP=2's order of the attention's sums
+    assert (lp - got["cp2"]["logprobs_after"]).abs().max() <= tol["qwen2"]["lp"]
     for name, tensor in actor.export_hf_weights():
         assert torch.equal(tensor, got["cp2"]["exported_after"][name]), name
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_helpers as H
+import tolerances as T
 from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 
 pytestmark = pytest.mark.skipif(
@@ -50,6 +51,13 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def _tol(run, name) -> dict:
+    """PP splits the layers over stages (the same sums, another micro-batch schedule and padding; the
+    aux loss and expert grad norm all-reduced over stages): the model's reordering bounds on
+    sample_batch (decoder_chain counts the router and top-k mixture)."""
+    return H.reorder_bounds(run["models"] / name, *H.sample_batch())
+
+
 def test_each_stage_builds_its_own_layers_with_global_numbers(run, pp1):
     r0, r1 = run["rank0"]["qwen3_moe4"], run["rank1"]["qwen3_moe4"]
     assert r0["layer_numbers"] == [1, 2] and r1["layer_numbers"] == [3, 4]
@@ -66,24 +74,32 @@ def test_each_stage_builds_its_own_layers_with_global_numbers(run, pp1):
 @pytest.mark.parametrize("name", MODELS)
 def test_moe_pp2_logprobs_entropy_and_logits_equal_pp1(run, pp1, name):
     got, want = run["rank0"][name], pp1[name]
+    tol = _tol(run, name)
+    assert _rel_err(got["logits"], want["logits"]) <= tol["logit"]
+    for key, bound in (("logprobs", tol["lp"]), ("entropy", tol["ent"])):
+        assert (got[key] - want[key]).abs().max() <= bound, key
     for key in ("logprobs", "entropy", "logits"):
-        assert _rel_err(got[key], want[key]) <= 1e-5, key
         assert torch.equal(run["rank1"][name][key], got[key]), key  # broadcast from the last stage
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_moe_pp2_updates_equal_pp1(run, pp1, name):
     got, want = run["rank0"][name], pp1[name]
+    tol = _tol(run, name)
     assert run["rank1"][name]["updates"] == got["updates"]  # metrics on every rank
+    # the second update and everything after follow Adam steps: taken as within the pre-step bounds (a
+    # gradient within rounding of zero could flip its sign-normalised step; no rounding bound covers it)
     for g, w in zip(got["updates"], want["updates"], strict=True):
         assert g["skipped"] == 0 and "moe_aux_loss" in g
+        bounds = H.metric_bounds(tol, w)
         for key in ("loss", "nll", "entropy", "moe_aux_loss", "grad_norm"):
-            assert g[key] == pytest.approx(w[key], rel=1e-5), key
-    assert _rel_err(got["logprobs_after"], want["logprobs_after"]) <= 1e-5
-    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6)
+            assert g[key] == pytest.approx(w[key], abs=bounds[key]), key
+    assert (got["logprobs_after"] - want["logprobs_after"]).abs().max() <= tol["lp"]
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=bounds["nll"])
     assert sorted(got["exported_after"]) == sorted(want["exported_after"])
+    weight_tol = T.adam_weight_bound(tol["grad"], lr=1e-3, steps=2)  # pp_steps: two updates
     for hf_name, tensor in want["exported_after"].items():
-        torch.testing.assert_close(got["exported_after"][hf_name], tensor, rtol=0, atol=2e-5)
+        torch.testing.assert_close(got["exported_after"][hf_name], tensor, rtol=0, atol=weight_tol)
         assert torch.equal(run["rank1"][name]["exported_after"][hf_name], got["exported_after"][hf_name])
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_helpers as H
+import tolerances as T
 from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
 from rljob_worker.megatron.model_config import MegatronConfigError
 
@@ -49,11 +50,20 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def _tol(run, name) -> dict:
+    """PP splits the layers over stages (the same sums, another micro-batch schedule and padding) and
+    all-reduces the tied embedding's two gradients: the model's reordering bounds on sample_batch."""
+    return H.reorder_bounds(run["models"] / name, *H.sample_batch())
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_pp2_logprobs_entropy_and_logits_equal_pp1(run, pp1, name):
     got, want = run["rank0"][name], pp1[name]
+    tol = _tol(run, name)
+    assert _rel_err(got["logits"], want["logits"]) <= tol["logit"]
+    for key, bound in (("logprobs", tol["lp"]), ("entropy", tol["ent"])):
+        assert (got[key] - want[key]).abs().max() <= bound, key
     for key in ("logprobs", "entropy", "logits"):
-        assert _rel_err(got[key], want[key]) <= 1e-5, key
         # the last stage computes, the first receives the broadcast: both return the same tensor
         assert torch.equal(run["rank1"][name][key], got[key]), key
 
@@ -61,14 +71,19 @@ def test_pp2_logprobs_entropy_and_logits_equal_pp1(run, pp1, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_pp2_updates_equal_pp1(run, pp1, name):
     got, want = run["rank0"][name], pp1[name]
+    tol = _tol(run, name)
     assert run["rank1"][name]["updates"] == got["updates"]  # metrics on every rank
+    # the second update and everything after follow Adam steps: taken as within the pre-step bounds (a
+    # gradient within rounding of zero could flip its sign-normalised step; no rounding bound covers it)
     for g, w in zip(got["updates"], want["updates"]):  # micro-batch 2, then 3 (rows 3 + 1)
+        bounds = H.metric_bounds(tol, w)
         for key in ("loss", "nll", "entropy", "grad_norm"):
-            assert g[key] == pytest.approx(w[key], rel=1e-5), key
-    assert _rel_err(got["logprobs_after"], want["logprobs_after"]) <= 1e-5
-    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6)
+            assert g[key] == pytest.approx(w[key], abs=bounds[key]), key
+    assert (got["logprobs_after"] - want["logprobs_after"]).abs().max() <= tol["lp"]
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=bounds["nll"])
+    weight_tol = T.adam_weight_bound(tol["grad"], lr=1e-3, steps=2)  # pp_steps: two updates
     for hf_name, tensor in want["exported_after"].items():
-        torch.testing.assert_close(got["exported_after"][hf_name], tensor, rtol=0, atol=2e-5)
+        torch.testing.assert_close(got["exported_after"][hf_name], tensor, rtol=0, atol=weight_tol)
 
 
 @pytest.mark.parametrize("name", MODELS)

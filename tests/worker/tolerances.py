@@ -29,8 +29,10 @@ def decoder_chain(config: dict, seq_len: int = 0) -> int:
     Per layer: the input RMSNorm's mean square (hidden), the q/k/v projections (hidden), q.k (head_dim),
     the attention softmax's denominator and the weighted sum of values (seq_len each), the output
     projection (heads * head_dim), the pre-MLP RMSNorm (hidden), gate/up (hidden), down (the widest
-    intermediate size; an MoE layer adds the router (hidden) and the top-k mixture (num_experts)).
-    Then the final norm (hidden), the LM head (hidden) and the log-softmax's sum over the vocabulary.
+    intermediate size). An MoE layer adds the router's logits (hidden), its softmax over the experts,
+    the top-k renormalisation (k), the weighted mixture of the k experts and the shared expert (k + 1),
+    and the shared expert's sigmoid gate (hidden). Qwen3's q/k RMSNorms add head_dim. Then the final
+    norm (hidden), the LM head (hidden) and the log-softmax's sum over the vocabulary.
     """
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads = config.get("num_attention_heads", 1)
@@ -38,8 +40,11 @@ def decoder_chain(config: dict, seq_len: int = 0) -> int:
     inter = max(config.get(k) or 0 for k in ("intermediate_size", "moe_intermediate_size",
                                               "shared_expert_intermediate_size"))
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    router = hidden + experts if experts else 0
-    per_layer = 4 * hidden + head_dim + 2 * seq_len + heads * head_dim + inter + router
+    top_k = config.get("num_experts_per_tok") or experts
+    shared_gate = hidden if config.get("shared_expert_intermediate_size") else 0
+    router = hidden + experts + 2 * top_k + 1 + shared_gate if experts else 0
+    qk_norm = head_dim if str(config.get("model_type", "")).startswith("qwen3") else 0
+    per_layer = 4 * hidden + head_dim + qk_norm + 2 * seq_len + heads * head_dim + inter + router
     return config["num_hidden_layers"] * per_layer + 2 * hidden + vocab
 
 
@@ -123,3 +128,44 @@ def binomial_bound(n: int, p: float, sigmas: float = 5.0) -> float:
     """Half-width of a k-sigma band on a frequency of n independent Bernoulli(p) draws: k sqrt(p(1-p)/n).
     At 5 sigma a correct sampler fails one run in ~1.7 million."""
     return sigmas * math.sqrt(p * (1 - p) / n)
+
+
+def adam_weight_bound(grad_tol: float, lr: float, steps: int) -> float:
+    """Bound on a weight after `steps` Adam steps of learning rate `lr` when the two runs' gradients
+    agree within a relative grad_tol (grad_bound). Adam's step lr * m_hat / sqrt(v_hat) is homogeneous
+    of degree 0 in the gradients: a relative error d in them moves m_hat and sqrt(v_hat) by d each, the
+    step by <= 2 d lr. Assumes no gradient component lies within its rounding error of zero (there the
+    sign-normalised step can flip by 2 lr, which no rounding bound covers)."""
+    return 2 * steps * lr * grad_tol
+
+
+def value_bound(config: dict, layers: int, magnitude: float, seq_len: int = 0,
+                dtype: torch.dtype = torch.float32) -> float:
+    """Bound on a critic's value, a head (hidden -> 1) on the final norm of the hidden state after
+    `layers` decoder layers, between two summation orders: those layers' chain, the norm and the head's
+    sum (decoder_chain without the LM head's vocabulary), relative to `magnitude` = max_t sum_i
+    |w_i| |h_t,i| (the head's terms: a value near 0 can be a cancelling sum of large ones)."""
+    return reorder_bound(decoder_chain({**config, "num_hidden_layers": layers}, seq_len) - config["vocab_size"],
+                         magnitude, dtype)
+
+
+def value_grad_bound(config: dict, layers: int, n_tokens: int, seq_len: int = 0,
+                     dtype: torch.dtype = torch.float32, norm_reordered: bool = True) -> float:
+    """Relative bound on a critic's gradient (or its norm) between two summation orders (micro-batch
+    split, TP): the forward chain to the value and its transpose in backpropagation, the weight
+    gradients' sum over n_tokens, and, where the two runs sum the norm's squares in another order (a TP
+    layout, not a micro-batch split of the same parameters), that sum (as grad_bound). A norm moves by
+    at most the relative error of its vector."""
+    cfg = {**config, "num_hidden_layers": layers}
+    eps = torch.finfo(dtype).eps
+    chain = decoder_chain(cfg, seq_len) - config["vocab_size"]
+    return (2 * chain + n_tokens) * eps + (n_params(cfg) * eps / 4 if norm_reordered else 0.0)
+
+
+def squared_error_bound(value_tol: float, max_value: float, max_target: float, n_terms: int,
+                        dtype: torch.dtype = torch.float32) -> float:
+    """Bound on a (clipped) squared-error value loss 0.5 (v - R)^2, averaged over n_terms, when every v
+    is within value_tol: each term moves by <= (|v| + |R|) value_tol (Lipschitz, clipping included),
+    the terms are at most 0.5 (|v| + |R|)^2, and the average's sum reorders (mean_bound)."""
+    span = max_value + max_target
+    return mean_bound(span * value_tol, n_terms, 0.5 * span * span, dtype)
