@@ -89,10 +89,10 @@ def record_rollouts(trainer, workdir: Path, rank: int) -> None:
     trainer.make_engine = make_recording_engine
     real_pad_batch = trainer.pad_batch
 
-    def pad_batch(prompt_ids, response_ids, pad_id):
+    def pad_batch(prompt_ids, response_ids, pad_id, **options):  # options: loss_masks of multi-turn rollouts
         if rank == 0:
             append(workdir / "estimator_batches.jsonl", {"prompts": prompt_ids, "responses": response_ids})
-        return real_pad_batch(prompt_ids, response_ids, pad_id)
+        return real_pad_batch(prompt_ids, response_ids, pad_id, **options)
 
     trainer.pad_batch = pad_batch
 
