@@ -26,6 +26,14 @@ class ToolCallFormat(StrEnum):
     BARE = "bare"  # <tool_call>TEXT</tool_call>, TEXT the input of the job's only tool (tiny models)
 
 
+class LoraTarget(StrEnum):
+    """megatron-core's linear layers a LoRA adapter may wrap (HF names: what PEFT calls the same weights)."""
+    LINEAR_QKV = "linear_qkv"  # q_proj, k_proj, v_proj (fused: one adapter input for the three)
+    LINEAR_PROJ = "linear_proj"  # o_proj
+    LINEAR_FC1 = "linear_fc1"  # gate_proj, up_proj (fused SwiGLU input)
+    LINEAR_FC2 = "linear_fc2"  # down_proj
+
+
 class LRSchedule(StrEnum):
     CONSTANT = "constant"  # linear warm-up, then the peak lr
     COSINE = "cosine"  # linear warm-up, then cosine decay to lr x minLrRatio at the last step

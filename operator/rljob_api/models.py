@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.alias_generators import to_camel
 
 from rljob_api.enums import (
@@ -24,6 +24,7 @@ from rljob_api.enums import (
     JudgeScoreRule,
     KLEstimator,
     KLPlacement,
+    LoraTarget,
     LossAggregation,
     LRSchedule,
     ModelDType,
@@ -473,6 +474,49 @@ class MegatronSpec(ApiModel):
 # --------------------------------------------------------------------------- critic (PPO value model)
 
 
+class LoraSpec(ApiModel):
+    """Low-rank adapters on megatron-core's linear layers: the base weights stay frozen (no gradient, no
+    optimizer state); W x + (alpha / rank) B A x is trained, A (rank x in) and B (out x rank, zero at the start)."""
+
+    rank: int = _f(32, "Adapter rank r. RL's reward carries few bits per episode, so even low ranks match full "
+                   "fine-tuning there (Thinking Machines, LoRA Without Regret, 2025). (PEFT: r)", ge=1, le=1024)
+    alpha: float = _f(32.0, "Scale numerator: the adapter's output is multiplied by alpha / rank. Kept fixed while "
+                      "trying ranks, the best learning rate barely moves with the rank. (PEFT: lora_alpha)",
+                      gt=0, le=65536)
+    dropout: float = _f(0.0, "Dropout on the adapter's input while training (not on the frozen path); 0 keeps the "
+                        "trainer's log-probs those of the policy that sampled. (PEFT: lora_dropout)", ge=0, lt=1)
+    target_modules: list[LoraTarget] = _f(
+        default_factory=lambda: list(LoraTarget),
+        description="megatron-core linears that get an adapter: linear_qkv (HF q_proj, k_proj and v_proj: one "
+        "shared input), linear_proj (o_proj), linear_fc1 (gate_proj and up_proj), linear_fc2 (down_proj). "
+        "Embeddings, norms, the output layer and MoE routers and experts never get one. (PEFT: target_modules)",
+        min_length=1, max_length=4, json_schema_extra={"x-kubernetes-list-type": "set"})
+    export_merged: bool = _f(
+        False, "With checkpoint.exportHf: also write the merged model (W + (alpha / rank) B A) as a full Hugging "
+        "Face checkpoint under <job prefix>/hf-merged/, beside the PEFT adapter under <job prefix>/hf/.")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _hf_names_point_to_megatron_ones(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for name in value:
+                if name in _HF_LORA_TARGETS:
+                    raise ValueError(f"{name!r} is fused into megatron-core's {_HF_LORA_TARGETS[name]!r} here (one "
+                                     f"adapter over the fused weight); write {_HF_LORA_TARGETS[name]}")
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _unique_targets(cls, value: list[LoraTarget]) -> list[LoraTarget]:
+        if len(set(value)) != len(value):
+            raise ValueError("lists a module twice; name each once")
+        return value
+
+
+_HF_LORA_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+                    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
 class CriticModelSpec(ApiModel):
     path: str | None = _f(
         None,
@@ -530,6 +574,9 @@ class CriticSpec(ApiModel):
         ge=1,
         le=63,
     )
+    lora: LoraSpec | None = _f(
+        None, "Train the critic as LoRA adapters on its transformer (the value head stays fully trained); unset "
+        "trains all its weights. Independent of spec.lora.")
 
 
 # --------------------------------------------------------------------------- reward, checkpoint, storage, metrics
@@ -867,6 +914,11 @@ class RLJobSpec(ApiModel):
     rollout: RolloutSpec = _f(default_factory=RolloutSpec, description="Generation engine and sampling.")
     training: TrainingSpec = _f(default_factory=TrainingSpec, description="Batch sizes, optimizer and schedule.")
     megatron: MegatronSpec = _f(default_factory=MegatronSpec, description="megatron-core parallelism, memory and recompute.")
+    lora: LoraSpec | None = _f(
+        None, "Train the policy as low-rank adapters on frozen base weights: checkpoints hold the adapters only "
+        "(megabytes for a 7B model), the reference model is the base with the adapters off (no second copy), the "
+        "rollout engine gets merged weights. Unset trains every weight. Use about 10x the full fine-tuning "
+        "learning rate (`rljob explain spec.lora`).")
     critic: CriticSpec | None = _f(
         None, "The value model of PPO; required by (and only allowed with) algorithm.advantageEstimator gae. "
         "(verl: critic.*)",

@@ -42,6 +42,7 @@ from .engine_config import (
 )
 from .errors import MegatronConfigError
 from .fused_head import fused_head_enabled, fused_token_values
+from .lora import LoraConfig
 from .packing import PackedMicroBatch, unpack
 
 __all__ = [
@@ -94,15 +95,17 @@ class MegatronActor(MegatronEngine):
         transformer_overrides: Mapping[str, Any] | None = None,
         fused_head: bool | None = None,
         fused_elementwise: bool | None = None,
+        lora: LoraConfig | None = None,
     ) -> MegatronActor:
         """Build the policy from an HF checkpoint directory (see :meth:`MegatronEngine.from_hf`);
         ``trainable=False`` builds a frozen reference policy (:meth:`update` refuses).
         ``fused_head``: log-probs and entropy by :mod:`.fused_head` (default: on unless
         ``RLJOB_FUSED_LOGPROBS=0``). ``fused_elementwise``: compiled RMSNorm / RoPE / SwiGLU (default:
-        on with a GPU unless ``RLJOB_FUSED_ELEMENTWISE=0``)."""
+        on with a GPU unless ``RLJOB_FUSED_ELEMENTWISE=0``). ``lora``: train low-rank adapters on the
+        frozen weights (:mod:`.lora`)."""
         built = cls.build_from_hf(hf_dir, parallel=parallel, optim=optim, dtype=dtype, seed=seed, trainable=trainable,
                                   recompute=recompute, transformer_overrides=transformer_overrides,
-                                  fused_elementwise=fused_elementwise)
+                                  fused_elementwise=fused_elementwise, lora=lora)
         return cls(**built, with_entropy=with_entropy, fused_head=fused_head)
 
     # ----------------------------------------------------------------------------------------------

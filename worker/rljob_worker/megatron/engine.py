@@ -86,6 +86,7 @@ from .engine_config import (
 from .engine_state import EngineStateMixin
 from .errors import MegatronConfigError
 from .fused_head import output_layer_returns_hidden
+from .lora import LoraConfig, LoraState, attach_lora
 from .model_config import MegatronModelConfig, build_model_chunks, megatron_config_from_hf
 from .offload import StorageOffloader
 from .optim_step import OptimStepMixin, cpu_adamw, gpu_wrap
@@ -105,6 +106,17 @@ def _output_layer_fn(chunk: torch.nn.Module) -> Callable[[torch.Tensor], torch.T
         return layer(hidden.transpose(0, 1), weight=weight)[0].transpose(0, 1)
 
     return apply
+
+
+def _half_precision(chunks: list[torch.nn.Module], mcfg: MegatronModelConfig, dtype: torch.dtype,
+                    on_gpu: bool) -> list[torch.nn.Module]:
+    """What the schedule runs without megatron's DDP: Float16Module around each chunk for bf16 / fp16 on
+    GPU (it casts the chunk's parameters and its input and output), the chunks themselves otherwise."""
+    if not (on_gpu and dtype in (torch.bfloat16, torch.float16)):
+        return list(chunks)
+    from megatron.core.transformer.module import Float16Module
+
+    return [Float16Module(mcfg.transformer_config, chunk) for chunk in chunks]
 
 
 @contextlib.contextmanager
@@ -169,6 +181,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         parallel: ParallelConfig,
         optim: OptimConfig,
         dtype: torch.dtype,
+        lora: LoraState | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -182,7 +195,10 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         self.parallel = parallel
         self.optim = optim
         self.dtype = dtype
+        self.lora = lora  # LoRA adapters (:mod:`.lora`): the only trained weights, with torch AdamW
         self.on_gpu = torch.cuda.is_available()
+        # megatron's DDP + optimizer (GPU, full weights) or torch AdamW with the reductions by hand (CPU; LoRA)
+        self.megatron_optimizer = self.on_gpu and optimizer is not None and lora is None
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         )
@@ -227,6 +243,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         prepare_chunks: Callable[[list[torch.nn.Module], MegatronModelConfig], None] | None = None,
         skip_hf_weights: Sequence[str] = (),
         fused_elementwise: bool | None = None,
+        lora: LoraConfig | None = None,
     ) -> dict[str, Any]:
         """The constructor arguments of an engine built from an HF checkpoint directory (config.json +
         safetensors): ``cls(**build_from_hf(...))``; see :meth:`from_hf`.
@@ -236,7 +253,8 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         chunks before weights are loaded and the optimizer is made (e.g. a new output layer);
         ``skip_hf_weights``: megatron parameter names not loaded from the checkpoint.
         ``fused_elementwise``: compiled RMSNorm / RoPE / SwiGLU (:mod:`.fused_elementwise`; None:
-        ``RLJOB_FUSED_ELEMENTWISE``, else on with a GPU)."""
+        ``RLJOB_FUSED_ELEMENTWISE``, else on with a GPU). ``lora``: train adapters on frozen weights
+        (:mod:`.lora`; ignored for a frozen model)."""
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             apply_cpu_patches()
@@ -293,14 +311,17 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
                 chunk.cuda(torch.cuda.current_device())
         hf_weights.load_hf_weights(chunks, hf_dir, hf_config, skip=skip_hf_weights)
 
+        lora_state = None
         if not trainable:
             for chunk in chunks:
                 chunk.requires_grad_(False)
-            models, optimizer = list(chunks), None
-            if on_gpu and dtype in (torch.bfloat16, torch.float16):
-                from megatron.core.transformer.module import Float16Module
-
-                models = [Float16Module(mcfg.transformer_config, chunk) for chunk in chunks]
+            models, optimizer = _half_precision(chunks, mcfg, dtype, on_gpu), None
+        elif lora is not None:
+            # adapters join after the half-precision wrap, so they stay fp32
+            models = _half_precision(chunks, mcfg, dtype, on_gpu)
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+            lora_state = attach_lora(chunks, lora, hf_dir, device)
+            optimizer = cpu_adamw(torch.nn.ModuleList(chunks) if len(chunks) > 1 else chunks[0], optim)
         elif on_gpu:
             models, optimizer = gpu_wrap(chunks, mcfg, parallel, optim, dtype)
             # the pipeline schedule scales each last-stage loss before its backward
@@ -309,7 +330,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             params = torch.nn.ModuleList(chunks) if len(chunks) > 1 else chunks[0]
             models, optimizer = list(chunks), cpu_adamw(params, optim)
         return {"models": models, "chunks": chunks, "optimizer": optimizer, "hf_config": hf_config, "mcfg": mcfg,
-                "parallel": parallel, "optim": optim, "dtype": dtype}
+                "parallel": parallel, "optim": optim, "dtype": dtype, "lora": lora_state}
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **kwargs: Any) -> MegatronEngine:
@@ -404,7 +425,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
                 sums = self._pipeline_backward(micro_batches, head, loss_fn, needs_hidden, loss_scale)
             else:
                 sums = self._sequential_backward(micro_batches, head, loss_fn, needs_hidden, loss_scale)
-        if self.on_gpu:
+        if self.megatron_optimizer:
             grad_norm, skipped = self._gpu_step(lr)
         else:
             grad_norm, skipped = self._cpu_step(lr)
@@ -484,7 +505,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             mb_dev = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
             loss, metrics = loss_fn(result, mb_dev)
             scaled = loss * loss_scale
-            if self.on_gpu:
+            if self.megatron_optimizer:
                 scaled = self.optimizer.scale_loss(scaled)
             scaled.backward()
             for k, v in {**metrics, "loss": loss}.items():
@@ -600,7 +621,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
     def _moe_aux_begin(self, num_micro_batches: int) -> None:
         if moe.is_moe(self.hf_config):  # aux-loss grads scaled like the main loss (1 / micro-batches)
             moe.pop_aux_loss(1, 0)
-            scale = self.optimizer.get_loss_scale() if self.on_gpu else 1.0
+            scale = self.optimizer.get_loss_scale() if self.megatron_optimizer else 1.0
             moe.set_aux_loss_scale(float(scale) / num_micro_batches, self.device)
 
     def _moe_aux_end(self, num_micro_batches: int) -> dict[str, float]:

@@ -147,17 +147,38 @@ class EngineStateMixin:
     # ----------------------------------------------------------------------------------------------
     # weights out
 
-    def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, dtype: torch.dtype | None = None,
+                          only_changed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors, one at a time, on every rank (collective over the TP and PP groups:
-        every rank must consume the iterator)."""
+        every rank must consume the iterator). With LoRA the adapted weights are merged (``W + s B A``);
+        ``only_changed``: with LoRA, just those (the rest is the base model the engine already has)."""
         self._require_onloaded("export_hf_weights")
-        return hf_weights.export_hf_weights(self.chunks, self.hf_config, dtype=dtype)
+        if self.lora is None:
+            return hf_weights.export_hf_weights(self.chunks, self.hf_config, dtype=dtype)
+        only = self.lora.changed_weight_names(self.hf_config.num_hidden_layers) if only_changed else None
+        return hf_weights.export_hf_weights(self.chunks, self.hf_config, dtype=dtype, weight_of=self.lora.weight_of,
+                                            only=only)
 
     def save_hf_checkpoint(
         self, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype | None = None
     ) -> None:
+        """The model as an HF checkpoint folder (with LoRA: merged). Collective; global rank 0 writes."""
         self._require_onloaded("save_hf_checkpoint")
-        hf_weights.save_hf_checkpoint(self.chunks, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype)
+        hf_weights.save_hf_checkpoint(self.chunks, self.hf_config, out_dir, tokenizer=tokenizer, dtype=dtype,
+                                      weight_of=self.lora.weight_of if self.lora is not None else None)
+
+    def save_peft_adapter(self, out_dir: str | os.PathLike) -> None:
+        """LoRA: the adapters in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``).
+        Collective; global rank 0 writes."""
+        from .lora import save_peft_adapter
+
+        if self.lora is None:
+            raise RuntimeError("save_peft_adapter: this model has no LoRA adapters")
+        self._require_onloaded("save_peft_adapter")
+        save_peft_adapter(self.lora, self.chunks, self.hf_config, out_dir,
+                          writer=not dist.is_initialized() or dist.get_rank() == 0)
+        if dist.is_initialized():
+            dist.barrier()
 
     # ----------------------------------------------------------------------------------------------
     # distributed checkpoints (megatron.core.dist_checkpointing: any TP layout can load them)
@@ -174,16 +195,18 @@ class EngineStateMixin:
 
         self._require_onloaded("sharded_state_dict")
         # one dict per model chunk; the tensors inside carry global layer names, so any TP / PP /
-        # VPP layout can load them
-        if len(self.chunks) == 1:
+        # VPP layout can load them. LoRA: the adapters alone (the base weights are the HF checkpoint's)
+        if self.lora is not None:
+            model_sd = self.lora.sharded_state_dict()
+        elif len(self.chunks) == 1:
             model_sd = self.chunks[0].sharded_state_dict()
         else:
             model_sd = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
-        if self.optimizer is not None and self.on_gpu and is_loading:
+        if self.optimizer is not None and self.megatron_optimizer and is_loading:
             init_distributed_optimizer_state(self.optimizer)
         if self.optimizer is None:
             optim_sd = None
-        elif self.on_gpu:
+        elif self.megatron_optimizer:
             # fully_reshardable: any TP/DP layout can load it (megatron 0.16's default format for
             # the distributed optimizer, fully_sharded_model_space, is deprecated and fails to save)
             optim_sd = self.optimizer.sharded_state_dict(
@@ -210,6 +233,8 @@ class EngineStateMixin:
             "model_type": self.mcfg.model_type,
             "padded_vocab_size": self.mcfg.padded_vocab_size,
         }
+        if self.lora is not None:
+            meta["lora"] = self.lora.meta()
         out = {"model": model_sd, "optimizer": optim_sd, "rng": rng, "meta": meta}
         if optim_sd is None:
             del out["optimizer"]
@@ -256,12 +281,15 @@ class EngineStateMixin:
                 f"checkpoint {ckpt_dir} has a padded vocab of {meta['padded_vocab_size']} (TP={meta.get('tp')}), "
                 f"this model {self.mcfg.padded_vocab_size} (TP={self.tp_size}); load it with a TP that pads alike"
             )
+        self._check_lora_checkpoint(meta.get("lora"), ckpt_dir)
         sd = self.sharded_state_dict(is_loading=True)
         same_layout = meta.get("tp") == self.tp_size and meta.get("pp", 1) == self.pp_size
         if not same_layout:
             del sd["rng"]  # per-rank generator states do not map onto another TP / PP layout
         loaded = dist_checkpointing.load(sd, ckpt_dir)
-        if len(self.chunks) == 1:
+        if self.lora is not None:
+            self.lora.load(loaded["model"])
+        elif len(self.chunks) == 1:
             self.chunks[0].load_state_dict(loaded["model"], strict=True)
         else:
             for i, chunk in enumerate(self.chunks):
@@ -269,7 +297,7 @@ class EngineStateMixin:
         step = int(meta.get("step", 0))
         if self.optimizer is None:
             pass  # frozen model: weights only
-        elif self.on_gpu:
+        elif self.megatron_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
         else:
             state = loaded["optimizer"]
@@ -281,6 +309,19 @@ class EngineStateMixin:
             _set_rng_state(loaded["rng"], self.on_gpu)
         self.step = step
         return meta
+
+
+    def _check_lora_checkpoint(self, saved: dict[str, Any] | None, ckpt_dir: str) -> None:
+        """A LoRA job loads adapters trained on its own base model; a full-weight job no adapters."""
+        from .errors import MegatronConfigError
+        from .lora import check_base
+
+        if self.lora is not None:
+            check_base(saved, self.lora, ckpt_dir)
+        elif saved:
+            raise MegatronConfigError(
+                f"checkpoint {ckpt_dir} holds LoRA adapters (rank {saved.get('rank')}), not full weights; set "
+                "spec.lora as it was saved to resume it, or start fresh (checkpoint.resumeMode: disable)")
 
 
 def _rng_state(on_gpu: bool) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -464,9 +464,15 @@ def _full_shape(local_shape: tuple[int, ...], dim: int | None, t: int) -> tuple[
 
 
 @torch.no_grad()
-def export_hf_weights(model, hf_config, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model, hf_config, dtype: torch.dtype | None = None,
+                      weight_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                      only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` one at a time, on every rank: each parameter is all-gathered
     over the TP group by the pipeline stage that holds it, then broadcast over the PP group.
+
+    ``weight_of(global megatron name, local shard) -> shard`` replaces what is exported of a parameter
+    (LoRA: the merged ``W + s B A``, computed shard by shard before the gather); ``only``: the global
+    megatron names to export (the same set on every rank), e.g. just the weights LoRA changes.
 
     ``model``: a GPTModel or a list of this rank's model chunks. Collective: all ranks of a
     model-parallel group must consume the whole iterator. Tensors are fresh (not views of
@@ -486,11 +492,13 @@ def export_hf_weights(model, hf_config, dtype: torch.dtype | None = None) -> Ite
     for mname, hf_names, kind in _expanded(table, chunks[0].config.num_layers, tied):
         if mname not in owners:
             continue  # an optional entry this architecture variant lacks
+        if only is not None and mname not in only:
+            continue
         owner, shape, param_dtype = owners[mname]
         dim = _partition_dim(kind)
         if owner == pp_rank:
             param = local[mname][0]
-            full = _gather(param, dim, t, tp_group)
+            full = _gather(param if weight_of is None else weight_of(mname, param), dim, t, tp_group)
         else:
             param = None
             full = torch.empty(_full_shape(shape, dim, t), dtype=param_dtype, device=device)
@@ -502,7 +510,7 @@ def export_hf_weights(model, hf_config, dtype: torch.dtype | None = None) -> Ite
             if param is not None and tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
                 tensor = tensor.clone()  # never hand out views of live parameters
             yield name, tensor.contiguous()
-    if moe.is_moe(hf_config):  # gathered copies, never views of parameters
+    if moe.is_moe(hf_config) and only is None:  # gathered copies, never views of parameters
         experts = (
             name_tensor
             for chunk in chunks
@@ -539,6 +547,7 @@ def save_hf_checkpoint(
     tokenizer=None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 1024**3,
+    weight_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Write ``model*.safetensors`` (+ index when sharded), ``config.json`` and the tokenizer.
 
@@ -550,7 +559,7 @@ def save_hf_checkpoint(
     writer = not dist.is_initialized() or dist.get_rank() == 0
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in export_hf_weights(model, hf_config, dtype=dtype):
+    for name, tensor in export_hf_weights(model, hf_config, dtype=dtype, weight_of=weight_of):
         if not writer:
             continue
         nbytes = tensor.numel() * tensor.element_size()

@@ -26,7 +26,7 @@ class OptimStepMixin:
         return self.optim.lr * min(1.0, (self.step + 1) / warm) if warm > 0 else self.optim.lr
 
     def _zero_grad(self) -> None:
-        if self.on_gpu:
+        if self.megatron_optimizer:
             for model in self.models:
                 model.zero_grad_buffer()
             self.optimizer.zero_grad()
