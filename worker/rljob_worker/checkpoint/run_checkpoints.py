@@ -256,18 +256,37 @@ class RunCheckpoints:
         return state
 
     def export_hf(self, actor, tokenizer, model_dir: Path) -> str | None:
-        """Write the final policy as an HF folder and upload it to <job prefix>/hf/. Collective."""
-        local = self.local_root / "hf"
+        """Write the final policy as an HF folder and upload it to <job prefix>/hf/. With LoRA that folder is
+        the PEFT adapter (and with spec.lora.exportMerged the merged model goes to <job prefix>/hf-merged/).
+        Collective."""
+        lora = self.spec.lora if getattr(actor, "lora", None) is not None else None
+        if lora is None:
+            return self._export("hf", lambda local: actor.save_hf_checkpoint(local, tokenizer=tokenizer),
+                                "the final policy in Hugging Face format")
+
+        def adapter(local: Path) -> None:
+            actor.save_peft_adapter(local)
+            if self.env.rank == 0 and tokenizer is not None:
+                tokenizer.save_pretrained(local)
+
+        uri = self._export("hf", adapter, "the final LoRA adapter in PEFT format")
+        if lora.export_merged:
+            self._export("hf-merged", lambda local: actor.save_hf_checkpoint(local, tokenizer=tokenizer),
+                         "the final policy with its adapters merged, in Hugging Face format")
+        return uri
+
+    def _export(self, name: str, write, what: str) -> str | None:
+        local = self.local_root / name
         if self.env.rank == 0:
             shutil.rmtree(local, ignore_errors=True)
         barrier()
-        actor.save_hf_checkpoint(local, tokenizer=tokenizer)
-        key = f"{self.manager.base_prefix}/hf"
+        write(local)
+        key = f"{self.manager.base_prefix}/{name}"
         uri = None
         if self.env.rank == 0:
             self.store.delete_prefix(key + "/")
             self.store.upload_dir(local, key)
             uri = self.store.uri_for(key)
-            log.info("exported the final policy in Hugging Face format to %s", uri)
+            log.info("exported %s to %s", what, uri)
         barrier()
         return uri

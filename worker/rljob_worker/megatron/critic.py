@@ -35,6 +35,7 @@ from .engine_config import (
     RecomputeConfig,
 )
 from .errors import MegatronConfigError
+from .lora import LoraConfig
 from .packing import unpack
 
 # loss(values (b, T), micro-batch on the device) -> (scalar loss, metrics)
@@ -104,6 +105,7 @@ class MegatronCritic(MegatronEngine):
         recompute: RecomputeConfig = DEFAULT_RECOMPUTE,
         transformer_overrides: Mapping[str, Any] | None = None,
         output_layer_index: int | None = None,
+        lora: LoraConfig | None = None,
     ) -> MegatronCritic:
         """Build the critic from an HF checkpoint directory (see :meth:`MegatronEngine.from_hf`):
         the first ``output_layer_index`` layers (all when None) and the final norm loaded from it, a
@@ -124,7 +126,7 @@ class MegatronCritic(MegatronEngine):
             built = cls.build_from_hf(hf_dir, parallel=parallel, optim=optim, dtype=dtype, seed=seed, trainable=True,
                                       recompute=recompute, transformer_overrides=transformer_overrides,
                                       hf_config_fn=lambda c: critic_hf_config(c, output_layer_index),
-                                      prepare_chunks=attach_heads, skip_hf_weights=(OUTPUT_LAYER,))
+                                      prepare_chunks=attach_heads, skip_hf_weights=(OUTPUT_LAYER,), lora=lora)
         except MegatronConfigError as exc:  # the engine names the actor's block; these are the critic's sizes
             raise MegatronConfigError(str(exc).replace("spec.megatron.", "spec.critic.megatron.")) from None
         return cls(**built)

@@ -198,6 +198,9 @@ class EngineStateMixin:
         # VPP layout can load them. LoRA: the adapters alone (the base weights are the HF checkpoint's)
         if self.lora is not None:
             model_sd = self.lora.sharded_state_dict()
+            kept = self.lora.config.keep_trainable  # fully trained beside the adapters (a critic's value head)
+            for chunk in self.chunks if kept else ():
+                model_sd.update({k: v for k, v in chunk.sharded_state_dict().items() if k.startswith(kept)})
         elif len(self.chunks) == 1:
             model_sd = self.chunks[0].sharded_state_dict()
         else:
@@ -289,6 +292,9 @@ class EngineStateMixin:
         loaded = dist_checkpointing.load(sd, ckpt_dir)
         if self.lora is not None:
             self.lora.load(loaded["model"])
+            kept = {k: v for k, v in loaded["model"].items() if not k.startswith("lora.")}
+            for chunk in self.chunks if kept else ():
+                chunk.load_state_dict({k: v for k, v in kept.items() if k in chunk.state_dict()}, strict=False)
         elif len(self.chunks) == 1:
             self.chunks[0].load_state_dict(loaded["model"], strict=True)
         else:

@@ -41,8 +41,9 @@ def first_stop(row: list[int], stops: set[int]) -> int:
 class RolloutEngine(Protocol):
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors (streamed; each may be freed after the call consumes it)."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+        """Load HF-named full tensors (streamed; each may be freed after the call consumes it). Every
+        parameter must come unless ``partial`` (LoRA: only the weights the adapters change)."""
 
     def sleep(self) -> None:
         """Release accelerator memory (weights and KV cache) while the actor trains."""

@@ -29,7 +29,7 @@ class HFEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # -- weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         seen = set()
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -43,7 +43,7 @@ class HFEngine:
                 param.copy_(tensor.to(param.device, param.dtype))
                 seen.add(name)
         missing = set(self._params) - seen - ({"lm_head.weight"} if self._tied else set())
-        if missing:
+        if missing and not partial:
             raise KeyError(f"weight sync: no tensor for {sorted(missing)[:5]}")
 
     def release_cache(self) -> None:

@@ -353,8 +353,9 @@ class VLLMEngine:
                 self.calls.append("wake_up(kv_cache)")
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
+    def update_weights(self, named_tensors: Iterable[NamedTensor], partial: bool = False) -> None:
         """Stream HF-named full tensors into vLLM in buckets of at most ``bucket_bytes``; stats in `last_sync_stats`.
+        ``partial``: a subset of the parameters (LoRA's merged weights), each fused parameter still whole.
 
         The whole stream is consumed (it is collective over the training TP group) even if loading fails.
         """
@@ -389,7 +390,7 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
         self.calls.append(f"update_weights({stats.tensors} tensors, {stats.buckets} buckets)")
         if self.check_complete_sync:
-            missing = sorted(self._param_names - loaded) if (self._param_names and loaded) else []
+            missing = sorted(self._param_names - loaded) if (self._param_names and loaded and not partial) else []
             partial = incomplete_fused(sent)
             if missing or partial:
                 raise KeyError(f"weight sync: no tensor for vLLM parameters {missing[:5]} ({len(missing)} missing), "

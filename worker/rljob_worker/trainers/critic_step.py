@@ -17,13 +17,18 @@ def build_critic(spec, critic_dir: Path, dtype: torch.dtype):
     from rljob_worker.megatron.actor import OptimConfig, ParallelConfig, RecomputeConfig
     from rljob_worker.megatron.critic import MegatronCritic
 
+    from rljob_worker.megatron.lora import LoraConfig
+
     c = spec.critic
+    lora = (LoraConfig.from_spec(c.lora, seed=spec.training.seed, base_uri=c.model.path or spec.model.path,
+                                 keep_trainable=("output_layer",)) if c.lora else None)  # the value head: in full
     return MegatronCritic.from_hf(
         critic_dir, parallel=ParallelConfig.from_spec(c.megatron),
         optim=OptimConfig(lr=c.lr, weight_decay=c.weight_decay, grad_clip=c.grad_clip,
                           lr_warmup_steps=c.lr_warmup_steps),
         dtype=dtype, seed=spec.training.seed, recompute=RecomputeConfig.from_spec(c.megatron),
-        transformer_overrides=c.megatron.override_transformer_config, output_layer_index=c.output_layer_index)
+        transformer_overrides=c.megatron.override_transformer_config, output_layer_index=c.output_layer_index,
+        lora=lora)
 
 
 def value_loss_fn(spec):

@@ -127,14 +127,18 @@ class GRPOTrainer(RunLoop):
         parallel = ParallelConfig.from_spec(m)
         optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_warmup_steps=t.lr_warmup_steps)
         recompute = RecomputeConfig.from_spec(m, spec.model.gradient_checkpointing)
+        from rljob_worker.megatron.lora import LoraConfig
+
+        lora = LoraConfig.from_spec(spec.lora, seed=t.seed, base_uri=spec.model.path) if spec.lora else None
         self.actor = MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype,
                                            seed=t.seed, recompute=recompute,
-                                           transformer_overrides=m.override_transformer_config)
+                                           transformer_overrides=m.override_transformer_config, lora=lora)
         a = spec.algorithm
         self.use_ref = a.kl_coef > 0
+        # with LoRA the reference policy is the actor with its adapters off: no second copy of the weights
         self.ref = (MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed,
                                             trainable=False, transformer_overrides=m.override_transformer_config)
-                    if self.use_ref else None)
+                    if self.use_ref and lora is None else None)
         # log-probs of the distribution the rollout sampled (temperature 0, greedy, has no such distribution: raw)
         temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
         for model in (self.actor, self.ref):
@@ -276,6 +280,7 @@ class GRPOTrainer(RunLoop):
 
         # 4. actor update: ppoEpochs x mini-batches, each one optimizer step
         update_start = time.perf_counter()
+        lora_before = self.actor.lora.snapshot() if self.actor.lora is not None else None
         with self.telemetry.stage("actor_update"):
             update_metrics = []
             for _ in range(spec.training.ppo_epochs):
@@ -288,6 +293,8 @@ class GRPOTrainer(RunLoop):
         for key, value in _mean_dicts(update_metrics).items():
             metrics[key if key.startswith("rollout/") else f"actor/{key}"] = value
         metrics.update(self._training_throughput(local, time.perf_counter() - update_start))
+        if lora_before is not None:
+            metrics.update(self.actor.lora.norms(lora_before, self.actor.tp_group, self.actor.pp_group))
 
         # 5. weight sync: stream HF-named tensors from megatron into the engine
         with self.telemetry.stage("weight_sync"):
@@ -589,7 +596,23 @@ class GRPOTrainer(RunLoop):
                 local["old_logprobs"] = self.actor.compute_logprobs(local, micro_batch_size=micro_batch_size)["logprobs"]
         if self.use_ref:
             with self.telemetry.stage("ref_logprob"):
-                local["ref_logprobs"] = self.ref.compute_logprobs(local, micro_batch_size=micro_batch_size)["logprobs"]
+                local["ref_logprobs"] = self._reference_logprobs(local, micro_batch_size)
+
+    def _partial_weight_sync(self) -> bool:
+        """LoRA: only the adapted weights (merged) travel after the engine has the base model, unless the
+        engine drops its weights when asleep (vLLM sleep level 2). The same on every rank (rank 0 decides:
+        it always has an engine)."""
+        if self.actor.lora is None:
+            return False
+        if getattr(self, "_partial_sync", None) is None:
+            self._partial_sync = bool(broadcast_object(getattr(self.engine, "sleep_level", 1) == 1))
+        return self._partial_sync
+
+    def _reference_logprobs(self, local: dict, micro_batch_size: int) -> torch.Tensor:
+        if self.ref is not None:
+            return self.ref.compute_logprobs(local, micro_batch_size=micro_batch_size)["logprobs"]
+        with self.actor.lora.disabled():  # LoRA: the base model is the reference
+            return self.actor.compute_logprobs(local, micro_batch_size=micro_batch_size)["logprobs"]
 
     def _kl_in_reward_advantages(self, batch: dict[str, torch.Tensor], local: dict[str, torch.Tensor], lo: int,
                                  metrics: dict[str, float]) -> torch.Tensor:
@@ -608,7 +631,8 @@ class GRPOTrainer(RunLoop):
         return advantages[lo:lo + local["input_ids"].shape[0]]
 
     def _sync_weights(self) -> None:
-        stream = self.actor.export_hf_weights()  # collective: every rank iterates
+        partial = self._partial_weight_sync()
+        stream = self.actor.export_hf_weights(only_changed=partial)  # collective: every rank iterates
         if self.engine is None:
             for _ in stream:
                 pass
@@ -617,10 +641,10 @@ class GRPOTrainer(RunLoop):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.engine.wake_up(tags=["weights"])
-            self.engine.update_weights(stream)
+            self.engine.update_weights(stream, partial=partial)
             self.engine.wake_up(tags=["kv_cache"])
         else:
-            self.engine.update_weights(stream)
+            self.engine.update_weights(stream, partial=partial)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:

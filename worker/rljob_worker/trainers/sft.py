@@ -110,10 +110,13 @@ class SFTTrainer(RunLoop):
         parallel = ParallelConfig.from_spec(m)
         # No warm-up here: _set_lr hands the actor each step's lr from lr_at.
         optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_warmup_steps=0)
+        from rljob_worker.megatron.lora import LoraConfig
+
+        lora = LoraConfig.from_spec(spec.lora, seed=t.seed, base_uri=spec.model.path) if spec.lora else None
         self.actor = MegatronActor.from_hf(
             self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed,
             recompute=RecomputeConfig.from_spec(m, spec.model.gradient_checkpointing),
-            transformer_overrides=m.override_transformer_config)
+            transformer_overrides=m.override_transformer_config, lora=lora)
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
         self.per_rank = self.global_batch // self.dp_size
         self.micro_batches = self.per_rank // t.micro_batch_size_per_gpu
