@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rljob_api.advice import spec_warnings
 from rljob_api.local_checks import local_problems
 from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
 from rljob_api.worker_support import worker_refusals
@@ -112,6 +113,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 print(f"  NOT RUNNABLE here: {problem}")
             for item in unchecked:
                 print(f"  not checked: {item}")
+            for warning in spec_warnings(job.spec):
+                print(f"  warning: {warning}")
             failed += bool(refusals or problems)
             parsed += 1
     if parsed and not args.local:

@@ -30,6 +30,7 @@ STOPS = {  # what the weights mean, the objective, the data order
     "training.trainBatchSizePerNode", "training.seed",
     "megatron.overrideTransformerConfig",
     "critic.model.path", "critic.outputLayerIndex", "critic.cliprangeValue", "critic.megatron.overrideTransformerConfig",
+    *(f"{p}lora.{f}" for p in ("", "critic.") for f in ("rank", "alpha", "targetModules")),
 }
 RESHARDS = {  # megatron distributed checkpoints load into any layout
     "nnodes", "gpusPerNode", "device", "critic.placement", "critic.gpus",
@@ -54,6 +55,8 @@ RESUMES = {  # schedules, validation, engines, rewards, storage, cluster setting
         "recomputeNumLayers")),
     "critic.lr", "critic.lrWarmupSteps", "critic.weightDecay", "critic.gradClip", "critic.ppoEpochs",
     "critic.microBatchSizePerGpu", "critic.warmupSteps",
+    # adapter dropout acts in training only; the merged export is written at the end
+    *(f"{p}lora.{f}" for p in ("", "critic.") for f in ("dropout", "exportMerged")),
     "reward.function", "reward.numWorkers", "reward.timeoutSeconds", "reward.bySource",
     # rewards may change like reward.function does: a remote verifier or judge, its client settings, its server
     *(f"reward.remote.{f}" for f in (

@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rljob worker: invalid spec: {exc}", file=sys.stderr)  # one line: errors joined by '; '
         return 2
 
+    if rank == "0":
+        from rljob_api.advice import spec_warnings
+
+        for warning in spec_warnings(spec):
+            logging.getLogger("rljob.spec").warning("%s", warning)
+
     problem = _metrics_port_problem(spec)
     if problem:
         print(f"rljob worker: {problem}", file=sys.stderr)

@@ -56,6 +56,8 @@ RESUME_FIXED_FIELDS = (
     "training.trainBatchSizePerNode", "training.seed",
     "megatron.overrideTransformerConfig",
     "critic.model.path", "critic.outputLayerIndex", "critic.cliprangeValue", "critic.megatron.overrideTransformerConfig",
+    # LoRA: what the saved adapters are (their shapes, their scale); whether there are adapters at all
+    "lora.rank", "lora.alpha", "lora.targetModules", "critic.lora.rank", "critic.lora.alpha", "critic.lora.targetModules",
 )
 
 
