@@ -195,8 +195,10 @@ def free_port() -> int:
 
 
 def run_torchrun(
-    scenario: str, hf_dir, out_dir, nproc: int = 2, timeout: float = 120
+    scenario: str, hf_dir, out_dir, nproc: int = 2, timeout: float = 120, script: str | os.PathLike = __file__
 ) -> subprocess.CompletedProcess:
+    """``script scenario hf_dir out_dir`` under torchrun on ``nproc`` gloo processes (``script``: this
+    module's scenarios, or another module that dispatches the same way)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -207,7 +209,7 @@ def run_torchrun(
         f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
-        __file__,
+        str(script),
         scenario,
         str(hf_dir),
         str(out_dir),

@@ -219,16 +219,21 @@ class LoraState:
     # checkpoints --------------------------------------------------------------------------------------
     def sharded_state_dict(self) -> dict[str, Any]:
         """The adapters as megatron ShardedTensors with global names: any TP / PP layout loads them."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
         out: dict[str, Any] = {}
         for a in self.adapted:
             for k, p in (("lora_a", a.adapter.lora_a), ("lora_b", a.adapter.lora_b)):
                 key = f"lora.{a.name}.{k}"
-                if getattr(p, "tensor_model_parallel", False):
-                    out[key] = make_tp_sharded_tensor_for_checkpoint(p, key, tp_axis=p.partition_dim)
-                else:
+                if not getattr(p, "tensor_model_parallel", False):
                     out[key] = make_sharded_tensor_for_checkpoint(p, key)
+                    continue
+                out[key] = make_tp_sharded_tensor_for_checkpoint(p, key, tp_axis=p.partition_dim)
+                if a.target == "linear_fc1" and a.linear.config.gated_linear_unit:
+                    # a TP rank's rows of fc1 are [its gate rows; its up rows]: saved as two tensors, each
+                    # split over TP, so another TP size reads them back in its own order (as megatron's fc1)
+                    out[key] = apply_swiglu_sharded_factory(out[key], ())
         return out
 
     @torch.no_grad()
