@@ -213,3 +213,60 @@ def test_a_checkpoint_refuses_another_base_model_and_the_other_kind_of_job(hf_di
     full.save_checkpoint(tmp_path / "full")
     with pytest.raises(MegatronConfigError, match="holds full weights"):
         lora_actor(hf_dir).load_checkpoint(tmp_path / "full")
+
+
+# --------------------------------------------------------------------------------------------------
+# the trainer with spec.lora (separate processes: megatron's parallel state is process-global)
+
+
+def lora_quickstart_spec() -> dict:
+    import yaml
+
+    return yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "lora-quickstart.yaml").read_text())["spec"]
+
+
+def test_the_lora_quickstart_learns_and_exports_a_peft_adapter(tmp_path):
+    from test_learning import rewards, run_trainer
+
+    records = run_trainer(lora_quickstart_spec(), tmp_path, "--checkpoint-uri", f"file://{tmp_path}/ckpt")
+    r = rewards(records)
+    assert len(r) == 30
+    assert r[0] < 0.3 and r[-5:].mean() > 0.7, r
+    assert all(rec["lora/update_norm"] > 0 for rec in records)
+    norms = [rec["lora/adapter_norm"] for rec in records]
+    assert norms[-1] > norms[0] > 0
+    assert all(rec["timing/ref_logprob_s"] > 0 for rec in records)  # klCoef > 0: the base as the reference
+    adapter = next((tmp_path / "ckpt").rglob("hf/adapter_config.json")).parent
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+
+
+def test_ppo_with_a_lora_critic_trains_its_value_head_in_full_and_resumes_it(tmp_path):
+    """spec.critic.lora: the critic's transformer gets adapters, its new value head trains in full; both are
+    in the critic's checkpoint, and a run resumed from it continues with the same value losses."""
+    from megatron.core import dist_checkpointing
+    from test_learning import read_metrics
+    from test_ppo import ppo_spec
+    from test_resume import finish, start
+
+    spec = ppo_spec(lora={"rank": 4, "alpha": 8})
+    spec["training"]["totalTrainingSteps"] = 6
+    spec["checkpoint"].update(saveFreq=3, maxToKeep=0)
+    code, out = finish(start(spec, tmp_path / "run", f"file://{tmp_path}/ckpt"))
+    assert code == 0, out[-3000:]
+    records = read_metrics(tmp_path / "run")
+    assert all(r["critic/grad_norm"] > 0 for r in records)
+    assert len({round(r["critic/vpred_mean"], 6) for r in records}) == len(records)  # its values move
+    step3 = next((tmp_path / "ckpt").rglob("step_000003"))
+    saved = dist_checkpointing.load_tensors_metadata(str(step3 / "critic"))
+    weights = sorted(k for k in saved if not k.startswith("optimizer."))
+    assert any(k.startswith("output_layer.") for k in weights), weights  # the value head, in full
+    assert all(k.startswith(("lora.decoder.layers.", "output_layer.")) for k in weights), weights
+    # resume the step-3 checkpoint in a fresh job: steps 4-6 repeat the straight run's value losses
+    again = tmp_path / "again"
+    spec["checkpoint"].update(resumeMode="uri", resumeFrom=f"file://{step3}")
+    code, out = finish(start(spec, again, f"file://{tmp_path}/ckpt2"))
+    assert code == 0, out[-3000:]
+    resumed = {r["step"]: r["critic/value_loss"] for r in read_metrics(again)}
+    assert sorted(resumed) == [4, 5, 6]
+    for r in records[3:]:
+        assert resumed[r["step"]] == pytest.approx(r["critic/value_loss"], abs=1e-6), r["step"]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_learning import HARNESS, logged_steps, quickstart_spec, read_metrics
@@ -82,6 +83,38 @@ def test_killed_worker_resumes_exactly(tmp_path, s3_server, s3_bucket):
     for step in range(1, 17):
         assert b[step] == pytest.approx(a[step], abs=1e-6), f"step {step}: {a[step]} straight vs {b[step]} resumed"
     assert committed_steps(s3_server.client(), s3_bucket, "crashed/") == [12, 16]  # maxToKeep 2
+
+
+def test_killed_lora_worker_resumes_exactly(tmp_path):
+    """spec.lora with a reference (klCoef > 0: the base with adapters off): SIGKILL after the step-6 save;
+    the resumed run's rewards and its final PEFT adapter equal the uninterrupted run's bit for bit."""
+    from safetensors.torch import load_file
+
+    spec = short_spec()
+    spec["lora"] = {"rank": 8, "alpha": 16}
+    spec["algorithm"]["klCoef"] = 0.001
+    spec["training"]["lr"] = 2e-2
+    spec["checkpoint"]["exportHf"] = True
+    straight = tmp_path / "straight"
+    code, out = finish(start(spec, straight, f"file://{tmp_path}/straight"))
+    assert code == 0, out[-3000:]
+    crashed = tmp_path / "crashed"
+    proc = start(spec, crashed, f"file://{tmp_path}/crashed")
+    wait_for_step(crashed, 8, proc)
+    proc.kill()
+    proc.wait()
+    code, out = finish(start(spec, crashed, f"file://{tmp_path}/crashed"))
+    assert code == 0, out[-3000:]
+    assert "resumed from step 6" in out
+    a, b = rewards_by_step(straight), rewards_by_step(crashed)
+    assert sorted(b) == list(range(1, 17))
+    for step in range(1, 17):
+        assert b[step] == pytest.approx(a[step], abs=1e-6), f"step {step}: {a[step]} straight vs {b[step]} resumed"
+    want = load_file(next((tmp_path / "straight").rglob("hf/adapter_model.safetensors")))
+    got = load_file(next((tmp_path / "crashed").rglob("hf/adapter_model.safetensors")))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_sigterm_saves_and_resumes(tmp_path):
