@@ -186,6 +186,27 @@ def test_validate_refuses_gspo_with_token_mean():
     assert code == 0, out
 
 
+def test_validate_names_the_fused_module_for_an_hf_lora_target_and_warns_on_a_full_fine_tuning_lr():
+    hf_names = changed(gpu_job(), {"spec.lora": {"rank": 16, "targetModules": ["q_proj", "v_proj"]}})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(hf_names))
+    assert code == 1, out
+    assert "spec.lora.targetModules:" in out and "'q_proj' is fused into megatron-core's 'linear_qkv'" in out, out
+    twice = changed(gpu_job(), {"spec.lora": {"targetModules": ["linear_qkv", "linear_qkv"]}})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(twice))
+    assert code == 1 and "lists a module twice" in out, out
+    low = changed(gpu_job(), {"spec.lora": {"rank": 16}, "spec.training.lr": 1e-6})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(low))
+    assert code == 0, out  # valid: a warning, not an error
+    assert "  warning: spec.training.lr: 1e-06 is in the full fine-tuning range" in out, out
+    assert "rljob explain spec.lora" in out
+    fine = changed(low, {"spec.training.lr": 2e-5})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(fine))
+    assert code == 0 and "warning" not in out, out
+    full = changed(gpu_job(), {"spec.training.lr": 1e-6})  # no LoRA: 1e-6 is a fine full fine-tuning rate
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(full))
+    assert code == 0 and "warning" not in out, out
+
+
 def test_validate_stdin():
     code, out = rljob("validate", "-", stdin=yaml.safe_dump(gpu_job()))
     assert code == 0 and out.startswith("OK -: t:"), out
