@@ -86,6 +86,11 @@ DURATION_BUCKETS: tuple[float, ...] = (
 #: ``record_step`` key -> (gauge name, help). The keys are the trainer's metric names.
 STEP_GAUGES: dict[str, tuple[str, str]] = {
     "reward/mean": ("rljob_reward_mean", "Mean sequence reward of the last step's rollout batch."),
+    "lora/adapter_norm": (
+        "rljob_lora_adapter_norm", "Frobenius norm of the LoRA deltas (alpha/rank) B A over the whole model: how far "
+        "the policy is from its base."),
+    "lora/update_norm": (
+        "rljob_lora_update_norm", "Norm of the change of the LoRA adapter parameters in the last step's updates."),
     "reward/std": ("rljob_reward_std", "Standard deviation of sequence rewards in the last step's batch."),
     "reward/min": ("rljob_reward_min", "Smallest sequence reward in the last step's batch."),
     "reward/max": ("rljob_reward_max", "Largest sequence reward in the last step's batch."),
