@@ -348,7 +348,7 @@ def expert_grad_sq(params: list[torch.nn.Parameter]) -> torch.Tensor:
     expert-tensor-and-model-parallel group holds distinct shards (replicas sit in other groups)."""
     from megatron.core import parallel_state as ps
 
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
     for p in params:
         if p.grad is not None:
             sq += p.grad.detach().double().pow(2).sum()

@@ -51,7 +51,7 @@ class OptimStepMixin:
 
         params = [p for p in self.core.parameters() if p.requires_grad]
         self._cpu_sum_tied_embedding_grads(params)
-        experts = moe.expert_params(self.core)
+        experts = [p for p in moe.expert_params(self.core) if p.requires_grad]  # LoRA: experts stay frozen
         expert_ids = {id(p) for p in experts}
         dense = [p for p in params if id(p) not in expert_ids]
         grads = [p.grad for p in dense if p.grad is not None]
@@ -98,7 +98,7 @@ class OptimStepMixin:
         expert shard (:func:`moe.expert_grad_sq`, summed over the pipeline stages too)."""
         from megatron.core import parallel_state as ps
 
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)  # on the GPU with LoRA (NCCL)
         for p in params:
             if p.grad is None or getattr(p, "shared", False):
                 continue
@@ -110,7 +110,7 @@ class OptimStepMixin:
             expert_sq = moe.expert_grad_sq(list(experts))
             if self.pp_size > 1:
                 dist.all_reduce(expert_sq, group=self.pp_group)
-            sq += expert_sq
+            sq += expert_sq.to(sq.device)
         return float(sq.sqrt())
 
 
