@@ -29,7 +29,7 @@ def digit_sum_spec() -> dict:
                     "maxPromptLength": 8, "maxResponseLength": 2}
     spec["reward"] = {"function": "digit-sum"}
     spec["training"].update(trainBatchSizePerNode=16, ppoMiniBatchSizePerNode=16, microBatchSizePerGpu=64,
-                            lr=3.0e-4, totalTrainingSteps=700, testFreq=-1, valBeforeTrain=False, seed=1)
+                            lr=3.0e-4, totalTrainingSteps=400, testFreq=-1, valBeforeTrain=False, seed=1)
     spec["checkpoint"].update(saveFreq=-1, exportHf=False)
     return spec
 
