@@ -143,6 +143,7 @@ class SFTTrainer(RunLoop):
         # 2. one optimizer step: micro-batches of microBatchSizePerGpu, gradients accumulated
         lr = self._set_lr()
         start = time.perf_counter()
+        lora_before = self.actor.lora.snapshot() if self.actor.lora is not None else None
         with self.telemetry.stage("actor_update"):
             out = self.actor.update(batch, _loss_fn, micro_batch_size=t.micro_batch_size_per_gpu)
         seconds = time.perf_counter() - start
@@ -153,6 +154,8 @@ class SFTTrainer(RunLoop):
                    "actor/skipped": out["skipped"], "data/target_tokens": float(target_tokens),
                    "data/tokens": tokens, "data/epoch": float(self.sampler.epoch),
                    "throughput/train_tokens_per_s": tokens / max(seconds, 1e-9)}
+        if lora_before is not None:
+            metrics.update(self.actor.lora.norms(lora_before, self.actor.tp_group, self.actor.pp_group))
         if self.device.type == "cuda":
             cfg = self.actor.hf_config
             seq = tokens / len(examples)
