@@ -23,7 +23,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from results import record  # noqa: E402
+from results import record
 
 
 def timed_sync(actor, engine, only_changed: bool) -> tuple[float, float, int]:

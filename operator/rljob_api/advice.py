@@ -13,8 +13,8 @@ LORA_MIN_LR = 1e-5
 def _lora_lr_warning(lora: LoraSpec | None, lr: float, lr_path: str, lora_path: str) -> list[str]:
     if lora is None or lr >= LORA_MIN_LR:
         return []
-    return [f"{lr_path}: {lr:g} is in the full fine-tuning range; with {lora_path} the best learning rate is about "
-            f"10x higher (try {lr * 10:g}; at least {LORA_MIN_LR:g}), see `rljob explain {lora_path}`"]
+    return [(f"{lr_path}: {lr:g} is in the full fine-tuning range; with {lora_path} the best learning rate is about "
+             f"10x higher (try {lr * 10:g}; at least {LORA_MIN_LR:g}), see `rljob explain {lora_path}`")]
 
 
 def spec_warnings(spec: RLJobSpec) -> list[str]:

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) pa
 LR = 1e-2
 
 
-def lora_actor(hf_dir, parallel=ParallelConfig(), **lora) -> MegatronActor:
-    return MegatronActor.from_hf(hf_dir, parallel, OptimConfig(lr=LR, grad_clip=0.0), seed=1,
+def lora_actor(hf_dir, parallel: ParallelConfig | None = None, **lora) -> MegatronActor:
+    return MegatronActor.from_hf(hf_dir, parallel or ParallelConfig(), OptimConfig(lr=LR, grad_clip=0.0), seed=1,
                                  lora=LoraConfig(**{**S.LORA, "seed": 3, **lora}))
 
 

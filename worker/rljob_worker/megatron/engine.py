@@ -47,6 +47,11 @@ Not supported yet (``MegatronConfigError`` at construction): context parallelism
 pipeline parallelism; virtual pipeline stages for MoE models; layer counts that ``pp`` (x ``vpp``)
 does not divide.
 
+LoRA (``build_from_hf(lora=...)``, :mod:`.lora`): the chunks' weights are frozen and fp32 adapters ride on
+the target linears as forward hooks; the adapters (and a critic's value head) are the only trained
+parameters, stepped by torch AdamW with the CPU path's reductions on every device (no megatron DDP or
+distributed optimizer: there is nothing big to shard). Checkpoints hold the adapters; weight export merges them.
+
 Memory: activation recompute (:class:`RecomputeConfig`, megatron's full / selective recompute) and
 ``overrideTransformerConfig`` are applied to the ``TransformerConfig`` before the model is built.
 ``offload`` / ``onload`` (:mod:`.engine_state`) give the GPU memory of parameters, gradient buffers

@@ -201,7 +201,6 @@ class LoraState:
         (:meth:`snapshot`). Collective over TP and PP (TP shards counted once: a whole factor only on
         TP rank 0)."""
         import torch.distributed as dist
-
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()
@@ -220,7 +219,10 @@ class LoraState:
     def sharded_state_dict(self) -> dict[str, Any]:
         """The adapters as megatron ShardedTensors with global names: any TP / PP layout loads them."""
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-        from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+        from megatron.core.utils import (
+            make_sharded_tensor_for_checkpoint,
+            make_tp_sharded_tensor_for_checkpoint,
+        )
 
         out: dict[str, Any] = {}
         for a in self.adapted:

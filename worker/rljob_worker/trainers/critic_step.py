@@ -16,7 +16,6 @@ def build_critic(spec, critic_dir: Path, dtype: torch.dtype):
     """The megatron critic of ``spec.critic`` (its own parallel layout, optimizer, recompute, output layer)."""
     from rljob_worker.megatron.actor import OptimConfig, ParallelConfig, RecomputeConfig
     from rljob_worker.megatron.critic import MegatronCritic
-
     from rljob_worker.megatron.lora import LoraConfig
 
     c = spec.critic
