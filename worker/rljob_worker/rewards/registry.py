@@ -1,7 +1,6 @@
 """Reward lookup and batch scoring."""
 from __future__ import annotations
 
-import importlib
 import signal
 import threading
 import time
@@ -11,6 +10,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from rljob_worker.data.synthetic import digit_sum_reward, target_token_reward, tool_secret_reward
 from rljob_worker.rewards.math import boxed_math_reward, format_reward, gsm8k_reward
+from rljob_worker.user_code import import_function
 
 RewardFn = Callable[[str, str, str, dict], float]
 
@@ -36,15 +36,7 @@ def resolve_reward(name: str) -> RewardFn:
         raise RewardError(
             f"spec.reward.function {name!r} is not a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))}) "
             "nor module.path:function")
-    module_name, func_name = name.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is a configuration error
-        raise RewardError(f"spec.reward.function {name!r}: cannot import module {module_name!r}: {exc}") from None
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise RewardError(f"spec.reward.function {name!r}: module {module_name!r} has no function {func_name!r}")
-    return func
+    return import_function(name, "spec.reward.function", RewardError)
 
 
 # Built-in rewards that score against reward_model.ground_truth (a custom function may or may not).

@@ -15,7 +15,6 @@ Each call ends in one outcome (OUTCOMES), counted per tool in ``rljob_tool_calls
 """
 from __future__ import annotations
 
-import importlib
 import json
 import threading
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 
 from rljob_worker.rollout.sandbox import SandboxLimits, run_python
 from rljob_worker.rollout.tool_parser import ToolCall
+from rljob_worker.user_code import import_function
 
 OUTCOMES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed", "invalid_call",
             "invalid_output", "unknown_tool", "too_many_calls")
@@ -54,17 +54,7 @@ class ToolResult:
 
 def resolve_function(path: str, field: str) -> Callable:
     """``module.path:function`` -> the callable; ValueError naming ``field`` otherwise."""
-    if ":" not in path:
-        raise ValueError(f"{field} {path!r} must be module.path:function")
-    module_name, func_name = path.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is a configuration error
-        raise ValueError(f"{field} {path!r}: cannot import module {module_name!r}: {exc}") from None
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise ValueError(f"{field} {path!r}: module {module_name!r} has no function {func_name!r}")  # noqa: TRY004
-    return func
+    return import_function(path, field)
 
 
 class ToolBox:
