@@ -940,7 +940,8 @@ class RLJobSpec(ApiModel):
 
 
 class Condition(ApiModel):
-    type: str = _f(description="Accepted, Running, Succeeded, Failed or Suspended.")
+    type: str = _f(description="Accepted, Running, Succeeded, Failed or Suspended; Admitted (a job in a Kueue queue), "
+                   "RewardsHealthy (non-finite rewards), JudgeReady (spec.reward.server).")
     status: Literal["True", "False", "Unknown"] = _f(description="Condition status.")
     reason: str = _f(description="One CamelCase word saying why.")
     message: str = _f("", "A sentence for humans.")

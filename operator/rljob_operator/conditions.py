@@ -18,6 +18,10 @@ Types
                owns the child after a grace period (Kueue does not manage that kind).
     RewardsHealthy  only once the worker reports non-finite rewards: False with reason
                NonFiniteRewards (those samples are scored 0; the message names the count).
+    JudgeReady only with spec.reward.server: True (Ready) once the judge's Deployment has an available
+               replica; False while it starts (Starting; ProgressDeadlineExceeded when Kubernetes gave
+               up), while it is scaled to zero for a suspended or finished job (ScaledDown), or while its
+               Deployment is missing (Missing).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ FAILED = "Failed"
 SUSPENDED = "Suspended"
 ADMITTED = "Admitted"
 REWARDS_HEALTHY = "RewardsHealthy"
+JUDGE_READY = "JudgeReady"
 CONDITION_TYPES = (ACCEPTED, RUNNING, SUCCEEDED, FAILED, SUSPENDED)  # always written; ADMITTED only with a queue
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
@@ -76,6 +81,11 @@ REASON_NO_KUEUE_WORKLOAD = "NoKueueWorkload"
 
 # RewardsHealthy
 REASON_NONFINITE_REWARDS = "NonFiniteRewards"  # False: the reward function returned nan/inf (scored 0)
+REASON_JUDGE_READY = "Ready"  # JudgeReady True: an available replica serves the judge
+REASON_JUDGE_STARTING = "Starting"  # False: the pod is scheduled, pulling, or loading the model (readiness probe)
+REASON_JUDGE_STUCK = "ProgressDeadlineExceeded"  # False: the Deployment's Progressing condition gave up
+REASON_JUDGE_SCALED_DOWN = "ScaledDown"  # False: 0 replicas while the job is suspended or finished
+REASON_JUDGE_MISSING = "Missing"  # False: the Deployment does not exist (yet, or was deleted: recreated on resync)
 
 # ---------------------------------------------------------------------------- event reasons
 # Events reuse condition reasons where one fits; these are the extra ones.

@@ -32,7 +32,7 @@ import urllib3
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
-from rljob_api.models import API_VERSION, KIND, PLURAL
+from rljob_api.models import API_VERSION, KIND, PLURAL, judge_service_name
 
 from rljob_operator import builders
 from rljob_operator.reconcile import ChildRef, Event, Observed, Plan, child_suspended
@@ -248,7 +248,11 @@ class KubeApi:
         workloads = None
         if any(obj is not None and builders.queue_name(obj) and child_suspended(obj) for obj in (ptj, js)):
             workloads = await self.list_workloads(ns)
-        return Observed(now=now, pytorchjob=ptj, configmap=cm, ensure_all=ensure_all, jobset=js, workloads=workloads)
+        judge = None
+        if ((body.get("spec") or {}).get("reward") or {}).get("server"):
+            judge = await self.get("apps/v1", "Deployment", ns, judge_service_name(name))
+        return Observed(now=now, pytorchjob=ptj, configmap=cm, ensure_all=ensure_all, jobset=js, workloads=workloads,
+                        judge=judge)
 
     async def list_workloads(self, namespace: str) -> tuple[dict[str, Any], ...] | None:
         """Kueue Workloads in `namespace`; None (logged once) when the Workload CRD is not installed."""

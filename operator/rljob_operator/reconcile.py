@@ -136,6 +136,8 @@ class Observed:
     # Kueue Workloads that may own the child (read only for a suspended, queue-labelled child); None:
     # not read, or the Workload CRD is not installed, so nothing is concluded from their absence.
     workloads: tuple[Mapping[str, Any], ...] | None = None
+    # the judge Deployment of spec.reward.server (read only when the spec has one)
+    judge: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,6 +442,14 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     if rewards_cond is not None:
         put(c.REWARDS_HEALTHY, *rewards_cond)
         status["conditions"] = conds
+    if job is not None and job.spec.reward.server is not None:
+        judge = observed.judge if _owned_by(observed.judge, uid) else None
+        idle = suspend_requested or succeeded or failed
+        if judge is not None and (judge.get("spec") or {}).get("replicas") != (0 if idle else 1):
+            # a suspended or finished job gives the judge's GPUs back; resuming brings it back
+            patches.append(Patch(ChildRef.of(judge), {"spec": {"replicas": 0 if idle else 1}}))
+        put(c.JUDGE_READY, *_judge_condition(judge, idle, succeeded or failed))
+        status["conditions"] = conds
 
     # ------------------------------------------------------------------ events from transitions
     events.extend(_transition_events(old_conds, conds, child_label))
@@ -581,6 +591,30 @@ def _rewards_condition(trainer: Mapping[str, Any] | None) -> tuple[str, str, str
     return (c.FALSE, c.REASON_NONFINITE_REWARDS,
             (f"The reward function returned {count} non-finite (nan/inf) reward(s) so far; they were scored 0. "
              "Check the reward function for divisions by zero or unbounded values (metric rljob_reward_nonfinite)."))
+
+
+def _judge_condition(judge: Mapping[str, Any] | None, idle: bool, finished: bool) -> tuple[str, str, str]:
+    """JudgeReady from the judge Deployment's status (conditions.py lists the reasons)."""
+    if judge is None:
+        return (c.FALSE, c.REASON_JUDGE_MISSING, "The judge Deployment of spec.reward.server does not exist yet; "
+                "the operator creates it with the job (and again on its next resync if it was deleted).")
+    name = judge["metadata"]["name"]
+    if idle:
+        why = "finished" if finished else "suspended"
+        return (c.FALSE, c.REASON_JUDGE_SCALED_DOWN,
+                f"Deployment {name} is scaled to 0 while the job is {why}" +
+                ("." if finished else "; it starts again when spec.suspend is false."))
+    status = judge.get("status") or {}
+    available = int(status.get("availableReplicas") or 0)
+    if available > 0:
+        return (c.TRUE, c.REASON_JUDGE_READY, f"Deployment {name} has {available} available replica(s) serving "
+                "the judge on its Service.")
+    progressing = next((x for x in status.get("conditions") or () if x.get("type") == "Progressing"), None)
+    if progressing and progressing.get("status") == "False" and progressing.get("reason") == "ProgressDeadlineExceeded":
+        return (c.FALSE, c.REASON_JUDGE_STUCK, f"Deployment {name} made no progress: {progressing.get('message', '')} "
+                f"Check its pods (kubectl describe deploy {name}): image, GPU quota, model download.")
+    return (c.FALSE, c.REASON_JUDGE_STARTING, f"Deployment {name} has no ready replica yet (the pod is scheduled, "
+            "pulling its image or loading the model until its /health probe passes); scoring waits for it.")
 
 
 def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: bool, failed: bool, invalid: bool,

@@ -110,3 +110,89 @@ def test_worker_reaches_and_waits_for_the_judge_service():
     reward.server.ready_timeout_seconds = 1
     with pytest.raises(RewardError, match=r"^spec.reward.server: the judge at http://127.0.0.1:9 did not answer"):
         RewardRouter(reward, environ={}, judge_url="http://127.0.0.1:9").probe()
+
+
+# ---------------------------------------------------------------------------- the judge's lifecycle (reconcile)
+
+JUDGE_REWARD = {"remote": {"protocol": "openai-chat", "judge": {"model": "judge", "promptTemplate": "{completion}"}},
+                "server": {"model": "Qwen/Qwen2.5-0.5B-Instruct"}}
+
+
+def _judge_world(**spec_changes):
+    """A stored quickstart RLJob with an operator-run judge, and what exists of it (the reconcile tests' helpers)."""
+    import copy
+
+    import test_reconcile as R
+
+    body = R.stored(reward=JUDGE_REWARD, **spec_changes)
+    deployment = copy.deepcopy(R.children_of(body)["Deployment"])
+    return R, body, deployment
+
+
+def _plan(R, body, deployment, *ptj_conds, suspend=None):
+    from rljob_operator.reconcile import Observed, reconcile
+
+    ptj = R.ptj_of(body, *ptj_conds, suspend=suspend)
+    return reconcile(body, Observed(now=R.T1, pytorchjob=ptj, configmap=R.cm_of(body), judge=deployment), R.SETTINGS)
+
+
+def test_a_new_job_creates_the_judge_and_says_it_is_missing_until_it_exists():
+    from rljob_operator import conditions as c
+    from rljob_operator.reconcile import Observed, reconcile
+
+    R, body, _ = _judge_world()
+    plan = reconcile(body, Observed(now=R.T0), R.SETTINGS)
+    created = {x.body["kind"]: x.body for x in plan.create}
+    assert created["Deployment"]["spec"]["replicas"] == 1 and "Service" in created
+    assert R.cond(plan, c.JUDGE_READY)["reason"] == c.REASON_JUDGE_MISSING
+
+
+def test_judge_ready_follows_the_deployments_available_replicas():
+    from rljob_operator import conditions as c
+
+    R, body, deployment = _judge_world()
+    plan = _plan(R, body, deployment, ("Running", "PyTorchJobRunning"))
+    starting = R.cond(plan, c.JUDGE_READY)
+    assert (starting["status"], starting["reason"]) == ("False", c.REASON_JUDGE_STARTING)
+    assert "/health" in starting["message"] and not plan.patch
+    deployment["status"] = {"availableReplicas": 1, "readyReplicas": 1}
+    plan = _plan(R, R.step(body, plan), deployment, ("Running", "PyTorchJobRunning"))
+    assert (R.cond(plan, c.JUDGE_READY)["status"], R.cond(plan, c.JUDGE_READY)["reason"]) == ("True", c.REASON_JUDGE_READY)
+    deployment["status"] = {"conditions": [{"type": "Progressing", "status": "False",
+                                            "reason": "ProgressDeadlineExceeded",
+                                            "message": 'ReplicaSet "x" has timed out progressing.'}]}
+    plan = _plan(R, R.step(body, plan), deployment, ("Running", "PyTorchJobRunning"))
+    stuck = R.cond(plan, c.JUDGE_READY)
+    assert stuck["reason"] == c.REASON_JUDGE_STUCK and "timed out progressing" in stuck["message"]
+
+
+@pytest.mark.parametrize(("spec_changes", "ptj_conds", "want_replicas", "word"), [
+    ({"suspend": True}, (), 0, "suspended"),
+    ({}, (("Succeeded", "PyTorchJobSucceeded"),), 0, "finished"),
+    ({}, (("Failed", "PyTorchJobFailed"),), 0, "finished"),
+])
+def test_a_suspended_or_finished_job_scales_the_judge_to_zero(spec_changes, ptj_conds, want_replicas, word):
+    from rljob_operator import conditions as c
+
+    R, body, deployment = _judge_world(**spec_changes)
+    deployment["spec"]["replicas"] = 1
+    deployment["status"] = {"availableReplicas": 1}
+    plan = _plan(R, body, deployment, *ptj_conds, suspend=spec_changes.get("suspend"))
+    (patch,) = [p for p in plan.patch if p.ref.kind == "Deployment"]
+    assert patch.body == {"spec": {"replicas": want_replicas}}
+    down = R.cond(plan, c.JUDGE_READY)
+    assert down["reason"] == c.REASON_JUDGE_SCALED_DOWN and word in down["message"]
+
+
+def test_resuming_scales_the_judge_back_up_and_a_foreign_deployment_is_left_alone():
+    from rljob_operator import conditions as c
+
+    R, body, deployment = _judge_world()
+    deployment["spec"]["replicas"] = 0  # scaled down by an earlier suspend
+    plan = _plan(R, body, deployment, ("Running", "PyTorchJobRunning"))
+    assert [p.body for p in plan.patch if p.ref.kind == "Deployment"] == [{"spec": {"replicas": 1}}]
+    assert R.cond(plan, c.JUDGE_READY)["reason"] == c.REASON_JUDGE_STARTING
+    deployment["metadata"]["ownerReferences"] = []  # someone else's Deployment with the judge's name
+    plan = _plan(R, body, deployment, ("Running", "PyTorchJobRunning"))
+    assert not [p for p in plan.patch if p.ref.kind == "Deployment"]
+    assert R.cond(plan, c.JUDGE_READY)["reason"] == c.REASON_JUDGE_MISSING

@@ -148,11 +148,12 @@ tests/chart/test_rbac.py asserts that these rules equal what the operator's code
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-# The judge of spec.reward.server: Deployment and Service <job>-judge (owned by the RLJob); the Service
-# verb also creates the headless <job>-metrics Service of worker.metricsService.
+# The judge of spec.reward.server: Deployment and Service <job>-judge (owned by the RLJob); its readiness
+# is read into the JudgeReady condition and it is scaled to 0 while the job is suspended or finished. The
+# Service verb also creates the headless <job>-metrics Service of worker.metricsService.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["create"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["create"]
