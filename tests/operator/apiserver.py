@@ -93,6 +93,7 @@ BUILTINS: dict[Key, tuple[str, bool]] = {
     ("", "v1", "services"): ("Service", True),
     ("", "v1", "pods"): ("Pod", True),
     ("", "v1", "events"): ("Event", True),
+    ("apps", "v1", "deployments"): ("Deployment", True),
     ("events.k8s.io", "v1", "events"): ("Event", True),
     ("rbac.authorization.k8s.io", "v1", "roles"): ("Role", True),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", True),
@@ -100,7 +101,8 @@ BUILTINS: dict[Key, tuple[str, bool]] = {
     ("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", False),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): ("CustomResourceDefinition", False),
 }
-STRICT_BUILTINS = {"ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding", "ClusterRole",
+BUILTIN_STATUS = {"Deployment"}  # built-in kinds with a status subresource (its controller writes it)
+STRICT_BUILTINS = {"Deployment", "ConfigMap", "Secret", "ServiceAccount", "Service", "Role", "RoleBinding", "ClusterRole",
                    "ClusterRoleBinding", "Event"}
 RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
 _USER: contextvars.ContextVar[kube_rbac.User | None] = contextvars.ContextVar("user", default=None)
@@ -392,7 +394,8 @@ class ApiServer(kmock.KubernetesScaffold):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         for key, (kind, namespaced) in BUILTINS.items():
-            self._register(key, Kind(kind=kind, namespaced=namespaced, singular=kind.lower()))
+            self._register(key, Kind(kind=kind, namespaced=namespaced, singular=kind.lower(),
+                                     status_subresource=kind in BUILTIN_STATUS))
         for ns in ("default", "kube-system"):
             self._put(NAMESPACES, None, self._stamp(NAMESPACES, {"metadata": {"name": ns}}), "ADDED")
 

@@ -12,6 +12,8 @@ import opschema
 import pytest
 import yaml
 from cluster import (
+    DEPLOYMENTS,
+    SERVICES,
     CONFIGMAPS,
     JOBSETS,
     KUEUE_GRACE_SECONDS,
@@ -588,3 +590,33 @@ def test_nothing_the_operator_sent_was_pruned(api_server, operator) -> None:
     pruned = [w for w in api_server.call(api_server.server.unknown_field_warnings)
               if not w[0].startswith("Python-urllib")]  # the tests' own client
     assert pruned == []
+
+
+# ---------------------------------------------------------------------------- the operator-run judge
+
+
+JUDGE_REWARD = {"remote": {"protocol": "openai-chat", "judge": {"model": "judge", "promptTemplate": "{completion}"}},
+                "server": {"model": "Qwen/Qwen2.5-0.5B-Instruct"}}
+
+
+def test_the_judge_starts_with_the_job_follows_suspend_and_goes_with_it(kube: KubeClient, operator,
+                                                                        eventually: Eventually, ns: str) -> None:
+    """spec.reward.server: the judge's Deployment and Service come with the job; JudgeReady follows the
+    Deployment's available replicas (read at each reconcile: the resync picks a readiness change up);
+    suspend scales it to 0, resume back to 1; deleting the RLJob removes both."""
+    start_running(kube, eventually, ns, "jury", reward=JUDGE_REWARD)
+    deployment = eventually(lambda: kube.maybe_get(DEPLOYMENTS, ns, "jury-judge"), "the judge Deployment")
+    assert deployment["spec"]["replicas"] == 1 and kube.maybe_get(SERVICES, ns, "jury-judge") is not None
+    resync = RESYNC_SECONDS + EVENT_DRIVEN
+    eventually.condition(ns, "jury", c.JUDGE_READY, "False", c.REASON_JUDGE_STARTING, timeout=resync)
+    kube.patch(DEPLOYMENTS, ns, "jury-judge", {"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}},
+               subresource="status")
+    eventually.condition(ns, "jury", c.JUDGE_READY, "True", c.REASON_JUDGE_READY, timeout=resync)
+    kube.patch(RLJOBS, ns, "jury", {"spec": {"suspend": True}})
+    eventually(lambda: kube.get(DEPLOYMENTS, ns, "jury-judge")["spec"]["replicas"] == 0, "the judge scaled to 0")
+    eventually.condition(ns, "jury", c.JUDGE_READY, "False", c.REASON_JUDGE_SCALED_DOWN)
+    kube.patch(RLJOBS, ns, "jury", {"spec": {"suspend": False}})
+    eventually(lambda: kube.get(DEPLOYMENTS, ns, "jury-judge")["spec"]["replicas"] == 1, "the judge back at 1")
+    kube.delete(RLJOBS, ns, "jury")
+    for resource in (DEPLOYMENTS, SERVICES):
+        eventually(lambda r=resource: kube.maybe_get(r, ns, "jury-judge") is None, f"{resource[2]} garbage-collected")
