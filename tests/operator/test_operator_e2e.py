@@ -496,7 +496,9 @@ def test_child_kind_edit_while_suspended_moves_the_job_to_a_jobset(kube: KubeCli
     js = eventually(lambda: kube.maybe_get(JOBSETS, ns, "mover"), "the JobSet")
     assert js["spec"]["suspend"] is True
     eventually.condition(ns, "mover", c.ACCEPTED, "True")
-    status = kube.get(RLJOBS, ns, "mover")["status"]
+    # the cycle that creates the JobSet writes its name into the status after the create: wait for that write
+    status = eventually(lambda: (s := kube.get(RLJOBS, ns, "mover")["status"]).get("jobSetName") and s,
+                        "status.jobSetName")
     assert status["jobSetName"] == "mover" and "pytorchJobName" not in status
 
 
