@@ -156,7 +156,7 @@ def test_rollout_weights_are_merged_and_only_the_adapted_ones_travel(hf_dir, tol
 
 
 def test_peft_loads_the_exported_adapter_onto_the_hf_base_with_the_trainers_logits(hf_dir, tmp_path):
-    peft = pytest.importorskip("peft")
+    import peft  # a dev dependency (pyproject.toml): the check must run, never skip
     actor = lora_actor(hf_dir, rank=8, alpha=16.0)
     ids, mask = H.varied_batch()
     for _ in range(2):
