@@ -61,27 +61,40 @@ def committed_steps(s3, bucket: str, prefix: str) -> list[int]:
     return sorted(int(k.split("/")[-2].split("_")[1]) for k in keys if k.endswith("/COMMIT"))
 
 
+def run_straight_and_crashed(spec: dict, root: Path, uri_prefix: str, kill_after: int, env: dict | None = None,
+                             after_kill=lambda: None) -> tuple[Path, Path, str]:
+    """The job run straight through under <uri_prefix>/straight, then again under <uri_prefix>/crashed, SIGKILLed
+    (no chance to save) once step ``kill_after`` is logged, ``after_kill()`` called, and restarted to the end.
+    Returns both work folders and the restarted run's output; both runs must exit 0."""
+    straight, crashed = root / "straight", root / "crashed"
+    code, out = finish(start(spec, straight, f"{uri_prefix}/straight", env))
+    assert code == 0, out[-3000:]
+    proc = start(spec, crashed, f"{uri_prefix}/crashed", env)
+    wait_for_step(crashed, kill_after, proc)
+    proc.kill()
+    proc.wait()
+    after_kill()
+    code, out = finish(start(spec, crashed, f"{uri_prefix}/crashed", env))
+    assert code == 0, out[-3000:]
+    return straight, crashed, out
+
+
+def assert_same_rewards(straight: Path, crashed: Path, steps: int) -> None:
+    a, b = rewards_by_step(straight), rewards_by_step(crashed)
+    assert sorted(b) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert b[step] == pytest.approx(a[step], abs=1e-6), f"step {step}: {a[step]} straight vs {b[step]} resumed"
+
+
 @pytest.mark.services
 def test_killed_worker_resumes_exactly(tmp_path, s3_server, s3_bucket):
-    spec, env = short_spec(), s3_server.env()
-    straight = tmp_path / "straight"
-    code, out = finish(start(spec, straight, f"s3://{s3_bucket}/straight", env))
-    assert code == 0, out[-3000:]
+    def only_step_6_committed():
+        assert committed_steps(s3_server.client(), s3_bucket, "crashed/") == [6]
 
-    crashed = tmp_path / "crashed"
-    proc = start(spec, crashed, f"s3://{s3_bucket}/crashed", env)
-    wait_for_step(crashed, 8, proc)  # past the step-6 checkpoint
-    proc.kill()  # SIGKILL: no chance to save
-    proc.wait()
-    assert committed_steps(s3_server.client(), s3_bucket, "crashed/") == [6]
-    code, out = finish(start(spec, crashed, f"s3://{s3_bucket}/crashed", env))
-    assert code == 0, out[-3000:]
+    straight, crashed, out = run_straight_and_crashed(  # killed past the step-6 checkpoint
+        short_spec(), tmp_path, f"s3://{s3_bucket}", 8, s3_server.env(), after_kill=only_step_6_committed)
     assert "resumed from step 6" in out
-
-    a, b = rewards_by_step(straight), rewards_by_step(crashed)
-    assert sorted(b) == list(range(1, 17))
-    for step in range(1, 17):
-        assert b[step] == pytest.approx(a[step], abs=1e-6), f"step {step}: {a[step]} straight vs {b[step]} resumed"
+    assert_same_rewards(straight, crashed, 16)
     assert committed_steps(s3_server.client(), s3_bucket, "crashed/") == [12, 16]  # maxToKeep 2
 
 
@@ -95,21 +108,9 @@ def test_killed_lora_worker_resumes_exactly(tmp_path):
     spec["algorithm"]["klCoef"] = 0.001
     spec["training"]["lr"] = 2e-2
     spec["checkpoint"]["exportHf"] = True
-    straight = tmp_path / "straight"
-    code, out = finish(start(spec, straight, f"file://{tmp_path}/straight"))
-    assert code == 0, out[-3000:]
-    crashed = tmp_path / "crashed"
-    proc = start(spec, crashed, f"file://{tmp_path}/crashed")
-    wait_for_step(crashed, 6, proc)  # past the step-4 checkpoint
-    proc.kill()
-    proc.wait()
-    code, out = finish(start(spec, crashed, f"file://{tmp_path}/crashed"))
-    assert code == 0, out[-3000:]
+    straight, crashed, out = run_straight_and_crashed(spec, tmp_path, f"file://{tmp_path}", 6)  # past step 4's save
     assert "resumed from step 4" in out
-    a, b = rewards_by_step(straight), rewards_by_step(crashed)
-    assert sorted(b) == list(range(1, 11))
-    for step in range(1, 11):
-        assert b[step] == pytest.approx(a[step], abs=1e-6), f"step {step}: {a[step]} straight vs {b[step]} resumed"
+    assert_same_rewards(straight, crashed, 10)
     want = load_file(next((tmp_path / "straight").rglob("hf/adapter_model.safetensors")))
     got = load_file(next((tmp_path / "crashed").rglob("hf/adapter_model.safetensors")))
     assert sorted(got) == sorted(want)

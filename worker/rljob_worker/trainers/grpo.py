@@ -167,6 +167,7 @@ class GRPOTrainer(RunLoop):
         if self.agent is not None:
             self.agent.tools.shared = self.engine_everywhere
         self.engine = None
+        self._partial_sync: bool | None = None  # decided at the first weight sync (_partial_weight_sync)
         if self.is_main or self.engine_everywhere:
             self.engine = make_engine(self.engine_name, str(self.model_dir), dtype=self.dtype, device=self.device,
                                       eos_token_id=self.eos_id, pad_token_id=self.pad_id,
@@ -604,7 +605,7 @@ class GRPOTrainer(RunLoop):
         it always has an engine)."""
         if self.actor.lora is None:
             return False
-        if getattr(self, "_partial_sync", None) is None:
+        if self._partial_sync is None:
             self._partial_sync = bool(broadcast_object(getattr(self.engine, "sleep_level", 1) == 1))
         return self._partial_sync
 
