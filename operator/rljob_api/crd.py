@@ -161,10 +161,12 @@ def spec_cel_rules() -> list[dict[str, str]]:
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"({nnodes} * {actor_gpus}) % ({tp} * {pp}) != 0 || "
-                    f"({nnodes} * {actor_gpus}) % ({tp} * {pp} * {cp}) == 0",
+            "rule": f"(({nnodes} * {actor_gpus}) % ({tp} * {pp}) != 0 || "
+                    f"({nnodes} * {actor_gpus}) % ({tp} * {pp} * {cp}) == 0) && "
+                    f"(({nnodes} * {actor_gpus}) % ({tp} * {pp} * {cp}) != 0 || {cp} == 1 || {pp} == 1)",
             "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
-                       "megatron TP x PP x CP; TP x PP x CP (contextParallelSize) does not divide it",
+                       "megatron TP x PP x CP, and contextParallelSize > 1 needs pipelineModelParallelSize 1; TP x PP "
+                       "x CP (contextParallelSize) does not divide it, or CP and PP are both above 1",
             "fieldPath": ".megatron.contextParallelSize",
             "reason": "FieldValueInvalid",
         },
@@ -240,10 +242,12 @@ def spec_cel_rules() -> list[dict[str, str]]:
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"{no_critic_pool} || ({nnodes} * {critic_gpus}) % ({ctp} * {cpp}) != 0 || "
-                    f"({nnodes} * {critic_gpus}) % ({ctp} * {cpp} * {ccp}) == 0",
-            "message": "the critic's GPUs must be divisible by critic megatron TP x PP x CP; its TP x PP x CP does not "
-                       "divide them",
+            "rule": f"{no_critic_pool} || ((({nnodes} * {critic_gpus}) % ({ctp} * {cpp}) != 0 || "
+                    f"({nnodes} * {critic_gpus}) % ({ctp} * {cpp} * {ccp}) == 0) && "
+                    f"(({nnodes} * {critic_gpus}) % ({ctp} * {cpp} * {ccp}) != 0 || {ccp} == 1 || {cpp} == 1))",
+            "message": "the critic's GPUs must be divisible by critic megatron TP x PP x CP, and its "
+                       "contextParallelSize > 1 needs its pipelineModelParallelSize 1; its TP x PP x CP does not "
+                       "divide them, or its CP and PP are both above 1",
             "fieldPath": ".critic.megatron.contextParallelSize",
             "reason": "FieldValueInvalid",
         },

@@ -563,7 +563,8 @@ class CriticSpec(ApiModel):
     placement: CriticPlacement = _f(
         CriticPlacement.SHARED,
         "shared: actor and critic take turns on all GPUs (the idle one offloaded when its offload flags are set; "
-        "also the translation of sequential FSDP-style placement); split: the critic trains on its own critic.gpus "
+        "also the translation of sequential FSDP-style placement); a shared critic whose megatron layout differs "
+        "from the actor's (critic.megatron) runs in processes of its own, two per GPU; split: the critic trains on its own critic.gpus "
         "GPUs of each node while the actor and rollout use the rest, and the two updates overlap. (verl: "
         "resource_pool / critic placement)",
     )

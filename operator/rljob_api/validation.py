@@ -42,7 +42,6 @@ from rljob_api.models import (
     RLJobSpec,
 )
 from rljob_api.pod_layout import pod_template_errors
-from rljob_api.worker_support import camel_case
 
 
 @dataclass(frozen=True)
@@ -191,6 +190,40 @@ def parse_spec(spec: Any) -> RLJobSpec:
     return parsed
 
 
+def camel_case(name: str) -> str:
+    """A model field's python name as the spec spells it: param_offload -> paramOffload."""
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+# The megatron fields that make a parallel layout (megatron-core keeps one parallel state per process).
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                 "sequence_parallel")
+
+
+def critic_takes_turns(spec: RLJobSpec) -> bool:
+    """A shared critic with a megatron layout of its own (Trinity's critic block): megatron's parallel state
+    is one per process, so it runs in processes of its own on the actor's GPUs, one of each per GPU, and
+    the two pools take turns. A shared critic at the actor's layout runs inside the actor's processes."""
+    c = spec.critic
+    if c is None or c.placement != CriticPlacement.SHARED:
+        return False
+    return any(getattr(c.megatron, name) != getattr(spec.megatron, name) for name in LAYOUT_FIELDS)
+
+
+def critic_in_own_pool(spec: RLJobSpec) -> bool:
+    """The critic runs in a process pool of its own: placement split, or shared taking turns."""
+    c = spec.critic
+    return c is not None and (c.placement == CriticPlacement.SPLIT or critic_takes_turns(spec))
+
+
+def processes_per_node(spec: RLJobSpec) -> int:
+    """Worker processes torchrun starts in each pod: one per GPU, two per GPU when a shared critic takes
+    turns in processes of its own."""
+    return spec.gpus_per_node * (2 if critic_takes_turns(spec) else 1)
+
+
 def actor_gpus_per_node(spec: RLJobSpec) -> int:
     """GPUs of each node that run the actor (and the rollout engine): all of them, unless a split critic
     takes critic.gpus of each node."""
@@ -227,17 +260,20 @@ def critic_data_parallel_size(spec: RLJobSpec) -> int:
 def pool_ranks(spec: RLJobSpec) -> tuple[list[int], list[int]]:
     """Global ranks of the actor pool and of the critic pool in the one torchrun world of the job.
 
-    World = nnodes x gpusPerNode, rank = node x gpusPerNode + local rank (the PyTorchJob contract). Shared
-    placement (and no critic): both pools are the whole world. Split: on every node the first
-    gpusPerNode - critic.gpus local ranks are the actor's, the last critic.gpus the critic's, so each pool
-    spans the nodes evenly and a pool's TP group stays inside a node whenever its TP divides its GPUs per node.
+    World = nnodes x processes per node, rank = node x processes per node + local rank (the PyTorchJob
+    contract). Shared placement at the actor's layout (and no critic): both pools are the whole world. Split:
+    on every node the first gpusPerNode - critic.gpus local ranks are the actor's, the last critic.gpus the
+    critic's, so each pool spans the nodes evenly and a pool's TP group stays inside a node whenever its TP
+    divides its GPUs per node. Shared taking turns: 2 x gpusPerNode processes per node, the first
+    gpusPerNode the actor's, the rest the critic's (local rank gpusPerNode + i shares GPU i).
     """
-    world = list(range(spec.nnodes * spec.gpus_per_node))
+    per_node = processes_per_node(spec)
+    world = list(range(spec.nnodes * per_node))
     actor_local = actor_gpus_per_node(spec)
-    if spec.critic is None or actor_local == spec.gpus_per_node:
+    if not critic_in_own_pool(spec):
         return world, (world if spec.critic is not None else [])
-    actor = [r for r in world if r % spec.gpus_per_node < actor_local]
-    critic = [r for r in world if r % spec.gpus_per_node >= actor_local]
+    actor = [r for r in world if r % per_node < actor_local]
+    critic = [r for r in world if r % per_node >= actor_local]
     return actor, critic
 
 
@@ -465,6 +501,10 @@ def megatron_errors(m: MegatronSpec, gpus: int, prefix: str, errs: list[FieldErr
             f"{prefix}.{culprit}",
             f"{'nnodes x gpusPerNode = ' if not pool else ''}{gpus} GPUs{pool} is not divisible by TP x PP x CP = "
             f"{tp}x{pp}x{cp} = {model_parallel}; choose parallel sizes whose product divides the GPU count"))
+    elif cp > 1 and pp > 1:  # the worker's context-parallel attention runs without pipeline stages
+        errs.append(FieldError(
+            f"{prefix}.contextParallelSize", f"{cp} together with pipelineModelParallelSize {pp} is not supported "
+            "by this worker; use one of them (more pipeline stages, or context parallelism with PP 1)"))
     else:
         dp = gpus // model_parallel
     # Experts are sharded over the data-parallel x context-parallel ranks of a TP x PP group.

@@ -21,8 +21,7 @@ from typing import Any
 import yaml
 from rljob_api.advice import spec_warnings
 from rljob_api.local_checks import local_problems
-from rljob_api.validation import RLJobValidationError, name_errors, parse_rljob
-from rljob_api.worker_support import worker_refusals
+from rljob_api.validation import RLJobValidationError, critic_takes_turns, name_errors, parse_rljob
 
 from rljob_cli.yaml_load import load_all
 
@@ -61,7 +60,8 @@ def _critic_summary(s) -> str:
     c = s.critic
     if c is None:
         return ""
-    where = f"split {c.gpus}/node" if c.placement.value == "split" else "shared"
+    where = (f"split {c.gpus}/node" if c.placement.value == "split" else
+             "shared, own processes taking turns" if critic_takes_turns(s) else "shared")
     return (f", critic {where} TP{c.megatron.tensor_model_parallel_size} PP{c.megatron.pipeline_model_parallel_size}"
             + (f" layer {c.output_layer_index}" if c.output_layer_index else ""))
 
@@ -104,18 +104,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 for err in exc.errors:
                     print(f"  {err.path}: {err.message}")
                 continue
-            refusals = worker_refusals(job.spec)  # valid, but this worker release refuses it at start-up
             problems, unchecked = local_problems(job.spec) if args.local else ([], [])
-            print(f"{'OK' if not refusals and not problems else 'NOT RUNNABLE'} {label}: {summarize(job)}")
-            for refusal in refusals:
-                print(f"  NOT RUNNABLE by this worker release: {refusal}")
+            print(f"{'OK' if not problems else 'NOT RUNNABLE'} {label}: {summarize(job)}")
             for problem in problems:
                 print(f"  NOT RUNNABLE here: {problem}")
             for item in unchecked:
                 print(f"  not checked: {item}")
             for warning in spec_warnings(job.spec):
                 print(f"  warning: {warning}")
-            failed += bool(refusals or problems)
+            failed += bool(problems)
             parsed += 1
     if parsed and not args.local:
         print("note: local paths not checked (they are the pods'; `rljob validate --local` checks them for "

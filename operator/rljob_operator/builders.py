@@ -19,6 +19,7 @@ from typing import Any
 
 from rljob_api.enums import ChildKind
 from rljob_api.models import API_VERSION, GROUP, KIND, PLURAL, RLJob
+from rljob_api.validation import processes_per_node
 from rljob_api.pod_layout import (
     COMPILE_CACHE_MOUNT,
     COMPILE_CACHE_VOLUME,
@@ -335,7 +336,7 @@ def build_pytorchjob(job: RLJob, settings: OperatorSettings) -> dict[str, Any]:
         "kind": PYTORCHJOB_KIND,
         "metadata": meta,
         "spec": {
-            "nprocPerNode": str(spec.gpus_per_node),
+            "nprocPerNode": str(processes_per_node(spec)),
             "runPolicy": run_policy,
             "pytorchReplicaSpecs": replicas,
         },
@@ -358,7 +359,7 @@ def _jobset_env(job: RLJob, settings: OperatorSettings) -> list[dict[str, Any]]:
     spec = job.spec
     return [
         {"name": "PET_NNODES", "value": str(spec.nnodes)},
-        {"name": "PET_NPROC_PER_NODE", "value": str(spec.gpus_per_node)},
+        {"name": "PET_NPROC_PER_NODE", "value": str(processes_per_node(spec))},
         {"name": "PET_MASTER_ADDR", "value": jobset_master_addr(job.metadata.name)},
         {"name": "PET_MASTER_PORT", "value": str(settings.master_port)},
         {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {

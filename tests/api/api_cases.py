@@ -193,6 +193,8 @@ CROSS_INVALID = [
     ("pod-mount-relative-path", {PT + "volumes": [{"name": "a", "emptyDir": {}}],
                                  PT + "volumeMounts": [{"name": "a", "mountPath": "data"}]},
      {PT + "volumeMounts[0].mountPath": ["absolute path"]}),
+    ("cp-with-pp", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2, M + "contextParallelSize": 2},
+     {M + "contextParallelSize": ["together with pipelineModelParallelSize 2", "PP 1"]}),
     # several independent problems are all reported
     ("three-rules-at-once", {M + "sequenceParallel": True, R + "tensorModelParallelSize": 3, R + "valN": 2},
      {M + "sequenceParallel": ["raise TP"], R + "tensorModelParallelSize": ["divide"], R + "valN": ["valTemperature"]}),
@@ -205,7 +207,6 @@ CROSS_VALID = [
     ("tp2-pp4-fills-node", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 4,
                             T + "microBatchSizePerGpu": 64}),
     ("tp8", {M + "tensorModelParallelSize": 8, T + "microBatchSizePerGpu": 128}),
-    ("tp2-pp2-cp2", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2, M + "contextParallelSize": 2}),
     ("pp-spans-two-nodes", {"spec.nnodes": 2, M + "pipelineModelParallelSize": 16}),
     ("ep-equals-gpus", {M + "expertModelParallelSize": 8}),
     ("etp2-ep4", {M + "expertModelParallelSize": 4, M + "expertTensorParallelSize": 2}),

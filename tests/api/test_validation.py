@@ -16,12 +16,14 @@ from rljob_api.validation import (
     FieldError,
     RLJobValidationError,
     critic_data_parallel_size,
+    critic_takes_turns,
     cross_field_errors,
     data_parallel_size,
     name_errors,
     parse_rljob,
     parse_spec,
     pool_ranks,
+    processes_per_node,
 )
 
 
@@ -238,6 +240,11 @@ def test_ppo_examples_translate_the_three_critic_placements_and_trinity():
     assert (sequential.gpus_per_node, sequential.critic.placement.value) == (8, "shared")
     trinity = _example("trinity-ppo-megatron.yaml")
     assert trinity.critic.megatron.tensor_model_parallel_size == 4
+    # shared, with its own sizes: a critic process beside each actor process (16 per pod), taking turns
+    assert critic_takes_turns(trinity) and not critic_takes_turns(shared) and not critic_takes_turns(split)
+    assert processes_per_node(trinity) == 16 and processes_per_node(shared) == 2 and processes_per_node(split) == 8
+    assert pool_ranks(trinity) == (list(range(8)), list(range(8, 16)))
+    assert (data_parallel_size(trinity), critic_data_parallel_size(trinity)) == (2, 2)  # TP2 x PP2 and TP4 of 8
     assert trinity.megatron.recompute_granularity.value == trinity.critic.megatron.recompute_granularity.value == "full"
     assert trinity.algorithm.gae_lambda == 0.95
     for spec in (split, shared, sequential, trinity):
@@ -256,6 +263,20 @@ def test_pool_ranks_split_every_node_the_same_way(nnodes, gpus, critic_gpus, act
     spec = parse_rljob(doc).spec
     assert pool_ranks(spec) == (actor, critic)
     assert data_parallel_size(spec) == len(actor) and critic_data_parallel_size(spec) == len(critic)
+
+
+@pytest.mark.parametrize(("nnodes", "gpus", "actor", "critic"), [
+    (1, 2, [0, 1], [2, 3]),
+    (2, 2, [0, 1, 4, 5], [2, 3, 6, 7]),  # per node: the actor's processes first, then the critic's
+])
+def test_a_shared_critic_with_its_own_layout_gets_a_process_beside_every_actor_process(nnodes, gpus, actor, critic):
+    doc = changed(gpu_job(), {"spec.nnodes": nnodes, "spec.gpusPerNode": gpus, "spec.algorithm.advantageEstimator": "gae",
+                              "spec.critic": {"megatron": {"tensorModelParallelSize": 2}},
+                              "spec.training.microBatchSizePerGpu": 1})
+    spec = parse_rljob(doc).spec
+    assert critic_takes_turns(spec) and processes_per_node(spec) == 2 * gpus
+    assert pool_ranks(spec) == (actor, critic)
+    assert data_parallel_size(spec) == nnodes * gpus and critic_data_parallel_size(spec) == nnodes * gpus // 2
 
 
 def test_pool_ranks_without_critic_is_the_actor_alone():

@@ -176,6 +176,20 @@ def test_gpu_resources_follow_device_and_gpus_per_node(device: str, gpus: int, u
     assert ptj["spec"]["nprocPerNode"] == str(gpus)
 
 
+def test_a_shared_critic_with_its_own_sizes_runs_two_processes_per_gpu() -> None:
+    """Trinity's critic block (TP4 beside an actor at TP2 PP2, shared): torchrun starts a critic process beside
+    every actor process; the pods still ask for gpusPerNode GPUs. Both child kinds say the same."""
+    doc = load_example("trinity-ppo-megatron.yaml")
+    ptj = builders.build_pytorchjob(job_from(doc), OperatorSettings())
+    assert ptj["spec"]["nprocPerNode"] == "16"
+    assert _container(ptj)["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    doc["spec"]["childKind"] = "JobSet"
+    jobset = builders.build_jobset(job_from(doc), OperatorSettings())
+    env = {e["name"]: e.get("value") for e in
+           jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PET_NPROC_PER_NODE"] == "16"
+
+
 def test_split_critic_pool_is_inside_the_same_pods() -> None:
     """Split pools are ranks of one world: each pod asks for all gpusPerNode GPUs (actor and critic pools
     together) and runs one process per GPU; no second job or replica type."""

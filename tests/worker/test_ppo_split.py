@@ -1,9 +1,10 @@
-"""PPO with a split critic (spec.critic.placement: split) through `rljob run` (torchrun, gloo on CPU): the
-actor pool (2 processes) and the critic pool (2 processes) of one 4-process world train the same trajectory
-as shared placement on 2 processes (same rewards, value losses, explained variance). A SIGKILLed split run
-whose critic pool has its own megatron sizes (critic TP2 beside actor TP1) resumes onto that same trajectory,
-and never from a step folder holding the actor's part without the critic's and without COMMIT. A SIGTERMed
-split run saves both pools' parts of the step."""
+"""PPO with the critic in a process pool of its own through `rljob run` (torchrun, gloo on CPU). Split
+placement: the actor pool (2 processes) and the critic pool (2 processes at critic TP2, a layout of its own)
+of one 4-process world train the same trajectory as shared placement on 2 processes (same rewards, value
+losses, explained variance). Shared placement with the critic's own sizes (critic TP2 beside actor DP2):
+a critic process beside each actor process, the pools taking turns; SIGKILLed, it resumes onto that same
+trajectory, and never from a step folder holding the actor's part without the critic's and without
+COMMIT. A SIGTERMed split run saves both pools' parts of the step."""
 from __future__ import annotations
 
 import json
@@ -25,8 +26,14 @@ from test_parallel_training import job
 
 STEPS = 4
 CRITIC = {"lr": 3.0e-3, "microBatchSizePerGpu": 16}
-SPLIT = {"gpusPerNode": 4, "critic": {**CRITIC, "placement": "split", "gpus": 2}}  # actor 2 + critic 2
-SHARED = {"gpusPerNode": 2, "critic": dict(CRITIC)}  # actor DP2 and critic DP2, taking turns
+SPLIT = {"gpusPerNode": 4, "critic": {**CRITIC, "placement": "split", "gpus": 2,  # actor DP2 + critic TP2
+                                      "megatron": {"tensorModelParallelSize": 2}}}
+SHARED = {"gpusPerNode": 2, "critic": dict(CRITIC)}  # actor DP2 and critic DP2 in the same 2 processes
+# Trinity's case: shared, the critic at sizes of its own (TP2 beside actor DP2): 2 actor + 2 critic processes
+# on 2 "GPUs", each pool offloading its state between turns (on CPU the offload checks state only).
+OFFLOAD = {"paramOffload": True, "gradOffload": True, "optimizerOffload": True}
+TURNS = {"gpusPerNode": 2, "megatron": dict(OFFLOAD),
+         "critic": {**CRITIC, "megatron": {"tensorModelParallelSize": 2, **OFFLOAD}}}
 
 
 def ppo_doc(name: str, layout: dict) -> dict:
@@ -101,7 +108,7 @@ def test_split_placement_trains_the_shared_trajectory(tmp_path, shared_run):
     split = by_step(work)
     print()
     print(breakdown(shared_run, "shared (2 processes, taking turns)"))
-    print(breakdown(split, "split (actor 2 + critic 2 processes)"))
+    print(breakdown(split, "split (actor 2 + critic 2 processes at TP2)"))
     assert_same_trajectory(shared_run, split)
     for key in ("critic/value_clip_fraction", "critic/vpred_mean", "critic/grad_norm", "critic/update_s",
                 "timing/critic_values_s", "timing/critic_update_s", "timing/critic_wait_s"):
@@ -110,19 +117,20 @@ def test_split_placement_trains_the_shared_trajectory(tmp_path, shared_run):
     assert (step / "COMMIT").exists() and any((step / "critic").iterdir())  # one COMMIT covers both pools
 
 
-def test_killed_split_run_with_its_own_critic_sizes_resumes_onto_the_same_trajectory(tmp_path, shared_run):
-    """Actor 1 + critic 2 processes at critic TP2 (a layout shared placement refuses). SIGKILL after step 3
-    (step 2 committed); a step-3 folder holding the actor's part only and no COMMIT (a save cut short before
-    the critic pool wrote its part); `rljob run` again resumes from step 2, never from the half-written
-    step 3, and every step's reward and value loss match the uninterrupted shared run's."""
-    layout = {"gpusPerNode": 3, "critic": {**CRITIC, "placement": "split", "gpus": 2,
-                                           "megatron": {"tensorModelParallelSize": 2}}}
-    doc = ppo_doc("ppo-split-tp2", layout)
+def test_killed_shared_run_with_its_own_critic_sizes_takes_turns_and_resumes_onto_the_same_trajectory(
+        tmp_path, shared_run):
+    """Shared placement, critic TP2 beside actor DP2: `rljob run` starts 4 processes on the 2 "GPUs". SIGKILL
+    after step 3 (step 2 committed); a step-3 folder holding the actor's part only and no COMMIT (a save cut
+    short before the critic pool wrote its part); `rljob run` again resumes from step 2, never from the
+    half-written step 3, and every step's reward and value loss match the single-process shared run's. The
+    pools take turns: the actor pool waits out every critic command (its wait covers the critic's values
+    and update, where split placement overlaps them with the actor's work)."""
+    doc = ppo_doc("ppo-turns", TURNS)
     proc, work = launch(doc, tmp_path)
     wait_for_step(proc, work, 3)
     proc.kill()  # SIGKILL: `rljob run`'s guard then SIGKILLs every process of the run
     proc.communicate()
-    prefix = tmp_path / "ckpt" / "default" / "ppo-split-tp2"
+    prefix = tmp_path / "ckpt" / "default" / "ppo-turns"
     assert (prefix / "step_000002" / "COMMIT").exists() and any((prefix / "step_000002" / "critic").iterdir())
     half = prefix / "step_000003"
     shutil.copytree(prefix / "step_000002", half, ignore=shutil.ignore_patterns("critic", "COMMIT"))
@@ -131,9 +139,15 @@ def test_killed_split_run_with_its_own_critic_sizes_resumes_onto_the_same_trajec
 
     proc, work = launch(doc, tmp_path)
     out = finish(proc, work)
-    assert "resumed from step 2" in out, out[-3000:]
+    assert "resumed from step 2" in out and "1 pod(s) x 4 process(es)" in out, out[-3000:]
     resumed = by_step(work)
     assert_same_trajectory(shared_run, resumed)
+    print()
+    print(breakdown(resumed, "shared, critic at its own TP2 (actor 2 + critic 2 processes, taking turns)"))
+    for step in range(3, STEPS + 1):  # the resumed steps: the actor pool's wait contains the critic's work
+        r = resumed[step]
+        # 10 ms: a gloo broadcast's root returns once its peers hold the data, which may be just after they start
+        assert r["timing/critic_wait_s"] >= r["timing/critic_values_s"] + r["critic/update_s"] - 0.01, r
 
 
 def test_sigterm_saves_both_pools_parts_of_the_step(tmp_path):

@@ -35,13 +35,14 @@ def trainer_class(spec):
 
 def run_job(spec, ctx) -> int:
     """Run the spec's trainer on the shared loop; returns the process exit code. A split critic
-    (spec.critic.placement split): the processes first split into the actor pool, which runs the PPO
-    trainer, and the critic pool, which serves it (:mod:`rljob_worker.runtime.pools`)."""
-    from rljob_api.enums import CriticPlacement
+    (spec.critic.placement split) or a shared one with its own megatron layout: the processes first split
+    into the actor pool, which runs the PPO trainer, and the critic pool, which serves it
+    (:mod:`rljob_worker.runtime.pools`)."""
+    from rljob_api.validation import critic_in_own_pool
 
     from rljob_worker.run_loop import run
 
-    if spec.critic is not None and spec.critic.placement == CriticPlacement.SPLIT:
+    if critic_in_own_pool(spec):
         from rljob_worker.runtime.distributed import dist_env_from_environ
         from rljob_worker.runtime.pools import PoolLayout, init_pools
 

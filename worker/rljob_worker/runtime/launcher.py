@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from rljob_api.models import RLJob
+from rljob_api.validation import processes_per_node
 
 
 def free_port() -> int:
@@ -33,7 +34,7 @@ def pod_environment(job: RLJob, node_rank: int, master_port: int, *, master_addr
     spec = job.spec
     env = {
         "PET_NNODES": str(spec.nnodes),
-        "PET_NPROC_PER_NODE": str(spec.gpus_per_node),
+        "PET_NPROC_PER_NODE": str(processes_per_node(spec)),
         "PET_NODE_RANK": str(node_rank),
         "PET_MASTER_ADDR": master_addr,
         "PET_MASTER_PORT": str(master_port),
@@ -65,7 +66,7 @@ def start_pod(job: RLJob, node_rank: int, master_port: int, spec_path: Path, ext
               log_path: Path | None = None) -> subprocess.Popen:
     env = {**os.environ, **pod_environment(job, node_rank, master_port,
                                            metrics_port=job.spec.metrics.port + node_rank), **extra_env}
-    env.setdefault("OMP_NUM_THREADS", "1" if job.spec.nnodes * job.spec.gpus_per_node > 1 else "2")
+    env.setdefault("OMP_NUM_THREADS", "1" if job.spec.nnodes * processes_per_node(job.spec) > 1 else "2")
     out = open(log_path, "ab") if log_path else None
     return subprocess.Popen(pod_command(spec_path), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)
@@ -235,7 +236,7 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
     if steps is not None:
         extra["RLJOB_MAX_STEPS"] = str(steps)
     ckpt = checkpoint_uri or spec.checkpoint.uri
-    print(f"rljob: running {job.metadata.name} locally: {spec.nnodes} pod(s) x {spec.gpus_per_node} process(es); "
+    print(f"rljob: running {job.metadata.name} locally: {spec.nnodes} pod(s) x {processes_per_node(spec)} process(es); "
           f"metrics on :{spec.metrics.port}; checkpoints under {ckpt.rstrip('/')}/{job.metadata.namespace}/"
           f"{job.metadata.name}/", flush=True)
     started = time.monotonic()

@@ -1,15 +1,18 @@
-"""Split placement: the actor pool and the critic pool as two torch.distributed worlds in one torchrun job.
+"""The actor pool and the critic pool as two torch.distributed worlds in one torchrun job.
 
-torchrun starts one world of ``nnodes x gpusPerNode`` processes. With ``spec.critic.placement: split``,
-on every node the local ranks ``[0, gpusPerNode - critic.gpus)`` are the actor pool (actor, reference
-model, rollout engine) and the rest the critic pool. megatron-core keeps one parallel state per process,
+With ``spec.critic.placement: split`` torchrun starts one world of ``nnodes x gpusPerNode`` processes; on
+every node the local ranks ``[0, gpusPerNode - critic.gpus)`` are the actor pool (actor, reference model,
+rollout engine) and the rest the critic pool. A shared critic with a megatron layout of its own
+(``rljob_api.validation.critic_takes_turns``) gets ``2 x gpusPerNode`` processes per node: the first
+``gpusPerNode`` are the actor pool, the rest the critic pool, and critic local rank ``gpusPerNode + i``
+runs on GPU ``i`` beside actor local rank ``i``; the pools take turns (``colocated``). megatron-core keeps one parallel state per process,
 built over the default process group, so each pool gets its **own default group** (over a PrefixStore of
 the job's rendezvous store, with the pool rank and size) and megatron initialises per pool: the critic's
 TP/PP/CP may differ from the actor's. One extra gloo group over all ranks (:class:`CrossPool`) carries
 the commands and the small (N, T) tensors between the pools, on CPU.
 
-Rank mapping (global rank g = node x gpusPerNode + local rank l; a = actor GPUs per node, c = critic GPUs
-per node)::
+Rank mapping (global rank g = node x (a + c) + local rank l; a = actor processes per node, c = critic
+processes per node)::
 
     actor pool:  l < a,   pool rank = node x a + l
     critic pool: l >= a,  pool rank = node x c + (l - a)
@@ -40,21 +43,33 @@ CROSS_POOL_TIMEOUT_S = 6 * 3600.0
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """Where the two pools sit in the job (pure): ``actor_per_node`` + ``critic_per_node`` = GPUs per node."""
+    """Where the two pools sit in the job (pure): ``actor_per_node`` + ``critic_per_node`` processes per
+    node; split placement gives each process a GPU of its own, ``colocated`` pools share the actor's GPUs."""
 
     nnodes: int
     actor_per_node: int
     critic_per_node: int
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if self.nnodes < 1 or self.actor_per_node < 1 or self.critic_per_node < 1:
-            raise ValueError(f"a split layout needs >= 1 node and >= 1 GPU per pool and node, got {self}")
+            raise ValueError(f"a pool layout needs >= 1 node and >= 1 process per pool and node, got {self}")
+        if self.colocated and self.actor_per_node != self.critic_per_node:
+            raise ValueError(f"colocated pools need one process of each per GPU, got {self}")
 
     @classmethod
     def from_spec(cls, spec) -> PoolLayout:
-        from rljob_api.validation import actor_gpus_per_node, critic_gpus_per_node
+        from rljob_api.validation import actor_gpus_per_node, critic_gpus_per_node, critic_takes_turns
 
-        return cls(spec.nnodes, actor_gpus_per_node(spec), critic_gpus_per_node(spec))
+        return cls(spec.nnodes, actor_gpus_per_node(spec), critic_gpus_per_node(spec), critic_takes_turns(spec))
+
+    @property
+    def placement(self) -> str:
+        return "shared (taking turns)" if self.colocated else "split"
+
+    def cuda_index(self, local_rank: int) -> int:
+        """The GPU of the process at torchrun ``local_rank``: its own, or the actor's beside it (colocated)."""
+        return local_rank % self.actor_per_node if self.colocated else local_rank
 
     @property
     def per_node(self) -> int:
@@ -74,12 +89,13 @@ class PoolLayout:
 
     def pool_env(self, env: DistEnv) -> DistEnv:
         """``env`` (the torchrun world) seen from inside this process's pool: a world of the pool's ranks,
-        with its own local rank, so ``env.rank`` is the pool rank. The CUDA device stays ``env.local_rank``."""
+        with its own local rank, so ``env.rank`` is the pool rank. The CUDA device is
+        :meth:`cuda_index` of the torchrun local rank."""
         if env.nproc_per_node != self.per_node or env.nnodes != self.nnodes:
             from rljob_worker.startup_errors import StartupError
 
-            raise StartupError(f"spec.critic.placement: split needs torchrun to run nnodes x gpusPerNode = {self.nnodes} x "
-                               f"{self.per_node} processes (one per GPU), this process is one of {env.nnodes} x "
+            raise StartupError(f"spec.critic.placement: {self.placement} needs torchrun to run {self.nnodes} x "
+                               f"{self.per_node} processes, this process is one of {env.nnodes} x "
                                f"{env.nproc_per_node}; start it with `rljob run` or the operator's PyTorchJob")
         if self.role(env.rank) == ACTOR:
             return dataclasses.replace(env, nproc_per_node=self.actor_per_node)
@@ -132,6 +148,10 @@ class Pools:
     def is_critic(self) -> bool:
         return self.role == CRITIC
 
+    @property
+    def cuda_index(self) -> int:
+        return self.layout.cuda_index(self.world_env.local_rank)
+
     def actor_torchrun_environ(self) -> dict[str, str]:
         """torchrun's variables as the actor pool's world (an actor rank's LOCAL_RANK is already its pool
         local rank), for what reads them after start-up: vLLM's external launcher builds its groups from
@@ -158,7 +178,7 @@ def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
         raise RuntimeError("torch.distributed is already initialised: the pools must be set up first")
     backend = backend or default_backend()
     if backend == "nccl" and torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
+        torch.cuda.set_device(layout.cuda_index(env.local_rank))
     pool_env = layout.pool_env(env)
     role = layout.role(env.rank)
     store = _rendezvous_store(env, datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
@@ -167,6 +187,6 @@ def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
     group = dist.ProcessGroupGloo(dist.PrefixStore("rljob_xpool", store), env.rank, layout.world_size,
                                   datetime.timedelta(seconds=timeout_s))
     cross = CrossPool(group, env.rank, layout.world_size)
-    log.info("split placement: global rank %d is %s pool rank %d of %d", env.rank, role, pool_env.rank,
-             pool_env.world_size)
+    log.info("%s placement: global rank %d is %s pool rank %d of %d", layout.placement, env.rank, role,
+             pool_env.rank, pool_env.world_size)
     return Pools(role=role, env=pool_env, world_env=env, layout=layout, cross=cross)

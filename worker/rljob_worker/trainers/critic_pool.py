@@ -1,5 +1,6 @@
-"""Split placement, the critic's side: a serve loop on the critic pool's ranks, driven by commands from
-the actor leader over the cross-pool group (:mod:`rljob_worker.runtime.pools`), and the actor side's handle on it.
+"""The critic's own process pool (split placement, or a shared critic with its own megatron layout taking
+turns), the critic's side: a serve loop on the critic pool's ranks, driven by commands from the actor
+leader over the cross-pool group (:mod:`rljob_worker.runtime.pools`), and the actor side's handle on it.
 
 The protocol (every rank of the job takes part in each cross-pool broadcast, in this order)::
 
@@ -18,12 +19,19 @@ critic pool only computes values and trains on the returns. Checkpoints: the cri
 into the step folder the actor leader names before the actor side uploads and writes COMMIT, so a step
 without the critic's part is never committed. SIGTERM on a critic rank is noted, not obeyed: the actor
 side decides when to stop, and may still ask for the preemption save.
+
+Colocated pools (the layout's ``colocated``: two processes per GPU) take turns instead of overlapping:
+the actor side makes room (offloads what its flags say) before each command and waits for the reply
+before its own next GPU work; the critic side onloads for each command and offloads after it (its
+critic.megatron offload flags), so one pool's training state at a time holds the GPU.
 """
 from __future__ import annotations
 
 import logging
 import signal
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +56,17 @@ class CriticPoolClient:
     order (the actor leader's arguments are the ones sent). Also stands in for the critic in the
     checkpoint's ``others`` (``save_checkpoint`` / ``load_checkpoint``)."""
 
-    def __init__(self, pools: Pools):
+    def __init__(self, pools: Pools, make_room: Callable[[], None] | None = None):
         self.cross, self.leader = pools.cross, pools.layout.critic_leader
+        self.takes_turns = pools.layout.colocated
+        self._make_room = make_room  # colocated pools: the actor side offloads before the critic's turn
         self.is_offloaded = False  # never in the actor pool's offload plan
         self._stopped = False
         self._saving: str | None = None  # the path of a save started by start_checkpoint_save
 
     def _send(self, command: dict[str, Any]) -> None:
+        if self.takes_turns and self._make_room is not None and command["op"] not in ("build", "stop"):
+            self._make_room()
         self.cross.broadcast_object(command, src=0)
 
     def _receive(self) -> Any:
@@ -94,7 +106,10 @@ class CriticPoolClient:
         return self._receive()["metrics"]
 
     def start_checkpoint_save(self, path: Path) -> None:
-        """The critic pool starts writing its part into ``path`` (the actor side writes its own meanwhile)."""
+        """The critic pool starts writing its part into ``path`` (the actor side writes its own meanwhile);
+        colocated pools take turns: the critic's part is written by :meth:`save_checkpoint`, after the actor's."""
+        if self.takes_turns:
+            return
         self._send({"op": "save", "path": str(path)})
         self._saving = str(path)
 
@@ -123,6 +138,10 @@ class CriticPool:
         self.is_leader = pools.world_env.rank == self.leader
         self.critic = None
         self._batch: dict[str, torch.Tensor] | None = None
+        cm = spec.critic.megatron
+        # colocated pools: the critic's state leaves the shared GPU between its turns (as its flags say)
+        self._idle_offload = ({"params": cm.param_offload, "grads": cm.grad_offload, "optimizer": cm.optimizer_offload}
+                              if pools.layout.colocated else {})
 
     def run(self) -> int:
         """Serve commands until ``stop``; the process exit code."""
@@ -130,7 +149,7 @@ class CriticPool:
 
         signal.signal(signal.SIGTERM, self._note_stop_signal)
         env = self.pools.world_env
-        self.device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device("cuda", self.pools.cuda_index) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = torch_dtype(self.spec.model.dtype.value, self.device)
         torch.manual_seed(self.spec.training.seed)
         if self.device.type == "cpu":
@@ -170,12 +189,23 @@ class CriticPool:
             raise
         self._reply({"error": None})
 
+    @contextmanager
+    def _turn(self):
+        """The critic's state on its GPU for one command; offloaded again after it when the pools share GPUs."""
+        if self.critic.is_offloaded:
+            self.critic.onload()
+        yield
+        if any(self._idle_offload.values()):
+            self.critic.offload(**self._idle_offload)
+
     # ------------------------------------------------------------------ commands
     def _build(self, command: dict[str, Any]) -> None:
         def build():
             self.critic = build_critic(self.spec, Path(command["critic_dir"]), self.dtype)
             log.info("critic pool: critic built (TP %d, PP %d, DP %d)", self.critic.tp_size, self.critic.pp_size,
                      self.critic.dp_size)
+            if any(self._idle_offload.values()):
+                self.critic.offload(**self._idle_offload)
 
         self._answer(build)
 
@@ -188,7 +218,8 @@ class CriticPool:
         batch = command["batch"]
         rows = self._rows(batch["input_ids"].shape[0])
         local = slice_batch(batch, rows.start, rows.stop)
-        local["old_values"] = self.critic.compute_values(local, micro_batch_size=self.spec.critic.micro_batch_size_per_gpu)
+        with self._turn():
+            local["old_values"] = self.critic.compute_values(local, micro_batch_size=self.spec.critic.micro_batch_size_per_gpu)
         self._batch = local
         values = all_gather_rows(local["old_values"], self.critic.dp_group, self.device)  # (N, T)
         self._reply({"values": values, "seconds": time.perf_counter() - start})
@@ -198,7 +229,8 @@ class CriticPool:
         rows = self._rows(command["returns"].shape[0])
         local["returns"] = command["returns"][rows]
         minis = [trim_padding(mini) for mini in split_batch(local, command["mini_batches"])]
-        metrics = update_critic(self.critic, minis, self.spec)
+        with self._turn():
+            metrics = update_critic(self.critic, minis, self.spec)
         self._batch = None
         self._reply({"metrics": metrics})
 
@@ -207,9 +239,14 @@ class CriticPool:
 
         def save():
             shield_checkpoint_writer()
-            self.critic.save_checkpoint(Path(command["path"]))
+            with self._turn():
+                self.critic.save_checkpoint(Path(command["path"]))
 
         self._answer(save)
 
     def _load(self, command: dict[str, Any]) -> None:
-        self._answer(lambda: self.critic.load_checkpoint(Path(command["path"])))
+        def load():
+            with self._turn():
+                self.critic.load_checkpoint(Path(command["path"]))
+
+        self._answer(load)

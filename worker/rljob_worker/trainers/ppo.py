@@ -15,8 +15,10 @@ data-parallel rank's responses, T = prompt + response columns)::
     actor update (after critic.warmupSteps steps): the GRPO loss with the GAE advantages, weight sync
 
 Placement: ``shared`` runs both models on every rank, taking turns (with offload flags set, the idle
-model's memory goes to CPU while the other runs); the worker builds the critic with the actor's parallel
-layout (megatron's parallel state is one per process). ``split`` runs the critic on its own ranks
+model's memory goes to CPU while the other runs). At the actor's parallel layout both live in one process;
+a critic with a megatron layout of its own (megatron's parallel state is one per process) runs in a second
+process per GPU, a pool as split placement's below, and the pools take turns on the shared GPUs (values
+before the actor's log-probs, the critic update before the actor's). ``split`` runs the critic on its own ranks
 (critic.gpus of every node, :mod:`rljob_worker.runtime.pools`), each pool its own torch.distributed world, so
 the critic's megatron sizes may differ from the actor's. The actor pool runs the step above; the critic
 pool (:mod:`rljob_worker.trainers.critic_pool`) computes the values while the actor computes its log-probs, and
@@ -34,12 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rljob_api.enums import KLPlacement
-from rljob_api.worker_support import critic_layout_errors
 
 from rljob_worker import algorithms as algo
 from rljob_worker.algorithms import gae
 from rljob_worker.data.batching import slice_batch, split_batch, trim_padding
-from rljob_worker.megatron.errors import MegatronConfigError
 from rljob_worker.run_loop import Preempted
 from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
 from rljob_worker.trainers.critic_step import update_critic
@@ -57,14 +57,12 @@ class PPOTrainer(GRPOTrainer):
     def __init__(self, spec, ctx, env=None, pools=None):
         super().__init__(spec, ctx, env=pools.env if pools is not None else env)
         self.pools = pools
-        self.split = pools is not None
+        self.split = pools is not None  # the critic in its own process pool (split, or shared taking turns)
+        self._critic_wait = 0.0
 
     # ------------------------------------------------------------------ set-up
     def build_model(self) -> None:
         spec = self.spec
-        problems = critic_layout_errors(spec)
-        if problems:
-            raise MegatronConfigError("; ".join(problems))
         from rljob_worker.trainers.critic_step import build_critic
 
         c = spec.critic
@@ -77,10 +75,13 @@ class PPOTrainer(GRPOTrainer):
         if self.split:  # the critic pool builds its critic while this pool builds the actor
             from rljob_worker.trainers.critic_pool import CriticPoolClient
 
-            self.critic = CriticPoolClient(self.pools)
+            self.critic = CriticPoolClient(self.pools, make_room=self._on_gpu)
             self.critic.request_build(critic_dir)
+            if self.critic.takes_turns:  # one build at a time on the shared GPUs (the critic then offloads)
+                self.critic.wait_built()
             super().build_model()
-            self.critic.wait_built()
+            if not self.critic.takes_turns:
+                self.critic.wait_built()
             return
         # The critic first: a MoE model sizes megatron's aux-loss tracker by the last model built (the actor).
         self.critic = build_critic(spec, critic_dir, self.dtype)
@@ -126,8 +127,11 @@ class PPOTrainer(GRPOTrainer):
         batch = payload["batch"]
         metrics.update(payload["metrics"])
         metrics["batch/tokens"] = float(batch["attention_mask"].sum())  # prompt + response tokens of the step
-        if self.split:  # the critic pool computes the values while this pool computes its log-probs
+        remote_values = None
+        if self.split:  # the critic pool computes the values while this pool computes its log-probs ...
             self.critic.request_values(batch)
+            if self.critic.takes_turns:  # ... or first, when the two pools share the GPUs
+                remote_values = self._wait_for_critic(self.critic.values)
 
         # 2. this data-parallel rank's rows (shared: the critic shares the actor's layout): (n, T)
         per_rank = batch["input_ids"].shape[0] // self.dp_size
@@ -145,11 +149,8 @@ class PPOTrainer(GRPOTrainer):
         self._old_and_ref_logprobs(local, old=not single_update, micro_batch_size=lp_micro)
 
         # 4. values, token rewards, GAE, whitened advantages (n, T)
-        critic_wait = 0.0
         if self.split:
-            start = time.perf_counter()
-            values, seconds = self.critic.values()  # (N, T)
-            critic_wait += time.perf_counter() - start
+            values, seconds = remote_values or self._wait_for_critic(self.critic.values)  # (N, T)
             local["old_values"] = values[lo:lo + per_rank]
             self.telemetry.record_stage("critic_values", seconds)
         else:
@@ -164,9 +165,12 @@ class PPOTrainer(GRPOTrainer):
             totals = self._dp_sum(torch.stack([penalty.sum().double(), torch.tensor(float(len(penalty)))]))
             metrics["reward/kl_penalty_mean"] = float(totals[0] / totals[1].clamp(min=1))
         advantages, local["returns"] = gae.compute_gae(rewards, local["old_values"], mask, a.gamma, a.gae_lambda)
+        critic_metrics = None
         if self.split:  # the critic pool trains on the returns of every row, while this pool updates the actor
             self.critic.request_update(all_gather_rows(local["returns"], self.actor.dp_group, self.device),
                                        mini_batches_per_step)
+            if self.critic.takes_turns:  # (or first, when the two pools share the GPUs)
+                critic_metrics = self._wait_for_critic(self.critic.update_metrics)
         # whitened over the batch's or each mini-batch's response tokens (algorithm.whitenScope) on all DP ranks
         advantages = gae.whiten_advantages(advantages, mask, a.whiten_scope, mini_batches_per_step, self._dp_sum)
         minis = split_batch({**local, "advantages": advantages}, mini_batches_per_step)
@@ -197,12 +201,19 @@ class PPOTrainer(GRPOTrainer):
             with self.telemetry.stage("weight_sync"):
                 self._sync_weights()
         if self.split:  # the critic update's metrics, once it is done
-            start = time.perf_counter()
-            metrics.update(self.critic.update_metrics())
-            critic_wait += time.perf_counter() - start
+            metrics.update(critic_metrics or self._wait_for_critic(self.critic.update_metrics))
             self.telemetry.record_stage("critic_update", metrics["critic/update_s"])
-            metrics["timing/critic_wait_s"] = critic_wait  # the actor pool idle, waiting for the critic pool
+            metrics["timing/critic_wait_s"] = self._critic_wait  # the actor pool idle, waiting for the critic pool
+            self._critic_wait = 0.0
         return metrics
+
+    def _wait_for_critic(self, reply):
+        """``reply()`` from the critic pool, adding the time this pool waited for it to the step's critic wait."""
+        start = time.perf_counter()
+        try:
+            return reply()
+        finally:
+            self._critic_wait += time.perf_counter() - start
 
     def _on_gpu(self, *wanted) -> None:
         """Shared placement taking turns: the models of ``wanted`` onloaded, every other model with
