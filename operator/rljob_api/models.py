@@ -778,6 +778,10 @@ class CheckpointSpec(ApiModel):
         None, "Checkpoint step folder to resume from when resumeMode is uri. (verl: trainer.resume_from_path)", pattern=STORAGE_URI_PATTERN, max_length=1024
     )
     export_hf: bool = _f(True, "Write a Hugging Face safetensors export of the final policy under <job prefix>/hf/.")
+    export_critic: bool = _f(
+        False, "PPO: also write the final critic under <job prefix>/hf-critic/ as a Hugging Face token-classification "
+        "model with one label (<Model>ForTokenClassification: the critic's layers, its value head as the classifier "
+        "`score`); its logit after token t is the value of the next state. (verl: the critic's HF checkpoint)")
     save_on_preemption: bool = _f(True, "On SIGTERM (eviction, suspend) save a checkpoint before exiting when the grace period allows.")
 
 

@@ -310,6 +310,9 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     pool = " of the actor's pool (gpusPerNode - critic.gpus per node)" if actor_gpus != spec.gpus_per_node else ""
     dp = megatron_errors(m, spec.nnodes * actor_gpus, "spec.megatron", errs, pool)
     sft = a.name == AlgorithmName.SFT
+    if spec.checkpoint.export_critic and spec.critic is None:
+        errs.append(FieldError("spec.checkpoint.exportCritic", "exports the PPO critic, and this job has no "
+                               "spec.critic; set it false (or add a critic with algorithm.advantageEstimator gae)"))
     if sft:
         errs.extend(sft_errors(spec, dp))
         if spec.critic is not None:

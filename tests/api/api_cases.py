@@ -193,6 +193,8 @@ CROSS_INVALID = [
     ("pod-mount-relative-path", {PT + "volumes": [{"name": "a", "emptyDir": {}}],
                                  PT + "volumeMounts": [{"name": "a", "mountPath": "data"}]},
      {PT + "volumeMounts[0].mountPath": ["absolute path"]}),
+    ("export-critic-without-critic", {"spec.checkpoint.exportCritic": True},
+     {"spec.checkpoint.exportCritic": ["no spec.critic", "set it false"]}),
     ("cp-with-pp", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2, M + "contextParallelSize": 2},
      {M + "contextParallelSize": ["together with pipelineModelParallelSize 2", "PP 1"]}),
     # several independent problems are all reported

@@ -23,8 +23,9 @@ def value_loss(values, mb):
                           LossAggregation.TOKEN_MEAN)
 
 
-def critic_steps(hf_dir, parallel, steps: int = 2) -> dict:
-    """Values, ``steps`` updates at micro-batch 2, values again, of :func:`megatron_helpers.varied_batch`."""
+def critic_steps(hf_dir, parallel, steps: int = 2, export_dir=None) -> dict:
+    """Values, ``steps`` updates at micro-batch 2, values again, of :func:`megatron_helpers.varied_batch`;
+    then the critic exported as an HF token-classification model into ``export_dir`` when given."""
     from rljob_worker.megatron.critic import MegatronCritic
     from rljob_worker.megatron.engine_config import OptimConfig
 
@@ -37,6 +38,8 @@ def critic_steps(hf_dir, parallel, steps: int = 2) -> dict:
                                     output_layer_index=2)
     values = critic.compute_values(batch, micro_batch_size=2)
     history = [critic.update(batch, value_loss, micro_batch_size=2) for _ in range(steps)]
+    if export_dir is not None:
+        critic.save_hf_value_model(export_dir)
     return {"values": values, "history": history, "values_after": critic.compute_values(batch, micro_batch_size=4)}
 
 
@@ -44,7 +47,7 @@ def _scenario_tp2(hf_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from rljob_worker.megatron.engine_config import ParallelConfig
 
-    result = critic_steps(hf_dir, ParallelConfig(tp=2))
+    result = critic_steps(hf_dir, ParallelConfig(tp=2), export_dir=Path(out_dir) / "hf-critic-tp2")
     if dist.get_rank() == 0:
         torch.save(result, Path(out_dir) / "tp2.pt")
 

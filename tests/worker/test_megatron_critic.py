@@ -173,11 +173,32 @@ def test_output_layer_index_beyond_the_model_is_refused(hf_dir):
         MegatronCritic.from_hf(hf_dir, parallel=ParallelConfig(), output_layer_index=9)
 
 
+def hf_export_values(export_dir, ids, mask) -> torch.Tensor:
+    """The trainer's value convention computed by transformers from an exported critic
+    (AutoModelForTokenClassification): its logit after each real token is the value at the next one."""
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(export_dir, dtype=torch.float32).eval()
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        per_token = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0]
+    values = torch.zeros_like(per_token)
+    for b in range(ids.shape[0]):
+        real = mask[b].nonzero().flatten().tolist()
+        for prev, cur in zip(real, real[1:]):
+            values[b, cur] = per_token[b, prev]
+    return values
+
+
 def test_critic_tp2_equals_tp1(hf_dir, tmp_path):
-    """Values before, two updates (losses), values after: TP=2 on two gloo processes against TP=1."""
+    """Values before, two updates (losses), values after: TP=2 on two gloo processes against TP=1. The trained
+    critic of each layout, exported (checkpoint.exportCritic) and loaded by transformers as a one-label token
+    classifier, gives that layout's values."""
+    import json
+
     import critic_scenarios
 
-    tp1 = critic_scenarios.critic_steps(hf_dir, ParallelConfig())
+    tp1 = critic_scenarios.critic_steps(hf_dir, ParallelConfig(), export_dir=tmp_path / "hf-critic-tp1")
     critic_scenarios.run_torchrun("tp2", hf_dir, tmp_path)
     tp2 = torch.load(tmp_path / "tp2.pt")
     # TP splits the hidden/head sums over two ranks: the value and value-loss bounds of the 2 layers
@@ -195,6 +216,12 @@ def test_critic_tp2_equals_tp1(hf_dir, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=loss_tol)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=grad_tol)
     torch.testing.assert_close(tp2["values_after"], tp1["values_after"], rtol=0, atol=value_tol)
+    for layout, result in (("tp1", tp1), ("tp2", tp2)):
+        export = tmp_path / f"hf-critic-{layout}"
+        config = json.loads((export / "config.json").read_text())
+        assert config["architectures"] == ["Qwen2ForTokenClassification"] and config["num_hidden_layers"] == 2
+        # HF's attention and the head's sum against the trainer's: the same value bound as the layouts'
+        torch.testing.assert_close(hf_export_values(export, ids, mask), result["values_after"], rtol=0, atol=value_tol)
 
 
 def test_critic_learns_returns_that_its_prefix_determines(hf_dir):

@@ -38,7 +38,7 @@ TURNS = {"gpusPerNode": 2, "megatron": dict(OFFLOAD),
 
 def ppo_doc(name: str, layout: dict) -> dict:
     doc = job(name, **{"algorithm.advantageEstimator": "gae", "training.totalTrainingSteps": STEPS,
-                       "checkpoint.saveFreq": 2})
+                       "checkpoint.saveFreq": 2, "checkpoint.exportCritic": True})
     doc["spec"].update(json.loads(json.dumps(layout)))
     return doc
 
@@ -86,11 +86,26 @@ def assert_same_trajectory(ref: dict[int, dict], got: dict[int, dict]) -> None:
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-3), step
 
 
+def assert_critic_exported(prefix: Path) -> None:
+    """checkpoint.exportCritic: <job prefix>/hf-critic/ holds a one-label token classifier (the critic's layers
+    and its value head as `score`) with the tokenizer; test_megatron_critic.py checks that it gives the values."""
+    from safetensors import safe_open
+
+    export = prefix / "hf-critic"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForTokenClassification"] and len(config["id2label"]) == 1, config
+    with safe_open(export / "model.safetensors", "pt") as f:
+        assert tuple(f.get_tensor("score.weight").shape) == (1, config["hidden_size"])
+        assert "lm_head.weight" not in f.keys() and "model.norm.weight" in f.keys()
+    assert (export / "tokenizer_config.json").exists()
+
+
 @pytest.fixture(scope="module")
 def shared_run(tmp_path_factory) -> dict[int, dict]:
     tmp = tmp_path_factory.mktemp("ppo-shared")
     proc, work = launch(ppo_doc("ppo-shared", SHARED), tmp)
     finish(proc, work)
+    assert_critic_exported(tmp / "ckpt" / "default" / "ppo-shared")  # the critic in the actor's processes
     return by_step(work)
 
 
@@ -115,6 +130,7 @@ def test_split_placement_trains_the_shared_trajectory(tmp_path, shared_run):
         assert key in split[STEPS], key
     step = tmp_path / "ckpt" / "default" / "ppo-split" / f"step_{STEPS:06d}"
     assert (step / "COMMIT").exists() and any((step / "critic").iterdir())  # one COMMIT covers both pools
+    assert_critic_exported(step.parent)  # written by the critic pool, uploaded by the actor leader
 
 
 def test_killed_shared_run_with_its_own_critic_sizes_takes_turns_and_resumes_onto_the_same_trajectory(
@@ -142,6 +158,7 @@ def test_killed_shared_run_with_its_own_critic_sizes_takes_turns_and_resumes_ont
     assert "resumed from step 2" in out and "1 pod(s) x 4 process(es)" in out, out[-3000:]
     resumed = by_step(work)
     assert_same_trajectory(shared_run, resumed)
+    assert_critic_exported(prefix)
     print()
     print(breakdown(resumed, "shared, critic at its own TP2 (actor 2 + critic 2 processes, taking turns)"))
     for step in range(3, STEPS + 1):  # the resumed steps: the actor pool's wait contains the critic's work

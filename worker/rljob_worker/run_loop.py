@@ -325,10 +325,14 @@ class RunLoop:
         self.checkpoints.wait()
         self._poll_checkpoint()
         self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
-        if spec.checkpoint.export_hf:
-            self.checkpoints.export_hf(self.actor, self.tokenizer, self.model_dir)
+        self.export_final_models()
         self._completed = True
         return self.history
+
+    def export_final_models(self) -> None:
+        """After the last step: the policy in Hugging Face format (checkpoint.exportHf). Collective."""
+        if self.spec.checkpoint.export_hf:
+            self.checkpoints.export_hf(self.actor, self.tokenizer, self.model_dir)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, metrics: dict[str, float]) -> None:

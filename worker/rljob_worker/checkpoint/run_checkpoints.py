@@ -277,6 +277,16 @@ class RunCheckpoints:
                          "the final policy with its adapters merged, in Hugging Face format")
         return uri
 
+    def export_critic(self, critic, tokenizer) -> str | None:
+        """Write the final critic as an HF token-classification model and upload it to <job prefix>/hf-critic/.
+        ``critic``: the megatron critic, or a critic pool's handle (its ranks write the folder). Collective."""
+        def write(local: Path) -> None:
+            critic.save_hf_value_model(local)
+            if self.env.rank == 0 and tokenizer is not None:
+                tokenizer.save_pretrained(local)
+
+        return self._export("hf-critic", write, "the final critic as a Hugging Face token-classification model")
+
     def _export(self, name: str, write, what: str) -> str | None:
         local = self.local_root / name
         if self.env.rank == 0:

@@ -90,6 +90,19 @@ def critic_hf_config(hf_config, output_layer_index: int | None):
     return cfg
 
 
+def value_model_config(critic_config):
+    """The config.json of an exported critic: the critic's (its layers, untied) as a one-label token classifier."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    cfg = copy.deepcopy(critic_config)
+    causal = (getattr(cfg, "architectures", None) or [""])[0]
+    cfg.architectures = [MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(cfg.model_type)
+                         or causal.replace("ForCausalLM", "ForTokenClassification")]
+    cfg.num_labels = 1
+    cfg.classifier_dropout = 0.0
+    return cfg
+
+
 class MegatronCritic(MegatronEngine):
     """The critic: :class:`MegatronEngine` with :class:`ValueHead` as its output layer. Build with
     :meth:`from_hf`; :meth:`compute_values` and :meth:`update` as the actor's log-prob methods."""
@@ -140,6 +153,28 @@ class MegatronCritic(MegatronEngine):
         per_token = gather_from_cp(x.output[..., 0], self.cp_group)  # (b, Tc): value after each packed token
         shifted = torch.nn.functional.pad(per_token[:, :-1], (1, 0))  # value before each packed token
         return unpack(shifted, packed.order, packed.lengths, packed.t)
+
+    @torch.no_grad()
+    def save_hf_value_model(self, out_dir: str | os.PathLike, tokenizer=None) -> None:
+        """The critic as a Hugging Face token-classification model with one label (``<Model>ForTokenClassification``,
+        the class verl's FSDP critic uses): the transformer's weights (its ``outputLayerIndex`` layers; with LoRA,
+        merged) and the value head as the classifier ``score`` (bias 0). HF's ``logits[b, t, 0]`` is the value of
+        the state after token t, i.e. the trainer's ``values[b, t + 1]`` (:meth:`value_head`'s convention).
+        Collective over the critic's ranks; global rank 0 writes."""
+        from . import hf_weights
+
+        self._require_onloaded("save_hf_value_model")
+        head = None
+        if self.is_last_stage:
+            head = next(c.output_layer for c in self.chunks if getattr(c, "output_layer", None) is not None).weight
+        hidden = self.hf_config.hidden_size
+        head = self.broadcast_from_last_stage(head.detach() if head is not None else None, (1, hidden),
+                                              dtype=self.dtype).to(self.dtype).cpu()
+        hf_weights.save_hf_checkpoint(
+            self.chunks, self.hf_config, out_dir, tokenizer=tokenizer, skip=frozenset({OUTPUT_LAYER}),
+            weight_of=self.lora.weight_of if self.lora is not None else None,
+            extra_tensors={"score.weight": head.clone(), "score.bias": torch.zeros(1, dtype=self.dtype)},
+            saved_config=value_model_config(self.hf_config))
 
     @torch.no_grad()
     def compute_values(self, batch: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:

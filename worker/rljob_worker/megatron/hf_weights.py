@@ -26,6 +26,7 @@ rank of a model-parallel group must iterate the generator to the end (the gather
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -466,13 +467,15 @@ def _full_shape(local_shape: tuple[int, ...], dim: int | None, t: int) -> tuple[
 @torch.no_grad()
 def export_hf_weights(model, hf_config, dtype: torch.dtype | None = None,
                       weight_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                      only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      only: set[str] | None = None,
+                      skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` one at a time, on every rank: each parameter is all-gathered
     over the TP group by the pipeline stage that holds it, then broadcast over the PP group.
 
     ``weight_of(global megatron name, local shard) -> shard`` replaces what is exported of a parameter
     (LoRA: the merged ``W + s B A``, computed shard by shard before the gather); ``only``: the global
-    megatron names to export (the same set on every rank), e.g. just the weights LoRA changes.
+    megatron names to export (the same set on every rank), e.g. just the weights LoRA changes; ``skip``: global
+    megatron names never exported (a critic's value head, which is not an ``lm_head``).
 
     ``model``: a GPTModel or a list of this rank's model chunks. Collective: all ranks of a
     model-parallel group must consume the whole iterator. Tensors are fresh (not views of
@@ -492,7 +495,7 @@ def export_hf_weights(model, hf_config, dtype: torch.dtype | None = None,
     for mname, hf_names, kind in _expanded(table, chunks[0].config.num_layers, tied):
         if mname not in owners:
             continue  # an optional entry this architecture variant lacks
-        if only is not None and mname not in only:
+        if (only is not None and mname not in only) or mname in skip:
             continue
         owner, shape, param_dtype = owners[mname]
         dim = _partition_dim(kind)
@@ -548,10 +551,16 @@ def save_hf_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 1024**3,
     weight_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    skip: frozenset[str] = frozenset(),
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+    saved_config=None,
 ) -> None:
     """Write ``model*.safetensors`` (+ index when sharded), ``config.json`` and the tokenizer.
 
-    Collective over all ranks (every model-parallel group gathers); global rank 0 writes.
+    ``skip``: megatron names left out (:func:`export_hf_weights`); ``extra_tensors``: HF-named tensors written
+    beside the exported ones (global rank 0's); ``saved_config``: the config.json to write when it is not
+    ``hf_config`` (which still describes the weights). Collective over all ranks (every model-parallel
+    group gathers); global rank 0 writes.
     """
     from safetensors.torch import save_file
 
@@ -559,7 +568,8 @@ def save_hf_checkpoint(
     writer = not dist.is_initialized() or dist.get_rank() == 0
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in export_hf_weights(model, hf_config, dtype=dtype, weight_of=weight_of):
+    exported = export_hf_weights(model, hf_config, dtype=dtype, weight_of=weight_of, skip=skip)
+    for name, tensor in itertools.chain(exported, (extra_tensors or {}).items()):
         if not writer:
             continue
         nbytes = tensor.numel() * tensor.element_size()
@@ -582,7 +592,7 @@ def save_hf_checkpoint(
                     total += v.numel() * v.element_size()
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        hf_config.save_pretrained(out_dir)
+        (saved_config or hf_config).save_pretrained(out_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
     if dist.is_initialized():

@@ -11,7 +11,7 @@ The protocol (every rank of the job takes part in each cross-pool broadcast, in 
                           (the actor meanwhile computes old / reference log-probs)
     actor leader -> all   {"op": "update", "returns" (N, T), "mini_batches"}
     critic leader -> all  {"metrics"}                          the critic update overlaps the actor update
-    actor leader -> all   {"op": "save" | "load", "path"}    critic leader -> all  {"error": str | None}
+    actor leader -> all   {"op": "save" | "load" | "export", "path"}  critic leader -> all  {"error": str | None}
     actor leader -> all   {"op": "stop"}
 
 GAE, the token rewards and the advantage whitening stay on the actor side (as in shared placement); the
@@ -123,6 +123,10 @@ class CriticPoolClient:
     def load_checkpoint(self, path: Path) -> None:
         self._ask({"op": "load", "path": str(path)})
 
+    def save_hf_value_model(self, path: Path) -> None:
+        """The critic pool writes the critic as an HF token-classification model into ``path`` (same pod)."""
+        self._ask({"op": "export", "path": str(path)})
+
     def stop(self) -> None:
         if not self._stopped:
             self._stopped = True
@@ -157,7 +161,7 @@ class CriticPool:
 
             apply_cpu_patches()
         handlers = {"build": self._build, "values": self._values, "update": self._update, "save": self._save,
-                    "load": self._load}
+                    "load": self._load, "export": self._export}
         while True:
             try:
                 command = self.cross.broadcast_object(None, src=0)
@@ -243,6 +247,13 @@ class CriticPool:
                 self.critic.save_checkpoint(Path(command["path"]))
 
         self._answer(save)
+
+    def _export(self, command: dict[str, Any]) -> None:
+        def export():
+            with self._turn():
+                self.critic.save_hf_value_model(Path(command["path"]))
+
+        self._answer(export)
 
     def _load(self, command: dict[str, Any]) -> None:
         def load():

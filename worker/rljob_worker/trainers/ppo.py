@@ -91,6 +91,12 @@ class PPOTrainer(GRPOTrainer):
         if any(flags.values()):
             self._offload_plan.append((self.critic, flags))
 
+    def export_final_models(self) -> None:
+        super().export_final_models()
+        if self.spec.checkpoint.export_critic:
+            self._on_gpu(self.critic)
+            self.checkpoints.export_critic(self.critic, self.tokenizer)
+
     def checkpoint_models(self) -> dict[str, Any]:
         return {"critic": self.critic}
 
