@@ -19,7 +19,6 @@ from typing import Any
 
 from rljob_api.enums import ChildKind
 from rljob_api.models import API_VERSION, GROUP, KIND, PLURAL, RLJob
-from rljob_api.validation import processes_per_node
 from rljob_api.pod_layout import (
     COMPILE_CACHE_MOUNT,
     COMPILE_CACHE_VOLUME,
@@ -27,6 +26,7 @@ from rljob_api.pod_layout import (
     SHM_VOLUME,
     SPEC_VOLUME,
 )
+from rljob_api.validation import processes_per_node
 
 from rljob_operator.settings import OperatorSettings
 

@@ -3,6 +3,7 @@
 round-trips, TP=2 equals TP=1, and an intermediate layer with pipeline stages is refused."""
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -185,7 +186,7 @@ def hf_export_values(export_dir, ids, mask) -> torch.Tensor:
     values = torch.zeros_like(per_token)
     for b in range(ids.shape[0]):
         real = mask[b].nonzero().flatten().tolist()
-        for prev, cur in zip(real, real[1:]):
+        for prev, cur in itertools.pairwise(real):
             values[b, cur] = per_token[b, prev]
     return values
 

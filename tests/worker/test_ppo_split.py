@@ -96,7 +96,8 @@ def assert_critic_exported(prefix: Path) -> None:
     assert config["architectures"] == ["Qwen2ForTokenClassification"] and len(config["id2label"]) == 1, config
     with safe_open(export / "model.safetensors", "pt") as f:
         assert tuple(f.get_tensor("score.weight").shape) == (1, config["hidden_size"])
-        assert "lm_head.weight" not in f.keys() and "model.norm.weight" in f.keys()
+        names = set(f.keys())
+    assert "lm_head.weight" not in names and "model.norm.weight" in names
     assert (export / "tokenizer_config.json").exists()
 
 

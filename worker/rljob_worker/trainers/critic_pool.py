@@ -152,7 +152,6 @@ class CriticPool:
         from rljob_worker.run_loop import torch_dtype
 
         signal.signal(signal.SIGTERM, self._note_stop_signal)
-        env = self.pools.world_env
         self.device = torch.device("cuda", self.pools.cuda_index) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = torch_dtype(self.spec.model.dtype.value, self.device)
         torch.manual_seed(self.spec.training.seed)
