@@ -10,6 +10,8 @@
 #             agent loop's rollout seconds per token against the same run as one turn: bench/agent_overhead.py)
 #             ppo (digit-sum PPO with a shared critic vs GRPO, one GPU) | ppo2 (2 GPUs: digit-sum PPO, split critic
 #             (actor 1 GPU + critic 1 GPU) vs shared critic (both on 2 GPUs), step-time breakdown and overlap)
+#             | ppo2turns (issue 36, 2 GPUs: PPO with a shared critic at its own TP2 taking turns vs split, 300 steps
+#             each, peak memory per GPU of all processes: bench/gpu_mem_peak.sh)
 #             | grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2) | grpocompiled (static vs compiled engine)
 #             grpotp2pp2 + gpu4tests (4 GPUs: TP2 x PP2 GRPO learning; mixed layouts vs one GPU)
 #             with vLLM installed (bench/vllm_carry.sh install first): vllmtests (the real-vLLM GPU tests),
@@ -93,6 +95,7 @@ for s in $SECTIONS; do
     gputests) section gputests ${GPUTESTS_LIMIT:-420} python3 -m pytest -m gpu tests -v -p no:cacheprovider -rs ;;
     ppo) section ppo 300 bash -c "for c in gpu_digit_sum gpu_digit_sum_ppo; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done" ;;
     ppo2) section ppo2 480 bash -c "for c in gpu_digit_sum_ppo_split gpu_digit_sum_ppo_shared2; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done" ;;
+    ppo2turns) section ppo2turns ${PPO2TURNS_LIMIT:-540} bash -c "for c in gpu_digit_sum_ppo_turns gpu_digit_sum_ppo_split; do bash bench/gpu_mem_peak.sh \$c python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh --steps 300 | grep -E 'step (1|100|200|300)/|rror|Traceback|finished|RESULT'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done" ;;
     grpopp2) section grpopp2 150 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_pp2.yaml --workdir /tmp/pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/pp2/work/metrics.jsonl grpo-digit-sum-pp2" ;;
     grpocompiled) section grpocompiled 330 python3 bench/grpo_step.py --variants rljob-static:32,rljob-compiled:32 --timeout-each 160 --tag _compiled ;;
     grpotp2pp2) section grpotp2pp2 130 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_tp2pp2.yaml --workdir /tmp/tp2pp2 --fresh | grep -E 'step (1|100|300|500|700)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/tp2pp2/work/metrics.jsonl grpo-digit-sum-tp2pp2" ;;
