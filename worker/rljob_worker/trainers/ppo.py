@@ -156,7 +156,8 @@ class PPOTrainer(GRPOTrainer):
 
         # 4. values, token rewards, GAE, whitened advantages (n, T)
         if self.split:
-            values, seconds = remote_values or self._wait_for_critic(self.critic.values)  # (N, T)
+            values, seconds = (remote_values if remote_values is not None
+                               else self._wait_for_critic(self.critic.values))  # (N, T)
             local["old_values"] = values[lo:lo + per_rank]
             self.telemetry.record_stage("critic_values", seconds)
         else:
@@ -207,7 +208,8 @@ class PPOTrainer(GRPOTrainer):
             with self.telemetry.stage("weight_sync"):
                 self._sync_weights()
         if self.split:  # the critic update's metrics, once it is done
-            metrics.update(critic_metrics or self._wait_for_critic(self.critic.update_metrics))
+            metrics.update(critic_metrics if critic_metrics is not None
+                           else self._wait_for_critic(self.critic.update_metrics))
             self.telemetry.record_stage("critic_update", metrics["critic/update_s"])
             metrics["timing/critic_wait_s"] = self._critic_wait  # the actor pool idle, waiting for the critic pool
             self._critic_wait = 0.0
