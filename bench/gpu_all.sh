@@ -26,7 +26,8 @@
 #             Q7B_PROMPTS, Q7B_STEPS (3), Q7B_LIMIT) | q7bpp2 (TP2 x PP2, 32 prompts x 8)
 #             | q7blora (after q7bprep, 1 GPU, issue 34: a 7B-shape GRPO step with LoRA rank 32, then bench/lora_push.py:
 #             weight push and checkpoint, adapters vs full weights) | lorads (digit-sum GRPO, LoRA vs full, 1 GPU)
-#             judge (issue 33, vLLM installed: a vLLM-served judge on the same GPU scores 256 samples a step,
+#             vllmlora (issue 34, vLLM installed: merged weights pushed into vLLM vs vLLM's own LoRA adapter
+#             path, 1.5B char model, one process each: bench/vllm_lora_path.py) | judge (issue 33, vLLM installed: a vLLM-served judge on the same GPU scores 256 samples a step,
 #             overlap vs blocking: bench/gpu_judge_overlap.py) | lora15 (the same at the 1.5B shape over the char vocabulary, 200 steps each: bench/lora_vs_full.py)
 #             lossmbs1 lossmbs4 (issue 18: digit-sum GRPO at microBatchSizePerGpu 1 vs 4, same reward curve)
 #             head (policy head alone: fused vs unfused log-probs + entropy, forward + backward)
@@ -116,6 +117,10 @@ for s in $SECTIONS; do
       section lora15 ${LORA15_LIMIT:-440} bash -c "for k in lora full; do python3 -m rljob_cli.main run bench/gpu_digit_sum_1_5b_\$k.yaml --workdir /tmp/ds15-\$k --fresh | grep -E 'step (1|50|100|150|200)/|rror|Traceback|finished|committed'; done; python3 bench/lora_vs_full.py /tmp/ds15-lora /tmp/ds15-full /tmp/ckpt-1-5b-lora /tmp/ckpt-1-5b-full --shape 'Qwen2.5-1.5B shape over the 16-symbol char vocabulary (random init, 1.31B parameters; bench/gpu_1_5b_char_prepare.py), digit-sum, 16 prompts x 8, T 1, bf16, 1 GPU, static engine uncompiled; LoRA rank 32 alpha 32 lr 5e-4 vs full fine-tuning lr 5e-5' --command 'bash bench/gpu_all.sh lora15'" ;;
     judge) section judgeprep 120 python3 bench/gpu_1_5b_char_prepare.py
       section judge ${JUDGE_LIMIT:-480} python3 bench/gpu_judge_overlap.py --judge /tmp/char1.5b --steps 6 --max-tokens 16 ;;
+    vllmlora) section vllmloraprep 120 python3 bench/gpu_1_5b_char_prepare.py
+      section vllmloramerged ${VLLMLORA_LIMIT:-240} python3 bench/vllm_lora_path.py --mode merged
+      section vllmloraadapter ${VLLMLORA_LIMIT:-240} python3 bench/vllm_lora_path.py --mode adapter
+      section vllmloracompare 30 python3 bench/vllm_lora_path.py --compare ;;
     q7blora) section q7blora ${Q7BLORA_LIMIT:-560} bash -c "python3 -m rljob_cli.main run bench/gpu_7b_lora.yaml --workdir /tmp/q7b-lora --fresh | grep --line-buffered -E 'step [0-9]+/|rror|Traceback|done:|committed|exported'; python3 bench/grpo_scale_report.py --gpus 1 --shape 'Qwen2.5-7B shape, random init, bf16, LoRA rank 32, 8 prompts x 8 samples of 1024 + 1024 tokens, reference + old-policy passes' lora-r32=/tmp/q7b-lora/work/metrics.jsonl --command 'bash bench/gpu_all.sh q7bprep q7blora'; du -sh /tmp/q7b-lora-ckpt/*/*/hf; python3 bench/lora_push.py" ;;
     q7bevery) section q7bevery ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 every-rank ;;
     q7brank0) section q7brank0 ${Q7B_LIMIT:-300} env Q7B_PROMPTS=${Q7B_PROMPTS:-16} bash bench/q7b_run.sh tp2dp2 rank0 ;;
