@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from obs_support import FakeTrainer, ObservedRun, OperatorExporter, write_test_rules
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # (this folder is a package: the processes stop after its last test)
 def observed_run(prometheus_server_session, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedRun]:
     tmp = tmp_path_factory.mktemp("observability")
     started: list[Any] = []
