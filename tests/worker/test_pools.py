@@ -51,7 +51,7 @@ def test_two_nodes_each_pool_spans_both_nodes():
 
 
 def test_a_torchrun_world_of_another_shape_is_refused():
-    with pytest.raises(ValueError, match="gpusPerNode"):
+    with pytest.raises(ValueError, match="needs torchrun to run 1 x 3 processes, this process is one of 1 x 4"):
         PoolLayout(1, 2, 1).pool_env(DistEnv(nnodes=1, node_rank=0, nproc_per_node=4, local_rank=0))
 
 

@@ -86,7 +86,8 @@ def test_taking_turns_with_offload_trains_the_same_trajectory(tmp_path):
 
 
 @pytest.mark.parametrize(("critic", "words"), [
-    ({"megatron": {"tensorModelParallelSize": 2}}, "spec.critic.megatron.tensorModelParallelSize: a shared critic"),
+    # a shared critic of another layout takes turns in its own processes: not one process either
+    ({"megatron": {"tensorModelParallelSize": 2}}, "spec.critic.placement: shared (taking turns) needs torchrun"),
     ({"placement": "split", "gpus": 1}, "spec.critic.placement: split needs torchrun"),  # not one process
 ])
 def test_what_this_worker_cannot_run_is_refused_at_start_up(tmp_path, critic, words):
