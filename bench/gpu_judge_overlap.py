@@ -47,7 +47,7 @@ def start_judge(model: str, port: int, memory: float, workdir: Path) -> subproce
     log = open(workdir / "judge.log", "w")  # noqa: SIM115 (the server's whole life)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
            "judge", "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", str(memory),
-           "--max-model-len", "512", "--chat-template", str(template), "--disable-log-requests"]
+           "--max-model-len", "256", "--chat-template", str(template)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")  # the server runs its engine core in a process
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -126,8 +126,9 @@ def main() -> int:
             out["overlap" if overlap else "blocking"] = med
     finally:
         if server is not None:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGTERM)
+                server.wait(timeout=60)
     print(json.dumps(out, indent=1))
     if a.cpu:
         return 0

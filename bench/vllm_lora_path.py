@@ -2,11 +2,11 @@
 vLLM's own adapter path (the PEFT adapter written to disk, generation with a new ``LoRARequest``), one mode per
 process (vLLM serves one engine per process); bench/gpu_all.sh section ``vllmlora`` runs both in one call.
 
-    python bench/vllm_lora_path.py --mode merged|adapter [--model /tmp/char1.5b] [--rank 32] [--steps 4]
+    python bench/vllm_lora_path.py --mode merged|adapter|base (base: no push, the loaded weights) [--model /tmp/char1.5b] [--rank 32] [--steps 4]
 
 Each step perturbs the adapters (a stand-in for an optimizer step), makes the engine see them (merged: the
 changed tensors merged shard by shard and loaded, ``update_weights(partial=True)``; adapter: ``save_peft_adapter``
-into a new folder), then generates 256 prompts x 256 tokens (EOS ignored) with the same sampling settings;
+into a new folder), then generates 256 prompts x 224 tokens (EOS ignored; the char model holds 256 positions) with the same sampling settings;
 with the adapter path the new adapter is loaded by that generate call. Reported: median over steps 2.. of the
 push seconds, the generate seconds and their sum, as ``RESULT vllmlora <mode> ...`` lines and a JSON file
 ``$OUT/vllm_lora_<mode>.json``; ``--compare`` merges the two into results.jsonl (adapter path against merged).
@@ -45,7 +45,7 @@ def run(mode: str, model: str, rank: int, steps: int, prompts: int, tokens: int)
     actor = MegatronActor.from_hf(model, ParallelConfig(), OptimConfig(lr=1e-5), dtype=torch.bfloat16, seed=1,
                                   lora=LoraConfig(rank=rank, alpha=2.0 * rank, seed=1))
     extra = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1} if mode == "adapter" else {}
-    engine = VLLMEngine(model, dtype="bfloat16", gpu_memory_utilization=0.35, max_model_len=512, **extra)
+    engine = VLLMEngine(model, dtype="bfloat16", gpu_memory_utilization=0.35, max_model_len=256, **extra)
     from vllm import SamplingParams
 
     sampling = SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True, seed=0)
@@ -60,7 +60,9 @@ def run(mode: str, model: str, rank: int, steps: int, prompts: int, tokens: int)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         lora_request = None
-        if mode == "merged":
+        if mode == "base":  # no push: the engine's generation speed with the weights it loaded
+            pass
+        elif mode == "merged":
             engine.update_weights(actor.export_hf_weights(only_changed=True), partial=True)
         else:
             from vllm.lora.request import LoRARequest
@@ -109,13 +111,13 @@ def compare() -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("merged", "adapter"))
+    ap.add_argument("--mode", choices=("merged", "adapter", "base"))
     ap.add_argument("--compare", action="store_true")
     ap.add_argument("--model", default="/tmp/char1.5b")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=224)
     a = ap.parse_args()
     if a.compare:
         return compare()
