@@ -31,7 +31,8 @@ case "$MODE" in
     bash "$TOOLS/dl.sh" "$LIST" "$WHEELS"
     # Left out (checked optional for Qwen2-family models on Hopper): the FA2 kernels (FA3 is used), the vllm-rs
     # binary, the SM100 attention sources and deep_gemm builds for other Pythons.
-    bash "$TOOLS/split.sh" --xz \
+    # 56 MiB parts: a call carries its part plus the working tree (~5 MiB) under the 64 MiB limit
+    bash "$TOOLS/split.sh" --xz -s 56 \
       --drop 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' --drop 'vllm/vllm-rs' --drop 'vllm/third_party/fmha_sm100/*' \
       --drop 'vllm/third_party/deep_gemm/_C.cpython-310-*' --drop 'vllm/third_party/deep_gemm/_C.cpython-311-*' \
       --drop 'vllm/third_party/deep_gemm/_C.cpython-313-*' --drop 'vllm/third_party/deep_gemm/_C.cpython-314-*' \
