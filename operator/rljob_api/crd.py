@@ -138,8 +138,8 @@ def spec_cel_rules() -> list[dict[str, str]]:
     split = f"({placement_split} && has(self.critic.gpus) && self.critic.gpus < {gpus})"  # else rule .critic.gpus fails
     # A separate rollout pool takes rollout.gpus of every node too (when that leaves the trainer no GPU the
     # rollout.gpus rule fails and the sizes are checked against the whole node, as pydantic does).
-    separate = ("(has(self.rollout) && has(self.rollout.placement) && self.rollout.placement == 'separate' && "
-                "has(self.rollout.gpus))")
+    placement_separate = f"({_get('rollout.placement', 'colocated')} == 'separate')"
+    separate = f"({placement_separate} && has(self.rollout.gpus))"
     trainer_gpus = f"(({split} ? {gpus} - self.critic.gpus : {gpus}) - ({separate} ? self.rollout.gpus : 0))"
     actor_gpus = f"({trainer_gpus} > 0 ? {trainer_gpus} : {gpus})"
     critic_gpus = f"({split} ? self.critic.gpus : {gpus})"
@@ -176,22 +176,26 @@ def spec_cel_rules() -> list[dict[str, str]]:
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"{gpus} % {rollout_tp} == 0 && {actor_gpus} % {rollout_tp} == 0",
+            "rule": f"{placement_separate} ? {rollout_tp} == 1 : ({gpus} % {rollout_tp} == 0 && "
+                    f"{actor_gpus} % {rollout_tp} == 0)",
             "message": "rollout.tensorModelParallelSize must divide gpusPerNode (and the actor's GPUs per node with a "
-                       "split critic)",
+                       "split critic), and be 1 with rollout.placement separate (one engine per rollout GPU)",
             "fieldPath": ".rollout.tensorModelParallelSize",
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"{_get('rollout.mode', 'sync')} == 'sync' || {_get('rollout.placement', 'colocated')} == 'separate'",
+            "rule": f"{_get('rollout.mode', 'sync')} == 'sync' || ({placement_separate} && !has(self.rollout.agent))",
             "message": "rollout.mode one-step and async generate while the trainer trains, which needs GPUs that do "
-                       "not train: set rollout.placement: separate and rollout.gpus, or mode: sync",
+                       "not train: set rollout.placement: separate and rollout.gpus, or mode: sync (the agent loop "
+                       "runs with mode sync only)",
             "fieldPath": ".rollout.mode",
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"{_get('rollout.placement', 'colocated')} != 'separate' || has(self.rollout.gpus)",
-            "message": "rollout.placement separate needs rollout.gpus, the rollout pool's GPUs per node",
+            "rule": f"{placement_separate} ? (has(self.rollout.gpus) && self.rollout.gpus + ({placement_split} && "
+                    f"has(self.critic.gpus) ? self.critic.gpus : 0) < {gpus}) : !(has(self.rollout) && has(self.rollout.gpus))",
+            "message": "rollout.placement separate needs rollout.gpus, the rollout pool's GPUs per node, leaving the "
+                       "trainer at least one GPU (with a split critic's critic.gpus); without it rollout.gpus is unused",
             "fieldPath": ".rollout.gpus",
             "reason": "FieldValueInvalid",
         },

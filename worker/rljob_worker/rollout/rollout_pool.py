@@ -21,6 +21,7 @@ sample of the batch carries (the trainer's staleness is its own version minus th
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -49,6 +50,7 @@ log = logging.getLogger("rljob.rollout_pool")
 # RLJOB_CHECK_WEIGHT_PUSH=1: each push carries a fingerprint of the trainer's tensors; the rollout leader
 # checks what arrived against it and every rollout rank checks its engine's weights against what arrived.
 CHECK_ENV = "RLJOB_CHECK_WEIGHT_PUSH"
+MAX_REPLIES_IN_FLIGHT = 4
 
 
 class RolloutPoolError(RuntimeError):
@@ -83,6 +85,9 @@ class RolloutPoolClient:
         self._next_id = 0
         self._answers: dict[int, Reply] = {}
         self._outstanding: list[int] = []  # ids sent and not yet received, in order
+        # gloo's send completes only once the peer receives, and the rollout leader may be finishing an earlier
+        # answer: a request's send is waited for when its answer arrives (by then it was surely received)
+        self._sends: dict[int, Any] = {}
         self._stopped = False
 
     def build(self, **engine_args: Any) -> None:
@@ -96,8 +101,8 @@ class RolloutPoolClient:
     def submit(self, prompt_ids: list[list[int]], params: SamplingParams, min_version: int) -> int:
         """Queue a request (actor leader); returns its id at once."""
         rid, self._next_id = self._next_id, self._next_id + 1
-        self.link.send_object({"op": "generate", "id": rid, "prompt_ids": prompt_ids, "params": params,
-                               "min_version": min_version}, self.leader).wait()
+        self._sends[rid] = self.link.send_object({"op": "generate", "id": rid, "prompt_ids": prompt_ids,
+                                                  "params": params, "min_version": min_version}, self.leader)
         self._outstanding.append(rid)
         return rid
 
@@ -108,6 +113,7 @@ class RolloutPoolClient:
             if "error" in reply:
                 raise RolloutPoolError(f"rollout pool: {reply['error']}")
             self._outstanding.remove(reply["id"])
+            self._sends.pop(reply["id"]).wait()
             self._answers[reply["id"]] = Reply(**reply)
         return self._answers.pop(rid)
 
@@ -150,6 +156,9 @@ class RolloutPool:
         self.version = -1  # the weights the engine holds (0: the model as loaded)
         self.receiver: WeightReceiver | None = None
         self.check = os.environ.get(CHECK_ENV) == "1"
+        # answers in flight: the actor leader takes each only when its step needs it, so a send is not waited
+        # for at once (the next request may already be here); the oldest are, beyond a few
+        self._replies: collections.deque = collections.deque()
 
     def run(self) -> int:
         """Serve requests until ``stop``; the process exit code."""
@@ -166,6 +175,7 @@ class RolloutPool:
                 return 0
             command = _broadcast_in_pool(command)
             if command["op"] == "stop":
+                self._drain_replies(0)
                 if self.receiver is not None:
                     self.receiver.join(timeout=60)
                 return 0
@@ -179,9 +189,14 @@ class RolloutPool:
     def _note_stop_signal(self, signum, _frame) -> None:
         log.warning("rollout pool: signal %d noted; the actor side decides when to save and stop", signum)
 
-    def _reply(self, obj: dict[str, Any]) -> None:
+    def _reply(self, obj: dict[str, Any], wait: bool = False) -> None:
         if self.is_leader:
-            self.link.send_object(obj, 0).wait()
+            self._replies.append(self.link.send_object(obj, 0))
+            self._drain_replies(0 if wait else MAX_REPLIES_IN_FLIGHT)
+
+    def _drain_replies(self, keep: int) -> None:
+        while len(self._replies) > keep:
+            self._replies.popleft().wait()
 
     def _build(self, command: dict[str, Any]) -> None:
         from rljob_worker.rollout.factory import make_engine
@@ -197,11 +212,11 @@ class RolloutPool:
                 self.receiver = WeightReceiver(self.pools.weights_group, self.device)
                 self.receiver.start()
         except Exception as exc:
-            self._reply({"error": f"{type(exc).__name__}: {exc}"})
+            self._reply({"error": f"{type(exc).__name__}: {exc}"}, wait=True)
             raise
         log.info("rollout pool: %s ready on %s (pool rank %d of %d)", type(self.engine).__name__, self.device,
                  self.pools.env.rank, self.pools.env.world_size)
-        self._reply({"error": None})
+        self._reply({"error": None}, wait=True)
 
     def _install(self, min_version: int) -> bool:
         """The newest weights (at least ``min_version``) on every rollout rank; True when checked bit-equal."""

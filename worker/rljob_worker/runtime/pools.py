@@ -197,7 +197,7 @@ class Pools:
     layout: PoolLayout
     cross: CrossPool | None  # actor + critic ranks (group rank = global rank), with a critic pool
     rollout_link: CrossPool | None = None  # actor + rollout ranks (see rollout_group_ranks), with a rollout pool
-    weights_group: Any = None  # actor leader + rollout ranks (NCCL on GPUs, else gloo): the weight push
+    weights_group: Any = None  # actor leader + rollout leader (NCCL on GPUs, else gloo): the weight push
 
     @property
     def is_critic(self) -> bool:
@@ -257,7 +257,7 @@ def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
             group = dist.ProcessGroupGloo(dist.PrefixStore("rljob_rollout_link", store), members.index(env.rank),
                                           len(members), timeout)
             rollout_link = CrossPool(group, members.index(env.rank), len(members))
-        pushers = [0] + layout.global_ranks(ROLLOUT)
+        pushers = [0, layout.rollout_leader]  # the rollout leader hands each version on inside its pool
         if env.rank in pushers:
             weights_group = _weights_group(dist.PrefixStore("rljob_weights", store), pushers.index(env.rank),
                                            len(pushers), backend, timeout)
