@@ -218,8 +218,9 @@ class RolloutPool:
                  self.pools.env.rank, self.pools.env.world_size)
         self._reply({"error": None}, wait=True)
 
-    def _install(self, min_version: int) -> bool:
-        """The newest weights (at least ``min_version``) on every rollout rank; True when checked bit-equal."""
+    def _install(self, min_version: int) -> None:
+        """The newest weights (at least ``min_version``) on every rollout rank; with RLJOB_CHECK_WEIGHT_PUSH each
+        pushed version is checked bit-equal on arrival and once installed (a mismatch fails the job)."""
         staged = None
         if self.is_leader and min_version > self.version:
             self.receiver.wait_for(min_version)
@@ -229,7 +230,7 @@ class RolloutPool:
                 raise RolloutPoolError(f"weight push: version {staged[0]} arrived different from the trainer's")
         header = _broadcast_in_pool(None if staged is None else {"version": staged[0], "partial": staged[2]})
         if header is None:
-            return False
+            return
         tensors = _broadcast_tensors(staged[1] if self.is_leader else None, self.device)
         self.engine.update_weights(iter(tensors.items()), partial=header["partial"])
         self.version = header["version"]
@@ -239,12 +240,12 @@ class RolloutPool:
             if wrong:
                 raise RolloutPoolError(f"weight push: version {self.version} installed different from what arrived: "
                                        f"{wrong[:3]}")
-        return self.check
 
     def _generate(self, command: dict[str, Any], idle_s: float) -> None:
         from rljob_worker.rollout.every_rank import sample_share_and_gather
 
-        verified = self._install(command["min_version"])
+        self._install(command["min_version"])
+        verified = self.check and self.version > 0  # every pushed version installed so far was checked
         start = time.perf_counter()
         out = sample_share_and_gather(self.engine, command["prompt_ids"], command["params"], rank=dist.get_rank(),
                                       world_size=dist.get_world_size())

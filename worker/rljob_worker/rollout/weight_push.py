@@ -27,11 +27,25 @@ from rljob_worker.rollout.weight_sync import DEFAULT_BUCKET_BYTES, NamedTensor, 
 log = logging.getLogger(__name__)
 
 
+# Each tensor starts at a multiple of this many bytes, so it can be viewed in place as its own dtype.
+ALIGN_BYTES = 16
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
 def pack_bucket(bucket: list[NamedTensor]) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], torch.Tensor]:
-    """(meta, flat): every tensor's bytes one after another in a uint8 tensor on the first tensor's device."""
+    """(meta, flat): every tensor's bytes one after another (each padded to ALIGN_BYTES) in a uint8 tensor on
+    the first tensor's device."""
     meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
-    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-    return meta, flat
+    pieces = []
+    for _, t in bucket:
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pieces.append(data)
+        if _padded(data.numel()) != data.numel():
+            pieces.append(data.new_zeros(_padded(data.numel()) - data.numel()))
+    return meta, torch.cat(pieces)
 
 
 def unpack_bucket(meta: list[tuple[str, tuple[int, ...], torch.dtype]], flat: torch.Tensor) -> list[NamedTensor]:
@@ -40,7 +54,7 @@ def unpack_bucket(meta: list[tuple[str, tuple[int, ...], torch.dtype]], flat: to
     for name, shape, dtype in meta:
         nbytes = dtype.itemsize * int(torch.Size(shape).numel())
         out.append((name, flat[offset:offset + nbytes].view(dtype).reshape(shape)))
-        offset += nbytes
+        offset += _padded(nbytes)
     return out
 
 
