@@ -16,7 +16,7 @@ import hashlib
 import logging
 import pickle
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch

@@ -48,7 +48,12 @@ import torch
 import torch.distributed as dist
 from rljob_api.enums import KLPlacement
 from rljob_api.enums import RolloutEngine as RolloutEngineName
-from rljob_api.validation import actor_gpus_per_node, rollout_in_own_pool, rollout_lookahead, token_truncation_in_effect
+from rljob_api.validation import (
+    actor_gpus_per_node,
+    rollout_in_own_pool,
+    rollout_lookahead,
+    token_truncation_in_effect,
+)
 
 from rljob_worker import algorithms as algo
 from rljob_worker.data.batching import (
