@@ -22,3 +22,23 @@ def spec_warnings(spec: RLJobSpec) -> list[str]:
     if spec.critic is not None:
         warnings += _lora_lr_warning(spec.critic.lora, spec.critic.lr, "spec.critic.lr", "spec.critic.lora")
     return warnings
+
+
+def spec_notes(spec: RLJobSpec) -> list[str]:
+    """What a valid spec does that its fields do not say outright (printed by `rljob validate`)."""
+    from rljob_api.enums import RolloutMode
+    from rljob_api.validation import rollout_lookahead, token_truncation_in_effect
+
+    r, notes = spec.rollout, []
+    if r.mode != RolloutMode.SYNC:
+        ahead = rollout_lookahead(spec)
+        notes.append(f"spec.rollout.mode {r.mode.value}: the rollout pool generates up to {ahead} batch(es) ahead, so a "
+                     f"sample can be up to {ahead} policy version(s) old (older ones are dropped and counted)")
+        if token_truncation_in_effect(spec):
+            notes.append("spec.algorithm.rolloutCorrection.tokenTruncation is on (unset: on for off-policy modes): the "
+                         "loss weights each token by min(pi_train / pi_rollout, "
+                         f"{spec.algorithm.rollout_correction.threshold:g}) against the rollout's own log-probs")
+        else:
+            notes.append("spec.algorithm.rolloutCorrection.tokenTruncation is off: the loss does not correct for "
+                         "samples from older policies; set it to true (or unset) unless that is intended")
+    return notes

@@ -136,7 +136,12 @@ def spec_cel_rules() -> list[dict[str, str]]:
     # A split critic takes critic.gpus of every node; the actor and the rollout engine run on the rest.
     placement_split = "(has(self.critic) && has(self.critic.placement) && self.critic.placement == 'split')"
     split = f"({placement_split} && has(self.critic.gpus) && self.critic.gpus < {gpus})"  # else rule .critic.gpus fails
-    actor_gpus = f"({split} ? {gpus} - self.critic.gpus : {gpus})"
+    # A separate rollout pool takes rollout.gpus of every node too (when that leaves the trainer no GPU the
+    # rollout.gpus rule fails and the sizes are checked against the whole node, as pydantic does).
+    placement_separate = f"({_get('rollout.placement', 'colocated')} == 'separate')"
+    separate = f"({placement_separate} && has(self.rollout.gpus))"
+    trainer_gpus = f"(({split} ? {gpus} - self.critic.gpus : {gpus}) - ({separate} ? self.rollout.gpus : 0))"
+    actor_gpus = f"({trainer_gpus} > 0 ? {trainer_gpus} : {gpus})"
     critic_gpus = f"({split} ? self.critic.gpus : {gpus})"
     ctp = _get("critic.megatron.tensorModelParallelSize", meg("tensor_model_parallel_size"))
     cpp = _get("critic.megatron.pipelineModelParallelSize", meg("pipeline_model_parallel_size"))
@@ -148,14 +153,14 @@ def spec_cel_rules() -> list[dict[str, str]]:
         # One rule per size, so the error names the size that breaks divisibility (as pydantic does).
         {
             "rule": f"({nnodes} * {actor_gpus}) % {tp} == 0",
-            "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
+            "message": "nnodes x gpusPerNode (minus a split critic's critic.gpus and a separate rollout pool's rollout.gpus per node) must be divisible by "
                        "megatron TP x PP x CP; TP (tensorModelParallelSize) alone does not divide it",
             "fieldPath": ".megatron.tensorModelParallelSize",
             "reason": "FieldValueInvalid",
         },
         {
             "rule": f"({nnodes} * {actor_gpus}) % {tp} != 0 || ({nnodes} * {actor_gpus}) % ({tp} * {pp}) == 0",
-            "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
+            "message": "nnodes x gpusPerNode (minus a split critic's critic.gpus and a separate rollout pool's rollout.gpus per node) must be divisible by "
                        "megatron TP x PP x CP; TP x PP (pipelineModelParallelSize) does not divide it",
             "fieldPath": ".megatron.pipelineModelParallelSize",
             "reason": "FieldValueInvalid",
@@ -164,17 +169,34 @@ def spec_cel_rules() -> list[dict[str, str]]:
             "rule": f"(({nnodes} * {actor_gpus}) % ({tp} * {pp}) != 0 || "
                     f"({nnodes} * {actor_gpus}) % ({tp} * {pp} * {cp}) == 0) && "
                     f"(({nnodes} * {actor_gpus}) % ({tp} * {pp} * {cp}) != 0 || {cp} == 1 || {pp} == 1)",
-            "message": "nnodes x gpusPerNode (minus critic.gpus per node with a split critic) must be divisible by "
+            "message": "nnodes x gpusPerNode (minus a split critic's critic.gpus and a separate rollout pool's rollout.gpus per node) must be divisible by "
                        "megatron TP x PP x CP, and contextParallelSize > 1 needs pipelineModelParallelSize 1; TP x PP "
                        "x CP (contextParallelSize) does not divide it, or CP and PP are both above 1",
             "fieldPath": ".megatron.contextParallelSize",
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": f"{gpus} % {rollout_tp} == 0 && {actor_gpus} % {rollout_tp} == 0",
+            "rule": f"{placement_separate} ? {rollout_tp} == 1 : ({gpus} % {rollout_tp} == 0 && "
+                    f"{actor_gpus} % {rollout_tp} == 0)",
             "message": "rollout.tensorModelParallelSize must divide gpusPerNode (and the actor's GPUs per node with a "
-                       "split critic)",
+                       "split critic), and be 1 with rollout.placement separate (one engine per rollout GPU)",
             "fieldPath": ".rollout.tensorModelParallelSize",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{_get('rollout.mode', 'sync')} == 'sync' || ({placement_separate} && !has(self.rollout.agent))",
+            "message": "rollout.mode one-step and async generate while the trainer trains, which needs GPUs that do "
+                       "not train: set rollout.placement: separate and rollout.gpus, or mode: sync (the agent loop "
+                       "runs with mode sync only)",
+            "fieldPath": ".rollout.mode",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{placement_separate} ? (has(self.rollout.gpus) && self.rollout.gpus + ({placement_split} && "
+                    f"has(self.critic.gpus) ? self.critic.gpus : 0) < {gpus}) : !(has(self.rollout) && has(self.rollout.gpus))",
+            "message": "rollout.placement separate needs rollout.gpus, the rollout pool's GPUs per node, leaving the "
+                       "trainer at least one GPU (with a split critic's critic.gpus); without it rollout.gpus is unused",
+            "fieldPath": ".rollout.gpus",
             "reason": "FieldValueInvalid",
         },
         {

@@ -100,6 +100,21 @@ class RolloutRanks(StrEnum):
     EVERY_RANK = "every-rank"  # each rank holds the whole model and samples its share of the prompt groups
 
 
+class RolloutPlacement(StrEnum):
+    """Where the rollout engines run."""
+
+    COLOCATED = "colocated"  # on the trainer's GPUs, taking turns with training
+    SEPARATE = "separate"  # on rollout.gpus of each node of their own, which never train
+
+
+class RolloutMode(StrEnum):
+    """How far generation may run ahead of training (separate placement)."""
+
+    SYNC = "sync"  # generate batch k with the policy of step k, then train it
+    ONE_STEP = "one-step"  # batch k+1 is generated while batch k trains (one version behind)
+    ASYNC = "async"  # up to rollout.maxStaleness batches generated ahead of the trainer
+
+
 class RolloutCompile(StrEnum):
     """Whether the static hf engine compiles its decode step (not on/off: YAML 1.1 reads those as booleans)."""
 

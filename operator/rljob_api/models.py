@@ -36,6 +36,8 @@ from rljob_api.enums import (
     ResumeMode,
     RolloutCompile,
     RolloutEngine,
+    RolloutMode,
+    RolloutPlacement,
     RolloutRanks,
     SFTDataFormat,
     ToolCallFormat,
@@ -181,11 +183,13 @@ class OverlongBufferSpec(ApiModel):
 
 
 class RolloutCorrectionSpec(ApiModel):
-    token_truncation: bool = _f(
-        False,
+    token_truncation: bool | None = _f(
+        None,
         "Truncated importance sampling: weight each token's policy-gradient loss by min(pi_train / pi_rollout, "
         "threshold), pi_rollout being the rollout engine's own log-prob of the token (Yao et al. 2025; verl: "
-        "algorithm.rollout_correction.rollout_is token; TRL: vllm_importance_sampling_mode token_truncate).",
+        "algorithm.rollout_correction.rollout_is token; TRL: vllm_importance_sampling_mode token_truncate). Unset: "
+        "on when rollout.mode is one-step or async (the samples come from an older policy than the one trained), "
+        "off with sync.",
     )
     sequence_masking: bool = _f(
         False,
@@ -400,6 +404,25 @@ class RolloutSpec(ApiModel):
     )
     val_temperature: float = _f(0.0, "Sampling temperature for validation (0 = greedy). (verl: rollout.val_kwargs.temperature)", ge=0, le=10)
     val_n: int = _f(1, "Samples per validation prompt. (verl: rollout.val_kwargs.n)", ge=1, le=64)
+    placement: RolloutPlacement = _f(
+        RolloutPlacement.COLOCATED,
+        "colocated: the engines run on the trainer's GPUs and take turns with training; separate: they run on "
+        "rollout.gpus GPUs of each node that never train (the trainer gets gpusPerNode - rollout.gpus, less a split "
+        "critic's), the new weights go to them over NCCL after every optimizer step, and rollout.mode may let "
+        "generation overlap training. (slime, prime-rl: a rollout pool; verl: one-step off-policy)")
+    gpus: int | None = _f(
+        None, "With placement separate: GPUs of each node that run the rollout engines (one hf engine per GPU, "
+        "each sampling a share of the prompt groups).", ge=1, le=63)
+    mode: RolloutMode = _f(
+        RolloutMode.SYNC,
+        "sync: batch k is generated with the policy trained through step k-1; one-step: batch k+1 is generated "
+        "while batch k trains (every sample one policy version behind); async: the rollout pool works up to "
+        "maxStaleness batches ahead of the trainer, each sample tagged with the version that generated it, and a "
+        "batch older than maxStaleness versions is dropped and counted. one-step and async need placement "
+        "separate, and turn on algorithm.rolloutCorrection.tokenTruncation unless it is set.")
+    max_staleness: int = _f(
+        1, "With mode async: batches the rollout pool may generate ahead of the trainer, so the most policy "
+        "versions any trained sample lags behind (one-step is async with 1).", ge=1, le=16)
     agent: AgentSpec | None = _f(
         None, "Multi-turn rollouts with spec.tools: the model calls tools and reads their output over several turns; "
         "data.maxResponseLength bounds all turns and tool outputs together, and a trajectory that reaches it is cut "

@@ -24,6 +24,9 @@ from rljob_api.enums import (
     ChildKind,
     CriticPlacement,
     ResumeMode,
+    RolloutEngine,
+    RolloutMode,
+    RolloutPlacement,
     SFTDataFormat,
     ToolCallFormat,
 )
@@ -225,12 +228,76 @@ def processes_per_node(spec: RLJobSpec) -> int:
 
 
 def actor_gpus_per_node(spec: RLJobSpec) -> int:
-    """GPUs of each node that run the actor (and the rollout engine): all of them, unless a split critic
-    takes critic.gpus of each node."""
-    c = spec.critic
+    """GPUs of each node that run the actor (and a colocated rollout engine): all of them, less a split
+    critic's critic.gpus and a separate rollout pool's rollout.gpus."""
+    c, gpus = spec.critic, spec.gpus_per_node
     if c is not None and c.placement == CriticPlacement.SPLIT and c.gpus is not None:
-        return spec.gpus_per_node - c.gpus
-    return spec.gpus_per_node
+        gpus -= c.gpus
+    return gpus - rollout_gpus_per_node(spec)
+
+
+def rollout_in_own_pool(spec: RLJobSpec) -> bool:
+    """The rollout engines run in a process pool of their own (rollout.placement separate)."""
+    return spec.rollout.placement == RolloutPlacement.SEPARATE
+
+
+def rollout_gpus_per_node(spec: RLJobSpec) -> int:
+    """GPUs of each node that run a separate rollout pool (rollout.gpus); 0 when the rollout is colocated."""
+    r = spec.rollout
+    return (r.gpus or 0) if rollout_in_own_pool(spec) else 0
+
+
+def rollout_lookahead(spec: RLJobSpec) -> int:
+    """Batches the rollout pool generates ahead of the trainer: 0 (sync), 1 (one-step), maxStaleness (async)."""
+    mode = spec.rollout.mode
+    return 0 if mode == RolloutMode.SYNC else 1 if mode == RolloutMode.ONE_STEP else spec.rollout.max_staleness
+
+
+def token_truncation_in_effect(spec: RLJobSpec) -> bool:
+    """algorithm.rolloutCorrection.tokenTruncation, or when unset: on exactly when samples may be off-policy
+    (rollout.mode one-step or async)."""
+    chosen = spec.algorithm.rollout_correction.token_truncation
+    return chosen if chosen is not None else spec.rollout.mode != RolloutMode.SYNC
+
+
+def rollout_pool_errors(spec: RLJobSpec) -> list[FieldError]:
+    """Placement and mode of the rollout: a separate pool needs rollout.gpus and leaves the trainer a GPU;
+    one-step and async need it. Pure."""
+    r, errs = spec.rollout, []
+    if not rollout_in_own_pool(spec):
+        if r.gpus is not None:
+            errs.append(FieldError("spec.rollout.gpus", "is only used by placement separate (a colocated engine runs "
+                                   "on the trainer's GPUs); remove it or set rollout.placement: separate"))
+        if r.mode != RolloutMode.SYNC:
+            errs.append(FieldError("spec.rollout.mode", f"{r.mode.value} generates while the trainer trains, which "
+                                   "needs GPUs that do not train: set rollout.placement: separate and rollout.gpus, "
+                                   "or mode: sync"))
+        return errs
+    split = ((spec.critic.gpus or 0) if spec.critic is not None and spec.critic.placement == CriticPlacement.SPLIT
+             else 0)
+    if r.gpus is None:
+        errs.append(FieldError("spec.rollout.gpus", f"placement separate needs the rollout pool's GPUs per node; set "
+                               f"gpus to fewer than gpusPerNode={spec.gpus_per_node} (the trainer gets the rest)"))
+    elif r.gpus + split >= spec.gpus_per_node:
+        taken = f"rollout.gpus {r.gpus}" + (f" + critic.gpus {split}" if split else "")
+        errs.append(FieldError("spec.rollout.gpus", f"{taken} leave no GPU of the node's {spec.gpus_per_node} to "
+                               "the trainer; lower rollout.gpus, or raise gpusPerNode"))
+    if r.tensor_model_parallel_size != 1:
+        errs.append(FieldError("spec.rollout.tensorModelParallelSize", "placement separate runs one hf engine per "
+                               "rollout GPU, each with the whole model: set it to 1, or use placement colocated"))
+    if r.engine == RolloutEngine.VLLM:
+        errs.append(FieldError("spec.rollout.engine", "vllm does not run in a separate rollout pool in this release; "
+                               "set engine: hf (or auto), or rollout.placement: colocated"))
+    if critic_in_own_pool(spec):
+        errs.append(FieldError("spec.rollout.placement", "separate cannot be combined with a critic in processes of "
+                               "its own (critic.placement split, or a shared critic with megatron sizes of its own) "
+                               "in this release; give the critic the actor's sizes under placement shared, or use "
+                               "rollout.placement: colocated"))
+    if r.agent is not None and r.mode != RolloutMode.SYNC:
+        errs.append(FieldError("spec.rollout.mode", f"{r.mode.value} cannot run the agent loop ahead of the trainer "
+                               "(tools run on the trainer's side, turn by turn); use mode: sync with placement "
+                               "separate, or remove rollout.agent"))
+    return errs
 
 
 def critic_gpus_per_node(spec: RLJobSpec) -> int:
@@ -303,11 +370,13 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     errs: list[FieldError] = []
     m, t, r, a = spec.megatron, spec.training, spec.rollout, spec.algorithm
     errs.extend(critic_pool_errors(spec))
+    errs.extend(rollout_pool_errors(spec))
     errs.extend(builtin_model_errors(spec))
     actor_gpus = actor_gpus_per_node(spec)
-    if actor_gpus <= 0:  # critic.gpus takes the whole node: reported above
+    if actor_gpus <= 0:  # critic.gpus or rollout.gpus take the whole node: reported above
         actor_gpus = spec.gpus_per_node
-    pool = " of the actor's pool (gpusPerNode - critic.gpus per node)" if actor_gpus != spec.gpus_per_node else ""
+    pool = (" of the actor's pool (gpusPerNode - critic.gpus - rollout.gpus per node)"
+            if actor_gpus != spec.gpus_per_node else "")
     dp = megatron_errors(m, spec.nnodes * actor_gpus, "spec.megatron", errs, pool)
     sft = a.name == AlgorithmName.SFT
     if spec.checkpoint.export_critic and spec.critic is None:
@@ -326,7 +395,7 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             "spec.rollout.tensorModelParallelSize",
             f"rollout TP {r.tensor_model_parallel_size} must divide gpusPerNode={spec.gpus_per_node} "
             "(an engine instance lives inside one pod)"))
-    elif actor_gpus % r.tensor_model_parallel_size:
+    elif actor_gpus % r.tensor_model_parallel_size and not rollout_in_own_pool(spec):
         errs.append(FieldError(
             "spec.rollout.tensorModelParallelSize",
             f"rollout TP {r.tensor_model_parallel_size} must divide the actor's {actor_gpus} GPUs per node "

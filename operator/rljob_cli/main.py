@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rljob_api.advice import spec_warnings
+from rljob_api.advice import spec_notes, spec_warnings
 from rljob_api.local_checks import local_problems
 from rljob_api.validation import RLJobValidationError, critic_takes_turns, name_errors, parse_rljob
 
@@ -112,6 +112,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 print(f"  not checked: {item}")
             for warning in spec_warnings(job.spec):
                 print(f"  warning: {warning}")
+            for note in spec_notes(job.spec):
+                print(f"  note: {note}")
             failed += bool(problems)
             parsed += 1
     if parsed and not args.local:

@@ -27,7 +27,23 @@ S3_CREDS = {"name": "s3-credentials"}
 
 
 PY_TOOL = {"name": "python", "builtin": "python"}
+SEPARATE4 = {R + "placement": "separate", R + "gpus": 4}
 CROSS_INVALID = [
+    # a separate rollout pool: its GPUs, what it leaves the trainer, the modes that need it
+    ("separate-without-gpus", {R + "placement": "separate"}, {R + "gpus": ["needs the rollout pool's GPUs"]}),
+    ("separate-takes-whole-node", {R + "placement": "separate", R + "gpus": 8},
+     {R + "gpus": ["leave no GPU", "lower rollout.gpus"]}),
+    ("rollout-gpus-with-colocated", {R + "gpus": 2}, {R + "gpus": ["only used by placement separate"]}),
+    ("async-colocated", {R + "mode": "async"}, {R + "mode": ["set rollout.placement: separate"]}),
+    ("one-step-colocated", {R + "mode": "one-step"}, {R + "mode": ["set rollout.placement: separate"]}),
+    ("separate-rollout-tp2", {**SEPARATE4, R + "tensorModelParallelSize": 2}, {R + "tensorModelParallelSize": ["set it to 1"]}),
+    ("separate-with-vllm", {**SEPARATE4, R + "engine": "vllm"}, {R + "engine": ["vllm does not run in a separate"]}),
+    ("separate-with-split-critic", {**GAE, **SEPARATE4, "spec.critic": {"placement": "split", "gpus": 2}},
+     {R + "placement": ["cannot be combined with a critic"]}),
+    ("separate-and-split-take-whole-node", {**GAE, **SEPARATE4, "spec.critic": {"placement": "split", "gpus": 4}},
+     {R + "placement": ["cannot be combined"], R + "gpus": ["+ critic.gpus 4", "leave no GPU"]}),
+    ("async-agent", {**SEPARATE4, R + "mode": "async", R + "agent": {}, "spec.tools": [{"name": "python", "builtin": "python"}]},
+     {R + "mode": ["cannot run the agent loop ahead"]}),
     # multi-turn rollouts: rollout.agent and spec.tools need each other; one source per tool, unique names
     ("agent-without-tools", {R + "agent": {"maxTurns": 2}}, {"spec.tools": ["no tools", "builtin: python"]}),
     ("tools-without-agent", {"spec.tools": [PY_TOOL]}, {"spec.rollout.agent": ["only called in multi-turn", "add"]}),
@@ -203,6 +219,11 @@ CROSS_INVALID = [
 ]
 
 CROSS_VALID = [
+    ("separate-sync", SEPARATE4),
+    ("separate-one-step", {**SEPARATE4, R + "mode": "one-step"}),
+    ("separate-async-staleness-16", {**SEPARATE4, R + "mode": "async", R + "maxStaleness": 16}),
+    ("separate-7-of-8", {R + "placement": "separate", R + "gpus": 7, M + "tensorModelParallelSize": 1}),
+    ("separate-agent-sync", {**SEPARATE4, R + "agent": {}, "spec.tools": [{"name": "python", "builtin": "python"}]}),
     ("base", {}),
     ("agent-with-python-and-function-tools", {R + "agent": {"maxTurns": 3, "maxToolCallsPerTurn": 2},
                                               "spec.tools": [PY_TOOL, {"name": "f", "function": "m.tools:run"}]}),
@@ -262,6 +283,9 @@ MODEL_URI_FIX = "must be s3://bucket/prefix, file:///abs/path, /abs/path or buil
 
 # (id, changes, path, words of the message, also expressible by the CRD schema)
 SCHEMA_INVALID = [
+    ("max-staleness-0", {R + "maxStaleness": 0}, R + "maxStaleness", ["greater than or equal to 1"], True),
+    ("max-staleness-17", {R + "maxStaleness": 17}, R + "maxStaleness", ["less than or equal to 16"], True),
+    ("rollout-mode-typo", {R + "mode": "asynchronous"}, R + "mode", ["'sync', 'one-step' or 'async'"], True),
     # patterns
     ("model-path-relative", {"spec.model.path": "models/qwen"}, "spec.model.path", [MODEL_URI_FIX, "'models/qwen'"], True),
     ("model-path-https", {"spec.model.path": "https://hf.co/Qwen/Qwen3-8B"}, "spec.model.path", [MODEL_URI_FIX], True),

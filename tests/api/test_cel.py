@@ -33,6 +33,8 @@ CRITIC_SP = "spec.critic.megatron.sequenceParallel"
 CRITIC_VPP = "spec.critic.megatron.virtualPipelineModelParallelSize"
 GAE = {"spec.algorithm.advantageEstimator": "gae"}
 GSPO = "spec.algorithm.lossAggregation"
+MODE = "spec.rollout.mode"
+ROLLOUT_GPUS = "spec.rollout.gpus"
 
 # pydantic's error path(s) for the rule behind each CEL fieldPath
 PYDANTIC_PATHS = {
@@ -54,6 +56,8 @@ PYDANTIC_PATHS = {
     CRITIC_SP: {"spec.critic.megatron.sequenceParallel"},
     CRITIC_VPP: {"spec.critic.megatron.virtualPipelineModelParallelSize"},
     GSPO: {"spec.algorithm.lossAggregation"},
+    MODE: {"spec.rollout.mode"},
+    ROLLOUT_GPUS: {"spec.rollout.gpus"},
 }
 
 

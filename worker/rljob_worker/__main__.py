@@ -35,14 +35,14 @@ def trainer_class(spec):
 
 def run_job(spec, ctx) -> int:
     """Run the spec's trainer on the shared loop; returns the process exit code. A split critic
-    (spec.critic.placement split) or a shared one with its own megatron layout: the processes first split
-    into the actor pool, which runs the PPO trainer, and the critic pool, which serves it
-    (:mod:`rljob_worker.runtime.pools`)."""
-    from rljob_api.validation import critic_in_own_pool
+    (spec.critic.placement split) or a shared one with its own megatron layout, or a separate rollout pool
+    (spec.rollout.placement separate): the processes first split into the actor pool, which runs the trainer,
+    and the critic or rollout pool, which serves it (:mod:`rljob_worker.runtime.pools`)."""
+    from rljob_api.validation import critic_in_own_pool, rollout_in_own_pool
 
     from rljob_worker.run_loop import run
 
-    if critic_in_own_pool(spec):
+    if critic_in_own_pool(spec) or rollout_in_own_pool(spec):
         from rljob_worker.runtime.distributed import dist_env_from_environ
         from rljob_worker.runtime.pools import PoolLayout, init_pools
 
@@ -51,6 +51,10 @@ def run_job(spec, ctx) -> int:
             from rljob_worker.trainers.critic_pool import CriticPool
 
             return CriticPool(spec, pools).run()
+        if pools.is_rollout:
+            from rljob_worker.rollout.rollout_pool import RolloutPool
+
+            return RolloutPool(spec, pools).run()
         os.environ.update(pools.actor_torchrun_environ())
         return run(trainer_class(spec)(spec, ctx, pools=pools))
     return run(trainer_class(spec)(spec, ctx))

@@ -35,7 +35,7 @@ from rljob_worker.runtime.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
-ACTOR, CRITIC = "actor", "critic"
+ACTOR, CRITIC, ROLLOUT = "actor", "critic", "rollout"
 # The critic pool waits on the cross-pool group for its next command through the actor's rollouts,
 # validation and checkpoint uploads; a dead peer fails the job through torchrun, not through this timeout.
 CROSS_POOL_TIMEOUT_S = 6 * 3600.0
@@ -43,29 +43,43 @@ CROSS_POOL_TIMEOUT_S = 6 * 3600.0
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """Where the two pools sit in the job (pure): ``actor_per_node`` + ``critic_per_node`` processes per
-    node; split placement gives each process a GPU of its own, ``colocated`` pools share the actor's GPUs."""
+    """Where the pools sit in the job (pure): ``actor_per_node`` + ``critic_per_node`` + ``rollout_per_node``
+    processes per node, in that order of local ranks; each process has a GPU of its own, except that
+    ``colocated`` critic processes share the actor's GPUs (one of each per GPU)."""
 
     nnodes: int
     actor_per_node: int
-    critic_per_node: int
+    critic_per_node: int = 0
     colocated: bool = False
+    rollout_per_node: int = 0
 
     def __post_init__(self) -> None:
-        if self.nnodes < 1 or self.actor_per_node < 1 or self.critic_per_node < 1:
-            raise ValueError(f"a pool layout needs >= 1 node and >= 1 process per pool and node, got {self}")
-        if self.colocated and self.actor_per_node != self.critic_per_node:
-            raise ValueError(f"colocated pools need one process of each per GPU, got {self}")
+        if (self.nnodes < 1 or self.actor_per_node < 1 or min(self.critic_per_node, self.rollout_per_node) < 0
+                or self.critic_per_node + self.rollout_per_node < 1):
+            raise ValueError(f"a pool layout needs >= 1 node, >= 1 actor process per node and a second pool, got {self}")
+        if self.colocated and (self.actor_per_node != self.critic_per_node or self.rollout_per_node):
+            raise ValueError(f"colocated pools need one actor and one critic process per GPU, got {self}")
 
     @classmethod
     def from_spec(cls, spec) -> PoolLayout:
-        from rljob_api.validation import actor_gpus_per_node, critic_gpus_per_node, critic_takes_turns
+        from rljob_api.validation import (
+            actor_gpus_per_node,
+            critic_gpus_per_node,
+            critic_in_own_pool,
+            critic_takes_turns,
+            rollout_gpus_per_node,
+        )
 
-        return cls(spec.nnodes, actor_gpus_per_node(spec), critic_gpus_per_node(spec), critic_takes_turns(spec))
+        critic = critic_gpus_per_node(spec) if critic_in_own_pool(spec) else 0
+        return cls(spec.nnodes, actor_gpus_per_node(spec), critic, critic_takes_turns(spec),
+                   rollout_gpus_per_node(spec))
 
     @property
     def placement(self) -> str:
-        return "shared (taking turns)" if self.colocated else "split"
+        """The spec field that asked for these pools, as the errors name it."""
+        if self.rollout_per_node:
+            return "spec.rollout.placement: separate"
+        return f"spec.critic.placement: {'shared (taking turns)' if self.colocated else 'split'}"
 
     def cuda_index(self, local_rank: int) -> int:
         """The GPU of the process at torchrun ``local_rank``: its own, or the actor's beside it (colocated)."""
@@ -73,7 +87,7 @@ class PoolLayout:
 
     @property
     def per_node(self) -> int:
-        return self.actor_per_node + self.critic_per_node
+        return self.actor_per_node + self.critic_per_node + self.rollout_per_node
 
     @property
     def world_size(self) -> int:
@@ -84,8 +98,16 @@ class PoolLayout:
         """Global rank of the critic pool's rank 0."""
         return self.actor_per_node
 
+    @property
+    def rollout_leader(self) -> int:
+        """Global rank of the rollout pool's rank 0."""
+        return self.actor_per_node + self.critic_per_node
+
     def role(self, global_rank: int) -> str:
-        return ACTOR if global_rank % self.per_node < self.actor_per_node else CRITIC
+        local = global_rank % self.per_node
+        if local < self.actor_per_node:
+            return ACTOR
+        return CRITIC if local < self.actor_per_node + self.critic_per_node else ROLLOUT
 
     def pool_env(self, env: DistEnv) -> DistEnv:
         """``env`` (the torchrun world) seen from inside this process's pool: a world of the pool's ranks,
@@ -94,13 +116,17 @@ class PoolLayout:
         if env.nproc_per_node != self.per_node or env.nnodes != self.nnodes:
             from rljob_worker.startup_errors import StartupError
 
-            raise StartupError(f"spec.critic.placement: {self.placement} needs torchrun to run {self.nnodes} x "
+            raise StartupError(f"{self.placement} needs torchrun to run {self.nnodes} x "
                                f"{self.per_node} processes, this process is one of {env.nnodes} x "
                                f"{env.nproc_per_node}; start it with `rljob run` or the operator's PyTorchJob")
-        if self.role(env.rank) == ACTOR:
+        role = self.role(env.rank)
+        if role == ACTOR:
             return dataclasses.replace(env, nproc_per_node=self.actor_per_node)
-        return dataclasses.replace(env, nproc_per_node=self.critic_per_node,
-                                   local_rank=env.local_rank - self.actor_per_node)
+        if role == CRITIC:
+            return dataclasses.replace(env, nproc_per_node=self.critic_per_node,
+                                       local_rank=env.local_rank - self.actor_per_node)
+        return dataclasses.replace(env, nproc_per_node=self.rollout_per_node,
+                                   local_rank=env.local_rank - self.rollout_leader)
 
     def global_ranks(self, role: str) -> list[int]:
         return [g for g in range(self.world_size) if self.role(g) == role]
@@ -132,6 +158,33 @@ class CrossPool:
         self._broadcast(data, src)
         return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
 
+    def send_object(self, obj: Any, dst: int, tag: int = 0) -> PendingSend:
+        """Start sending ``obj`` to group rank ``dst`` (matched by its :meth:`recv_object` with the same tag);
+        returns at once. Messages of one tag arrive in the order sent."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        return PendingSend([self.group.send([size], dst, tag), self.group.send([data], dst, tag)], (size, data))
+
+    def recv_object(self, src: int, tag: int = 0) -> Any:
+        """The next object group rank ``src`` sent with ``tag`` (waits for it)."""
+        size = torch.zeros(1, dtype=torch.int64)
+        self.group.recv([size], src, tag).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.group.recv([data], src, tag).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+
+@dataclass
+class PendingSend:
+    """A :meth:`CrossPool.send_object` in flight: its buffers live until :meth:`wait` returns."""
+
+    works: list
+    buffers: tuple
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
 
 @dataclass
 class Pools:
@@ -142,11 +195,17 @@ class Pools:
     env: DistEnv
     world_env: DistEnv
     layout: PoolLayout
-    cross: CrossPool
+    cross: CrossPool | None  # actor + critic ranks (group rank = global rank), with a critic pool
+    rollout_link: CrossPool | None = None  # actor + rollout ranks (see rollout_group_ranks), with a rollout pool
+    weights_group: Any = None  # actor leader + rollout leader (NCCL on GPUs, else gloo): the weight push
 
     @property
     def is_critic(self) -> bool:
         return self.role == CRITIC
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.role == ROLLOUT
 
     @property
     def cuda_index(self) -> int:
@@ -184,9 +243,41 @@ def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
     store = _rendezvous_store(env, datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
     dist.init_process_group(backend, store=dist.PrefixStore(f"rljob_pool_{role}", store), rank=pool_env.rank,
                             world_size=pool_env.world_size, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
-    group = dist.ProcessGroupGloo(dist.PrefixStore("rljob_xpool", store), env.rank, layout.world_size,
-                                  datetime.timedelta(seconds=timeout_s))
-    cross = CrossPool(group, env.rank, layout.world_size)
-    log.info("%s placement: global rank %d is %s pool rank %d of %d", layout.placement, env.rank, role,
+    timeout = datetime.timedelta(seconds=timeout_s)
+    cross = rollout_link = weights_group = None
+    if layout.critic_per_node:
+        members = sorted(layout.global_ranks(ACTOR) + layout.global_ranks(CRITIC))
+        if env.rank in members:  # with only these two pools: every rank, and the group rank is the global rank
+            group = dist.ProcessGroupGloo(dist.PrefixStore("rljob_xpool", store), members.index(env.rank),
+                                          len(members), timeout)
+            cross = CrossPool(group, members.index(env.rank), len(members))
+    if layout.rollout_per_node:
+        members = rollout_group_ranks(layout)
+        if env.rank in members:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("rljob_rollout_link", store), members.index(env.rank),
+                                          len(members), timeout)
+            rollout_link = CrossPool(group, members.index(env.rank), len(members))
+        pushers = [0, layout.rollout_leader]  # the rollout leader hands each version on inside its pool
+        if env.rank in pushers:
+            weights_group = _weights_group(dist.PrefixStore("rljob_weights", store), pushers.index(env.rank),
+                                           len(pushers), backend, timeout)
+    log.info("%s: global rank %d is %s pool rank %d of %d", layout.placement, env.rank, role,
              pool_env.rank, pool_env.world_size)
-    return Pools(role=role, env=pool_env, world_env=env, layout=layout, cross=cross)
+    return Pools(role=role, env=pool_env, world_env=env, layout=layout, cross=cross, rollout_link=rollout_link,
+                 weights_group=weights_group)
+
+
+def rollout_group_ranks(layout: PoolLayout) -> list[int]:
+    """Global ranks of the rollout link, in group-rank order: the actor pool's, then the rollout pool's (so the
+    actor leader is group rank 0 and the rollout leader group rank ``nnodes x actor_per_node``)."""
+    return layout.global_ranks(ACTOR) + layout.global_ranks(ROLLOUT)
+
+
+def _weights_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+    """The group the new weights travel in: NCCL between GPUs (the trainer's tensors never leave the device),
+    gloo on CPU. Rank 0 is the actor leader."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)

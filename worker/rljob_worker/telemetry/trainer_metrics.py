@@ -144,6 +144,21 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "rollout/correction_masked_frac": (
         "rljob_rollout_correction_masked_fraction",
         "Fraction of responses whose sequence ratio leaves [1/threshold, threshold] (masked with sequenceMasking)."),
+    # a separate rollout pool (rollout.placement: separate)
+    "rollout/staleness_max": (
+        "rljob_rollout_staleness_max_versions",
+        "Policy versions between the trainer and the oldest sample of the last batch (<= rollout.maxStaleness)."),
+    "rollout/staleness_mean": (
+        "rljob_rollout_staleness_mean_versions", "Mean policy versions between the trainer and the last batch's samples."),
+    "rollout/buffer_depth": (
+        "rljob_rollout_buffer_depth_batches", "Batches the rollout pool holds or generates ahead of the trainer."),
+    "rollout/dropped_stale_samples": (
+        "rljob_rollout_dropped_stale_samples",
+        "Samples of the last step dropped for being older than rollout.maxStaleness (generated again)."),
+    "timing/trainer_idle_s": (
+        "rljob_trainer_idle_seconds", "Seconds the trainer waited for the rollout pool in the last step."),
+    "timing/rollout_idle_s": (
+        "rljob_rollout_idle_seconds", "Seconds the rollout pool waited for requests before the last step's batches."),
 }
 
 #: ``record_validation`` key -> (gauge name, help).

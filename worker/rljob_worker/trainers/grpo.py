@@ -36,6 +36,7 @@ How this departs from textbook GRPO (Shao et al. 2024):
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -47,7 +48,12 @@ import torch
 import torch.distributed as dist
 from rljob_api.enums import KLPlacement
 from rljob_api.enums import RolloutEngine as RolloutEngineName
-from rljob_api.validation import actor_gpus_per_node
+from rljob_api.validation import (
+    actor_gpus_per_node,
+    rollout_in_own_pool,
+    rollout_lookahead,
+    token_truncation_in_effect,
+)
 
 from rljob_worker import algorithms as algo
 from rljob_worker.data.batching import (
@@ -85,6 +91,16 @@ class GRPOTrainer(RunLoop):
     progress_name = "grpo"
 
     # ------------------------------------------------------------------ set-up
+    def __init__(self, spec, ctx, env=None, pools=None):
+        super().__init__(spec, ctx, env=pools.env if pools is not None else env)
+        self.pools = pools  # the actor pool's process groups when a critic or rollout pool runs beside it
+        self.separate = rollout_in_own_pool(spec)  # the rollout pool samples (rljob_worker.rollout.rollout_pool)
+        self.lookahead = rollout_lookahead(spec)  # batches the rollout pool generates ahead (rollout.mode)
+        self.rollout_pool = None
+        self._ahead: collections.deque[_Ahead] = collections.deque()
+        self._pool_replies: list = []  # (reply, seconds waited, rows kept) behind this step's batch
+        self._dropped_stale = 0  # samples of this step's batch dropped for staleness
+
     def build_data(self) -> None:
         """Reward, model folder, tokenizer, data: the usual mistakes fail here, before any model is built."""
         spec, env = self.spec, self.env
@@ -148,7 +164,7 @@ class GRPOTrainer(RunLoop):
         flags = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload}
         ref_flags = {"params": m.param_offload, "grads": False, "optimizer": False}
         self._offload_plan = [(model, f) for model, f in ((self.actor, flags), (self.ref, ref_flags))
-                              if model is not None and any(f.values())]
+                              if model is not None and any(f.values()) and not self.separate]
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
         self._num_params = active_parameters(self.actor.hf_config)  # MoE: top-k experts only
         self.loss_config = algo.LossConfig(
@@ -168,7 +184,16 @@ class GRPOTrainer(RunLoop):
             self.agent.tools.shared = self.engine_everywhere
         self.engine = None
         self._partial_sync: bool | None = None  # decided at the first weight sync (_partial_weight_sync)
-        if self.is_main or self.engine_everywhere:
+        if self.separate:
+            from rljob_worker.rollout.rollout_pool import RolloutPoolClient
+
+            self.rollout_pool = RolloutPoolClient(self.pools, self.device)
+            self.rollout_pool.build(name=RolloutEngineName.HF, model_dir=str(self.model_dir), dtype=self.dtype,
+                                    eos_token_id=self.eos_id, pad_token_id=self.pad_id, seed=t.seed, compile=r.compile)
+            if self.is_main:
+                log.info("rollout engines: the rollout pool's (%d GPU(s) per node, mode %s%s)", r.gpus, r.mode.value,
+                         f", up to {self.lookahead} batch(es) ahead" if self.lookahead else "")
+        elif self.is_main or self.engine_everywhere:
             self.engine = make_engine(self.engine_name, str(self.model_dir), dtype=self.dtype, device=self.device,
                                       eos_token_id=self.eos_id, pad_token_id=self.pad_id,
                                       tensor_parallel_size=r.tensor_model_parallel_size,
@@ -185,6 +210,9 @@ class GRPOTrainer(RunLoop):
         """Which engine, which ranks sample (spec.rollout.ranks), and whether an hf engine can serve the
         model at all: it holds the whole model on each sampling GPU (RolloutLayoutError otherwise)."""
         spec, r = self.spec, self.spec.rollout
+        if self.separate:  # hf engines in the rollout pool, one per rollout GPU; none in this pool
+            self.engine_name, self.engine_is_vllm, self.engine_everywhere = RolloutEngineName.HF, False, False
+            return
         world = dist.get_world_size() if dist.is_initialized() else 1
         from rljob_worker.megatron.hf_weights import load_hf_config
 
@@ -325,7 +353,9 @@ class GRPOTrainer(RunLoop):
         spec, n = self.spec, self.spec.rollout.samples_per_prompt
         self._step_nonfinite, self._step_scored = 0, 0  # counted by _sample_and_score, refills included
         self._step_dropped, self._step_remote = None, {}  # drop-group rows; remote counts (_collect_scores)
-        records, responses, rewards, rollout_s, generated = self._sample_and_score(self.prompts_per_step, defer=defer)
+        self._pool_replies = []
+        records, responses, rewards, rollout_s, generated = self._sample_and_score(self.prompts_per_step, defer=defer,
+                                                                                   ahead=True)
         if spec.algorithm.dynamic_sampling:
             records, responses, rewards = self._dynamic_sampling(records, responses, rewards, metrics)
             rollout_s, generated = rollout_s + self._refill_seconds, generated + self._refill_tokens
@@ -343,6 +373,7 @@ class GRPOTrainer(RunLoop):
             "response_length/clip_ratio": algo.response_length_clip_ratio(lengths, spec.data.max_response_length),
             "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
             **(self._tool_metrics if self.agent is not None else {}),
+            **(self._pool_metrics(len(out.response_ids)) if self.separate else {}),
         })
         sources = [r.data_source for r in prompts]
         if defer and self.is_main:
@@ -433,22 +464,36 @@ class GRPOTrainer(RunLoop):
         return algo.compute_outcome_advantages(scores, group_size, a.advantage_estimator, norm_by_std=a.norm_adv_by_std,
                                                response_lengths=response_mask.sum(-1))
 
-    def _sample_and_score(self, num_prompts: int, defer: bool = False):
-        """Draw `num_prompts` prompts, sample n responses each and score them (`defer`: start scoring in the
-        background, rewards None; see _join_scores).
-
-        Returns (records (P,), responses (P*n,) of (ids, logprobs, finished), rewards (P*n,), seconds, tokens).
-        """
+    def _draw(self, num_prompts: int, step: int):
+        """The next `num_prompts` prompts and the sampling settings of `step` (its seed): (records, params)."""
         spec, n = self.spec, self.spec.rollout.samples_per_prompt
         indices = [i for _ in range(num_prompts // self.prompts_per_step) for i in self.sampler.next_batch()]
         records = [self.train_set.records[i] for i in indices]
         params = SamplingParams(n=n, temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
                                 top_k=spec.rollout.top_k, max_new_tokens=spec.data.max_response_length,
-                                seed=spec.training.seed * 1_000_003 + self.step * 131 + self.sampler.position)
-        with self.telemetry.stage("rollout"):
-            start = time.perf_counter()
-            out, texts, trajectories, loss_masks = self._rollout(records, params)
-            seconds = time.perf_counter() - start
+                                seed=spec.training.seed * 1_000_003 + step * 131 + self.sampler.position)
+        return records, params
+
+    def _sample_and_score(self, num_prompts: int, defer: bool = False, ahead: bool = False):
+        """Draw `num_prompts` prompts, sample n responses each and score them (`defer`: start scoring in the
+        background, rewards None; see _join_scores). `ahead`: the step's batch, which a rollout pool working
+        ahead of the trainer (rollout.mode one-step, async) may have generated already.
+
+        Returns (records (P,), responses (P*n,) of (ids, logprobs, finished), rewards (P*n,), seconds, tokens).
+        """
+        spec, n = self.spec, self.spec.rollout.samples_per_prompt
+        if ahead and self.lookahead:
+            with self.telemetry.stage("rollout"):  # only the wait for the pool: the generating happened meanwhile
+                records, reply = self._batch_from_ahead()
+            out, trajectories, seconds = reply.out, None, reply.seconds
+            texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+            loss_masks = [None] * len(out.response_ids)
+        else:
+            records, params = self._draw(num_prompts, self.step)
+            with self.telemetry.stage("rollout"):
+                start = time.perf_counter()
+                out, texts, trajectories, loss_masks = self._rollout(records, params)
+                seconds = time.perf_counter() - start
         prompts = [r for r in records for _ in range(n)]
         extras = [{**r.extra, "max_response_length": spec.data.max_response_length, "data_source": r.data_source}
                   for r in prompts]
@@ -499,10 +544,71 @@ class GRPOTrainer(RunLoop):
         return (agent_output(trajs), [t.final_text for t in trajs], [t.as_dict() for t in trajs],
                 [t.loss_mask for t in trajs])
 
+    # ------------------------------------------------------------------ a separate rollout pool
+    def _policy_version(self) -> int:
+        """The version of the weights this step trains: the number of optimizer steps behind them."""
+        return self.step - 1
+
+    def _ask_pool(self, prompt_ids: list[list[int]], params: SamplingParams):
+        """Generate now, with the current policy (sync mode, validation, refills and agent turns)."""
+        rid = self.rollout_pool.submit(prompt_ids, params, min_version=self._policy_version())
+        start = time.perf_counter()
+        reply = self.rollout_pool.result(rid)
+        self._pool_replies.append((reply, time.perf_counter() - start, len(reply.out.response_ids)))
+        return reply
+
+    def _request_ahead(self, step: int) -> _Ahead:
+        """Send the batch of `step` to the rollout pool, drawn as that step would draw it."""
+        before = self.sampler.state_dict()
+        records, params = self._draw(self.prompts_per_step, step)
+        rid = self.rollout_pool.submit([r.prompt_ids for r in records], params, min_version=self._policy_version())
+        return _Ahead(rid, records, params, before)
+
+    def _batch_from_ahead(self):
+        """This step's batch from the rollout pool, then the requests topped up to rollout.mode's lookahead (never
+        past the last step). A batch more versions behind than allowed is dropped, counted and generated again.
+        Returns (records, reply)."""
+        if not self._ahead:  # the first step, or after a resume: nothing was generated ahead
+            self._ahead.append(self._request_ahead(self.step))
+        request = self._ahead.popleft()
+        start = time.perf_counter()
+        reply = self.rollout_pool.result(request.rid)
+        waited = time.perf_counter() - start
+        self._dropped_stale = 0
+        if self._policy_version() - reply.version > self.lookahead:
+            self._dropped_stale = len(reply.out.response_ids)
+            log.warning("step %d: dropped a batch of policy version %d (%d behind, rollout.maxStaleness %d)",
+                        self.step, reply.version, self._policy_version() - reply.version, self.lookahead)
+            self._pool_replies.append((reply, waited, 0))
+            reply = self._ask_pool([r.prompt_ids for r in request.records], request.params)
+        else:
+            self._pool_replies.append((reply, waited, len(reply.out.response_ids)))
+        while len(self._ahead) < self.lookahead and self.step + len(self._ahead) < self.total_steps:
+            self._ahead.append(self._request_ahead(self.step + 1 + len(self._ahead)))
+        return request.records, reply
+
+    def _pool_metrics(self, samples: int) -> dict[str, float]:
+        """Staleness of every sample in the batch (policy versions behind the trainer), from the pool's replies."""
+        staleness = [self._policy_version() - reply.version for reply, _, rows in self._pool_replies for _ in range(rows)]
+        staleness = staleness[-samples:]  # dynamic sampling keeps a subset; the newest replies bound it
+        out = {"rollout/staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+               "rollout/staleness_max": float(max(staleness, default=0)),
+               "rollout/policy_version": float(self._policy_version()),
+               "rollout/buffer_depth": float(len(self._ahead)),
+               "rollout/dropped_stale_samples": float(self._dropped_stale),
+               "timing/trainer_idle_s": sum(waited for _, waited, _ in self._pool_replies),
+               "timing/rollout_idle_s": sum(reply.idle_s for reply, _, _ in self._pool_replies)}
+        if any(reply.verified for reply, _, _ in self._pool_replies):
+            out["rollout/weights_verified"] = 1.0
+        return out
+
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, release: bool = True) -> RolloutOutput:
         """Sample with the engine. On every rank: each replica samples its share of whole prompts (seeds
         offset per share), then the shares are gathered in prompt order. ``release``: free the engine's memory
-        afterwards (the agent loop keeps it between turns and releases it once)."""
+        afterwards (the agent loop keeps it between turns and releases it once). A separate rollout pool
+        samples for the actor leader."""
+        if self.rollout_pool is not None:
+            return self._ask_pool(prompt_ids, params).out
         if self.engine_is_vllm and self.engine.state != "awake":
             self.engine.wake_up()
         if not self.engine_everywhere:
@@ -528,7 +634,7 @@ class GRPOTrainer(RunLoop):
         return out
 
     def _release_engine(self) -> None:
-        if self.spec.rollout.free_cache_engine:
+        if self.spec.rollout.free_cache_engine and self.engine is not None:
             if self.engine_is_vllm:
                 self.engine.sleep()  # the actor gets the GPU back until the next weight sync
             else:
@@ -564,7 +670,8 @@ class GRPOTrainer(RunLoop):
 
     def _loss_fn(self, single_update: bool):
         config, correction = self.loss_config, self.spec.algorithm.rollout_correction
-        correct = correction.token_truncation or correction.sequence_masking
+        truncate = token_truncation_in_effect(self.spec)  # on by default when the samples may be off-policy
+        correct = truncate or correction.sequence_masking
 
         def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: dict[str, torch.Tensor],
                     num_tokens: float | None = None, num_sequences: float | None = None):
@@ -573,7 +680,7 @@ class GRPOTrainer(RunLoop):
             # pi_train / pi_rollout: the trainer's log-probs of the sampling policy against the engine's own
             weights, correction_metrics = algo.rollout_correction_weights(
                 old, micro["rollout_logprobs"], mask, threshold=correction.threshold,
-                token_truncation=correction.token_truncation, sequence_masking=correction.sequence_masking,
+                token_truncation=truncate, sequence_masking=correction.sequence_masking,
                 mask_threshold=correction.sequence_masking_threshold)
             loss, metrics = algo.grpo_loss(logprobs, old, micro["advantages"], mask, config,
                                            ref_logprobs=micro.get("ref_logprobs"), entropy=entropy,
@@ -634,6 +741,9 @@ class GRPOTrainer(RunLoop):
     def _sync_weights(self) -> None:
         partial = self._partial_weight_sync()
         stream = self.actor.export_hf_weights(only_changed=partial)  # collective: every rank iterates
+        if self.rollout_pool is not None:  # the weights after step `step` are policy version `step`
+            self.rollout_pool.push(stream, version=self.step, partial=partial)
+            return
         if self.engine is None:
             for _ in stream:
                 pass
@@ -692,6 +802,14 @@ class GRPOTrainer(RunLoop):
     def after_resume(self) -> None:
         self._sync_weights()  # the rollout engine samples from the resumed policy
 
+    def trainer_state(self) -> dict[str, Any]:
+        """Batches generated ahead are not saved: a resume draws their prompts again (from the sampler's state
+        before the oldest of them) and generates them with the resumed policy."""
+        state = super().trainer_state()
+        if self._ahead:
+            state["sampler"] = self._ahead[0].sampler_before
+        return state
+
     def progress_line(self, metrics: dict[str, float], eta_s: float) -> str:
         return (f"step {self.step}/{self.total_steps} | reward {metrics.get('reward/mean', float('nan')):.3f} | "
                 f"resp_len {metrics.get('response_length/mean', 0):.1f} | kl {metrics.get('actor/kl', 0.0):.4f} | "
@@ -715,6 +833,8 @@ class GRPOTrainer(RunLoop):
         return f"done: {self.step} steps, reward {np.mean(first):.3f} (first 5) -> {np.mean(last):.3f} (last 5)"
 
     def close(self) -> None:
+        if self.rollout_pool is not None:  # batches still being generated are awaited, then the pool stops
+            self.rollout_pool.stop()
         agent = getattr(self, "agent", None)
         if agent is not None:
             agent.tools.box.close()
@@ -728,6 +848,17 @@ class GRPOTrainer(RunLoop):
                 proc.kill()
             pool.shutdown(wait=False, cancel_futures=True)
         super().close()
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A batch sent to the rollout pool ahead of its step: request id, prompts, sampling settings, and the
+    sampler's state before they were drawn (what a checkpoint saved now resumes from)."""
+
+    rid: int
+    records: list
+    params: SamplingParams
+    sampler_before: dict[str, int]
 
 
 @dataclasses.dataclass

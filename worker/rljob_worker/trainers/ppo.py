@@ -55,9 +55,9 @@ class PPOTrainer(GRPOTrainer):
     progress_name = "ppo"
 
     def __init__(self, spec, ctx, env=None, pools=None):
-        super().__init__(spec, ctx, env=pools.env if pools is not None else env)
-        self.pools = pools
-        self.split = pools is not None  # the critic in its own process pool (split, or shared taking turns)
+        super().__init__(spec, ctx, env=env, pools=pools)
+        # the critic in its own process pool (split, or shared taking turns)
+        self.split = pools is not None and pools.cross is not None
         self._critic_wait = 0.0
 
     # ------------------------------------------------------------------ set-up
@@ -88,7 +88,7 @@ class PPOTrainer(GRPOTrainer):
         super().build_model()
         cm = c.megatron
         flags = {"params": cm.param_offload, "grads": cm.grad_offload, "optimizer": cm.optimizer_offload}
-        if any(flags.values()):
+        if any(flags.values()) and not self.separate:  # (no rollout on these GPUs with a rollout pool)
             self._offload_plan.append((self.critic, flags))
 
     def export_final_models(self) -> None:
