@@ -66,6 +66,15 @@ def _critic_summary(s) -> str:
             + (f" layer {c.output_layer_index}" if c.output_layer_index else ""))
 
 
+def _rollout_summary(s) -> str:
+    """', rollout pool 2/node async <= 2 versions' (rollout.placement separate)."""
+    r = s.rollout
+    if r.placement.value != "separate":
+        return ""
+    mode = {"sync": "sync", "one-step": "one-step", "async": f"async <= {r.max_staleness} versions"}[r.mode.value]
+    return f", rollout pool {r.gpus}/node {mode}"
+
+
 def summarize(job) -> str:
     s = job.spec
     m = s.megatron
@@ -75,7 +84,7 @@ def summarize(job) -> str:
         f"TP{m.tensor_model_parallel_size} PP{m.pipeline_model_parallel_size} CP{m.context_parallel_size} "
         + (f"EP{m.expert_model_parallel_size}, {data}" if s.algorithm.name.value == "sft" else
            f"EP{m.expert_model_parallel_size}, samplesPerPrompt={s.rollout.samples_per_prompt}, {data}"
-           + _critic_summary(s))
+           + _critic_summary(s) + _rollout_summary(s))
     )
 
 

@@ -203,6 +203,26 @@ def test_validate_names_the_fused_module_for_an_hf_lora_target_and_warns_on_a_fu
     assert code == 0 and "warning" not in out, out
 
 
+def test_validate_says_what_an_off_policy_rollout_mode_does_to_the_loss():
+    """rollout.mode one-step / async: the summary names the pool, and notes say how old a sample may be and that
+    truncated importance sampling is on (unset) or off (set false)."""
+    pool = {"spec.rollout.placement": "separate", "spec.rollout.gpus": 4}
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), {**pool, "spec.rollout.mode": "async",
+                                                                               "spec.rollout.maxStaleness": 3})))
+    assert code == 0, out
+    assert ", rollout pool 4/node async <= 3 versions" in out, out
+    assert "  note: spec.rollout.mode async: the rollout pool generates up to 3 batch(es) ahead" in out, out
+    assert "tokenTruncation is on (unset: on for off-policy modes)" in out and "min(pi_train / pi_rollout, 2)" in out
+    off = changed(gpu_job(), {**pool, "spec.rollout.mode": "one-step",
+                              "spec.algorithm.rolloutCorrection": {"tokenTruncation": False}})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(off))
+    assert code == 0 and "up to 1 batch(es) ahead" in out and "tokenTruncation is off" in out, out
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), pool)))  # sync: nothing to note
+    assert code == 0 and ", rollout pool 4/node sync" in out and "  note:" not in out, out
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), {"spec.rollout.mode": "async"})))
+    assert code == 1 and "spec.rollout.mode:" in out and "set rollout.placement: separate" in out, out
+
+
 def test_validate_stdin():
     code, out = rljob("validate", "-", stdin=yaml.safe_dump(gpu_job()))
     assert code == 0 and out.startswith("OK -: t:"), out
