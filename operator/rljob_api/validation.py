@@ -264,6 +264,10 @@ def rollout_pool_errors(spec: RLJobSpec) -> list[FieldError]:
     """Placement and mode of the rollout: a separate pool needs rollout.gpus and leaves the trainer a GPU;
     one-step and async need it. Pure."""
     r, errs = spec.rollout, []
+    if r.partial and r.mode == RolloutMode.SYNC:
+        errs.append(FieldError("spec.rollout.partial", "continues responses under weights pushed while they are "
+                               "generated, which happens only when the pool runs ahead: set rollout.mode: one-step or "
+                               "async (with placement separate), or remove partial"))
     if not rollout_in_own_pool(spec):
         if r.gpus is not None:
             errs.append(FieldError("spec.rollout.gpus", "is only used by placement separate (a colocated engine runs "

@@ -42,6 +42,7 @@ CROSS_INVALID = [
      {R + "placement": ["cannot be combined with a critic"]}),
     ("separate-and-split-take-whole-node", {**GAE, **SEPARATE4, "spec.critic": {"placement": "split", "gpus": 4}},
      {R + "placement": ["cannot be combined"], R + "gpus": ["+ critic.gpus 4", "leave no GPU"]}),
+    ("partial-with-sync", {**SEPARATE4, R + "partial": True}, {R + "partial": ["set rollout.mode: one-step or async"]}),
     ("async-agent", {**SEPARATE4, R + "mode": "async", R + "agent": {}, "spec.tools": [{"name": "python", "builtin": "python"}]},
      {R + "mode": ["cannot run the agent loop ahead"]}),
     # multi-turn rollouts: rollout.agent and spec.tools need each other; one source per tool, unique names
@@ -222,6 +223,7 @@ CROSS_VALID = [
     ("separate-sync", SEPARATE4),
     ("separate-one-step", {**SEPARATE4, R + "mode": "one-step"}),
     ("separate-async-staleness-16", {**SEPARATE4, R + "mode": "async", R + "maxStaleness": 16}),
+    ("separate-one-step-partial", {**SEPARATE4, R + "mode": "one-step", R + "partial": True}),
     ("separate-7-of-8", {R + "placement": "separate", R + "gpus": 7, M + "tensorModelParallelSize": 1}),
     ("separate-agent-sync", {**SEPARATE4, R + "agent": {}, "spec.tools": [{"name": "python", "builtin": "python"}]}),
     ("base", {}),

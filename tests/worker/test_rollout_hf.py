@@ -255,3 +255,44 @@ def test_update_weights_rejects_unknown_names_wrong_shapes_and_gaps(sharp_model_
         eng.update_weights([(name, torch.zeros(3, 3))])
     with pytest.raises(KeyError, match="no tensor for"):
         eng.update_weights([(name, state[name])])
+
+
+# ---------------------------------------------------------------- partial rollouts (rollout/partial.py)
+
+def test_a_partial_rollout_continues_each_response_token_for_token(engine, sharp_model_dir, lp_tol):
+    """Greedy, weights unchanged: generating in chunks of 3 (each later chunk a re-prefill of prompt + tokens so
+    far) gives the tokens of one uninterrupted call, log-probs within the fp32 reordering bound, and tags every
+    token with the version installed when its chunk started; with the real EOS, a row that ended is never
+    continued."""
+    from rljob_worker.rollout.partial import generate_partial
+
+    no_stop = make_engine(sharp_model_dir, eos=PAD)  # runs to the budget (PAD is never sampled after a prompt)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=10)
+    whole = no_stop.generate(PROMPTS, params)
+    refreshed = iter([5, 6, 7])
+    parts = generate_partial(no_stop.generate, lambda: next(refreshed), PROMPTS, params, version=4, chunk=3)
+    assert parts.out.response_ids == whole.response_ids and parts.out.finished == whole.finished
+    assert any(len(ids) == 10 for ids in whole.response_ids)  # some rows ran through all four chunks
+    for got, want in zip(parts.out.response_logprobs, whole.response_logprobs):
+        assert all(math.isclose(a, b, rel_tol=0, abs_tol=lp_tol) for a, b in zip(got, want))
+    for ids, versions in zip(parts.out.response_ids, parts.token_versions):
+        assert versions == ([4] * 3 + [5] * 3 + [6] * 3 + [7])[:len(ids)]
+
+    ended = generate_partial(engine.generate, lambda: 9, PROMPTS, GREEDY, version=1, chunk=2)
+    assert ended.out.response_ids == engine.generate(PROMPTS, GREEDY).response_ids and all(ended.out.finished)
+
+
+def test_a_sampled_partial_rollout_keeps_groups_in_order_and_versions_rising(engine):
+    from rljob_worker.rollout.partial import generate_partial
+
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=9, seed=11)
+    refreshed = iter(range(2, 10))
+    parts = generate_partial(engine.generate, lambda: next(refreshed), PROMPTS, params, version=1, chunk=2)
+    assert len(parts.out.response_ids) == len(PROMPTS) * 3 == len(parts.token_versions)
+    for ids, lps, done, versions in zip(parts.out.response_ids, parts.out.response_logprobs, parts.out.finished,
+                                        parts.token_versions):
+        assert 1 <= len(ids) <= 9 and len(lps) == len(ids) == len(versions)
+        assert done == (ids[-1] == EOS_ID) and EOS_ID not in ids[:-1]
+        assert versions == sorted(versions) and versions[0] == 1
+        # chunk c's tokens carry version c + 1: positions 2c and 2c + 1
+        assert versions == [1 + position // 2 for position in range(len(ids))]

@@ -179,6 +179,27 @@ def test_a_separate_rollout_pool_learns_and_no_sample_is_older_than_the_mode_all
     assert first < 0.3 and last > 0.6, (first, last)
 
 
+def test_partial_rollouts_continue_responses_under_newer_weights_and_bound_the_oldest_token(tmp_path, monkeypatch):
+    """rollout.partial with async: the pool loads each pushed version between chunks, so responses of one batch
+    carry tokens of several versions (rollout/partial_resumed_frac > 0 on some steps); staleness counts a response's
+    oldest token and stays within maxStaleness; the run learns as the unchunked one does."""
+    from test_ppo_split import by_step, finish, launch
+
+    monkeypatch.setenv("RLJOB_CHECK_WEIGHT_PUSH", "1")
+    doc = pool_job("pool-partial", "async")
+    doc["spec"]["rollout"]["partial"] = True
+    proc, work = launch(doc, tmp_path)
+    finish(proc, work)
+    steps = by_step(work)
+    resumed = [round(steps[k]["rollout/partial_resumed_frac"], 2) for k in sorted(steps)]
+    print(f"\nshare of each step's responses continued under a newer version: {resumed}")
+    assert all(s["rollout/staleness_max"] <= 2 and s["rollout/dropped_stale_samples"] == 0 for s in steps.values())
+    assert max(resumed) > 0, resumed
+    first = sum(steps[k]["reward/mean"] for k in range(1, 5)) / 4
+    last = sum(steps[k]["reward/mean"] for k in range(17, 21)) / 4
+    assert first < 0.3 and last > 0.6, (first, last)
+
+
 def test_a_killed_async_run_resumes_from_its_last_commit_with_the_staleness_bound_held(tmp_path):
     """SIGKILL mid-run (the batches generated ahead are lost with it): `rljob run` again resumes from the last
     committed step, the rollout pool starts from the checkpoint's weights (the first resumed step is on-policy),

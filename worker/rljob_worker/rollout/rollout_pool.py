@@ -10,14 +10,17 @@ request order. Requests queue up, so the pool can generate batches ahead of the 
 
     actor leader -> rollout leader   {"op": "build", ...}          reply {"error"}
     actor leader -> rollout leader   {"op": "generate", "id", "prompt_ids", "params", "min_version"}
-                                      reply {"id", "out", "version", "seconds", "idle_s", "verified"}
+                                      reply {"id", "out", "version", "seconds", "idle_s", "verified",
+                                             "token_versions"}
     actor leader -> rollout leader   {"op": "stop"}
 
 Weights (:mod:`rljob_worker.rollout.weight_push`) travel beside the requests: after each optimizer step the
 actor leader pushes version ``step`` to the rollout leader's receiving thread. Before generating a request,
 the rollout leader waits for at least its ``min_version``, takes the newest version received and broadcasts
 it to its pool, so all replicas sample with the same weights; the reply names that version, which every
-sample of the batch carries (the trainer's staleness is its own version minus this one).
+sample of the batch carries (the trainer's staleness is its own version minus this one). With partial
+rollouts (rollout/partial.py) later chunks of the batch may run under newer weights: the reply also carries
+each token's version, and ``version`` stays the oldest.
 """
 from __future__ import annotations
 
@@ -68,6 +71,13 @@ class Reply:
     seconds: float
     idle_s: float
     verified: bool
+    token_versions: list[list[int]] | None = None  # partial rollouts: the version of every token (N rows)
+
+    def sample_versions(self) -> list[int]:
+        """The oldest version behind each response (its first token's; ``version`` for an empty one)."""
+        if self.token_versions is None:
+            return [self.version] * len(self.out.response_ids)
+        return [min(v, default=self.version) for v in self.token_versions]
 
 
 class RolloutPoolClient:
@@ -245,13 +255,42 @@ class RolloutPool:
         from rljob_worker.rollout.every_rank import sample_share_and_gather
 
         self._install(command["min_version"])
-        verified = self.check and self.version > 0  # every pushed version installed so far was checked
-        start = time.perf_counter()
-        out = sample_share_and_gather(self.engine, command["prompt_ids"], command["params"], rank=dist.get_rank(),
-                                      world_size=dist.get_world_size())
+        start, first_version = time.perf_counter(), self.version
+        token_versions = None
+        if self.spec.rollout.partial:
+            out, token_versions = self._generate_partial(command["prompt_ids"], command["params"])
+        else:
+            out = sample_share_and_gather(self.engine, command["prompt_ids"], command["params"],
+                                          rank=dist.get_rank(), world_size=dist.get_world_size())
         self.engine.release_cache()
-        self._reply({"id": command["id"], "out": out, "version": self.version, "seconds": time.perf_counter() - start,
-                     "idle_s": idle_s, "verified": verified})
+        verified = self.check and self.version > 0  # every pushed version installed so far was checked
+        self._reply({"id": command["id"], "out": out, "version": first_version, "seconds": time.perf_counter() - start,
+                     "idle_s": idle_s, "verified": verified, "token_versions": token_versions})
+
+    def _generate_partial(self, prompt_ids: list[list[int]], params: SamplingParams):
+        """This replica's share in chunks, newer weights loaded between them (rollout/partial.py); every replica
+        goes through the same chunks (the loads are collective), then the shares are gathered in batch order.
+        Returns (RolloutOutput, token versions per response)."""
+        from rljob_worker.rollout.every_rank import gather_in_batch_order, prompt_shares, replica_seed
+        from rljob_worker.rollout.partial import chunk_tokens, generate_partial
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        shares = prompt_shares(len(prompt_ids), world)
+        share = shares[dist.get_rank() if dist.is_initialized() else 0]
+        params = dataclasses.replace(params, seed=replica_seed(params.seed, share, params.n))
+
+        def refresh() -> int:
+            self._install(self.version)  # whatever arrived since; never waits for a push
+            return self.version
+
+        mine = generate_partial(self.engine.generate, refresh, prompt_ids[share], params, self.version,
+                                chunk_tokens(params.max_new_tokens))
+        pieces: list[Any] = [mine]
+        if world > 1:
+            pieces = [None] * world
+            dist.all_gather_object(pieces, mine)
+        out = gather_in_batch_order([p.out if p.out.response_ids else None for p in pieces], shares, params.n)
+        return out, [v for p in pieces for v in p.token_versions]
 
 
 def _broadcast_in_pool(obj: Any) -> Any:

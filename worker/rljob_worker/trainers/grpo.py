@@ -589,7 +589,8 @@ class GRPOTrainer(RunLoop):
 
     def _pool_metrics(self, samples: int) -> dict[str, float]:
         """Staleness of every sample in the batch (policy versions behind the trainer), from the pool's replies."""
-        staleness = [self._policy_version() - reply.version for reply, _, rows in self._pool_replies for _ in range(rows)]
+        staleness = [self._policy_version() - version for reply, _, rows in self._pool_replies
+                     for version in reply.sample_versions()[:rows]]
         staleness = staleness[-samples:]  # dynamic sampling keeps a subset; the newest replies bound it
         out = {"rollout/staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
                "rollout/staleness_max": float(max(staleness, default=0)),
@@ -600,6 +601,10 @@ class GRPOTrainer(RunLoop):
                "timing/rollout_idle_s": sum(reply.idle_s for reply, _, _ in self._pool_replies)}
         if any(reply.verified for reply, _, _ in self._pool_replies):
             out["rollout/weights_verified"] = 1.0
+        if self.spec.rollout.partial:  # responses whose tokens came from more than one version
+            spans = [len(set(v)) > 1 for reply, _, rows in self._pool_replies if reply.token_versions
+                     for v in reply.token_versions[:rows]]
+            out["rollout/partial_resumed_frac"] = float(np.mean(spans)) if spans else 0.0
         return out
 
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, release: bool = True) -> RolloutOutput:
