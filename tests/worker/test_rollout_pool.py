@@ -226,13 +226,15 @@ def test_a_killed_async_run_resumes_from_its_last_commit_with_the_staleness_boun
 
 def test_two_nodes_two_trainer_ranks_and_two_rollout_replicas(tmp_path, monkeypatch):
     """nnodes 2: the actor at DP2 (its second rank joins every weight export) and a rollout replica per node
-    (the rollout leader hands each version to the other replica, and both sample a share of the prompts): the
-    run finishes with every push checked on both replicas and the bound held."""
+    (the rollout leader hands each version to the other replica, and both sample a share of the prompts), with
+    partial rollouts (the replicas load weights between chunks in lockstep): the run finishes with every push
+    checked on both replicas and the bound held."""
     from test_ppo_split import by_step, finish, launch
 
     monkeypatch.setenv("RLJOB_CHECK_WEIGHT_PUSH", "1")
     doc = pool_job("pool-two-nodes", "async", steps=6)
     doc["spec"]["nnodes"] = 2
+    doc["spec"]["rollout"]["partial"] = True
     proc, work = launch(doc, tmp_path)
     assert "2 pod(s) x 2 process(es)" in finish(proc, work)
     steps = by_step(work)
