@@ -47,6 +47,9 @@ RESUMES = {  # schedules, validation, engines, rewards, storage, cluster setting
     "rollout.tensorModelParallelSize", "rollout.gpuMemoryUtilization", "rollout.freeCacheEngine",
     "rollout.enforceEager", "rollout.compile", "rollout.maxNumBatchedTokens", "rollout.logProbMicroBatchSizePerGpu",
     "rollout.valTemperature", "rollout.valN",
+    # a separate rollout pool: no state of its own is saved (batches in flight are redrawn on resume), and the
+    # trainer's GPUs it leaves are a parallel layout megatron's checkpoints reshard to
+    "rollout.placement", "rollout.gpus", "rollout.mode", "rollout.maxStaleness", "rollout.partial",
     "training.ppoMiniBatchSizePerNode", "training.microBatchSizePerGpu", "training.maxTokensPerMicroBatch",
     "training.ppoEpochs", "training.lr", "training.lrWarmupSteps", "training.weightDecay", "training.gradClip",
     "training.totalEpochs", "training.totalTrainingSteps", "training.testFreq", "training.valBeforeTrain",
