@@ -46,6 +46,7 @@ from rljob_worker.rollout.weight_push import (
     unpack_bucket,
 )
 from rljob_worker.rollout.weight_sync import bucket_named_tensors
+from rljob_worker.runtime.distributed import broadcast_object  # over the default group: this pool's
 from rljob_worker.runtime.pools import Pools
 
 log = logging.getLogger("rljob.rollout_pool")
@@ -183,7 +184,7 @@ class RolloutPool:
                 log.warning("rollout pool: the job stopped without a stop command (%s); exiting",
                             str(exc).split("] ", 1)[-1][:60])
                 return 0
-            command = _broadcast_in_pool(command)
+            command = broadcast_object(command)
             if command["op"] == "stop":
                 self._drain_replies(0)
                 if self.receiver is not None:
@@ -238,7 +239,7 @@ class RolloutPool:
             staged = self.receiver.take()
             if staged is not None and self.check and staged[3] is not None and fingerprint(staged[1].items()) != staged[3]:
                 raise RolloutPoolError(f"weight push: version {staged[0]} arrived different from the trainer's")
-        header = _broadcast_in_pool(None if staged is None else {"version": staged[0], "partial": staged[2]})
+        header = broadcast_object(None if staged is None else {"version": staged[0], "partial": staged[2]})
         if header is None:
             return
         tensors = _broadcast_tensors(staged[1] if self.is_leader else None, self.device)
@@ -293,24 +294,15 @@ class RolloutPool:
         return out, [v for p in pieces for v in p.token_versions]
 
 
-def _broadcast_in_pool(obj: Any) -> Any:
-    """Pool rank 0's ``obj`` on every rank of this pool (the default process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _broadcast_tensors(tensors: dict[str, torch.Tensor] | None, device: torch.device) -> dict[str, torch.Tensor]:
     """Pool rank 0's tensors (None elsewhere) on every rank of this pool, bucket by bucket, bit for bit."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return tensors
     buckets = list(bucket_named_tensors(iter(tensors.items()))) if tensors is not None else []
     out: dict[str, torch.Tensor] = {}
-    for index in range(_broadcast_in_pool(len(buckets) if tensors is not None else None)):
+    for index in range(broadcast_object(len(buckets) if tensors is not None else None)):
         meta, flat = pack_bucket(buckets[index]) if tensors is not None else (None, None)
-        meta, nbytes = _broadcast_in_pool((meta, flat.numel()) if tensors is not None else None)
+        meta, nbytes = broadcast_object((meta, flat.numel()) if tensors is not None else None)
         if flat is None:
             flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dist.broadcast(flat, src=0)
