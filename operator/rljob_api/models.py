@@ -59,7 +59,8 @@ STORAGE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.
 MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*|builtin://[a-z0-9\-]+)$"
 # The builtin://NAME models the worker builds (rljob_worker.data.builtin_models holds their configs; a test keeps
 # the two lists equal), here so that validation refuses an unknown name without the worker's dependencies.
-BUILTIN_MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-hd64", "tiny-qwen2-tools")
+BUILTIN_MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-hd64", "tiny-qwen2-tools", "tiny-qwen3-moe")
+BUILTIN_MOE_MODEL_NAMES = ("tiny-qwen3-moe",)  # the mixture-of-experts ones (algorithm.routingReplay)
 # module.path:function
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
@@ -286,6 +287,13 @@ class AlgorithmSpec(ApiModel):
     )
     max_refill_batches: int = _f(4, "With dynamicSampling, how many extra rollout batches may be drawn per step.", ge=0, le=64)
     overlong_buffer: OverlongBufferSpec = _f(default_factory=OverlongBufferSpec, description="DAPO overlong reward shaping.")
+    routing_replay: bool = _f(
+        False, "Mixture-of-experts models: the trainer's forward passes (old and current policy) route every token to "
+        "the experts the rollout engine chose for it, recorded per token and layer during the rollout, so the "
+        "importance ratio compares the same experts (large MoE RL runs collapse on routing mismatch without it). The "
+        "reference model routes on its own. Needs an MoE model (qwen3_moe, qwen2_moe); not with rollout.agent, "
+        "rollout.placement separate or critic-only algorithms in this release.",
+    )
     rollout_correction: RolloutCorrectionSpec = _f(
         default_factory=RolloutCorrectionSpec,
         description="Correct the policy gradient for the gap between the rollout engine's sampling distribution and "

@@ -33,6 +33,7 @@ from rljob_api.enums import (
 from rljob_api.models import (
     API_VERSION,
     BUILTIN_MODEL_NAMES,
+    BUILTIN_MOE_MODEL_NAMES,
     KIND,
     MODEL_URI_PATTERN,
     REMOTE_URL_PATTERN,
@@ -376,6 +377,7 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     errs.extend(critic_pool_errors(spec))
     errs.extend(rollout_pool_errors(spec))
     errs.extend(builtin_model_errors(spec))
+    errs.extend(routing_replay_errors(spec))
     actor_gpus = actor_gpus_per_node(spec)
     if actor_gpus <= 0:  # critic.gpus or rollout.gpus take the whole node: reported above
         actor_gpus = spec.gpus_per_node
@@ -682,6 +684,27 @@ def sft_errors(spec: RLJobSpec, dp: int | None) -> list[FieldError]:
     if spec.data.synthetic is not None and s.format != SFTDataFormat.PROMPT_RESPONSE:
         errs.append(FieldError("spec.sft.format", "data.synthetic generates prompt-response rows; set format: "
                                "prompt-response or give trainFiles"))
+    return errs
+
+
+def routing_replay_errors(spec: RLJobSpec) -> list[FieldError]:
+    """algorithm.routingReplay: an RL algorithm over single-turn rollouts from a colocated engine, and an MoE
+    model where the spec says which model it is (a builtin). Pure."""
+    if not spec.algorithm.routing_replay:
+        return []
+    field, errs = "spec.algorithm.routingReplay", []
+    if spec.algorithm.name == AlgorithmName.SFT:
+        errs.append(FieldError(field, "replays the rollout's expert choices, and sft has no rollout; remove it"))
+    if spec.rollout.agent is not None:
+        errs.append(FieldError(field, "is not supported with rollout.agent in this release (tool tokens are routed by "
+                               "the next turn's prefill); remove routingReplay or rollout.agent"))
+    if rollout_in_own_pool(spec):
+        errs.append(FieldError(field, "is not supported with rollout.placement separate in this release; remove "
+                               "routingReplay or use rollout.placement: colocated"))
+    path = spec.model.path or ""
+    if path.startswith("builtin://") and path[len("builtin://"):] not in BUILTIN_MOE_MODEL_NAMES:
+        errs.append(FieldError(field, f"needs a mixture-of-experts model and {path} is dense; remove routingReplay "
+                               f"or use " + ", ".join(f"builtin://{n}" for n in BUILTIN_MOE_MODEL_NAMES)))
     return errs
 
 

@@ -76,5 +76,5 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if len(used) == 0:
         return batch
     lo, hi = int(used[0]), int(used[-1]) + 1
-    return {k: (v[:, lo:hi] if v.dim() == 2 and v.shape[1] == batch["attention_mask"].shape[1] else v)
+    return {k: (v[:, lo:hi] if v.dim() >= 2 and v.shape[1] == batch["attention_mask"].shape[1] else v)
             for k, v in batch.items()}

@@ -50,8 +50,15 @@ TINY_QWEN2_HD64_CONFIG = {**TINY_QWEN2_CONFIG, "hidden_size": 128, "intermediate
 
 TINY_QWEN2_TOOLS_CONFIG = {**TINY_QWEN2_CONFIG, "vocab_size": len(TOOLS_VOCAB)}
 
+# A Qwen3-MoE of the same size: 4 experts, top-2 renormalised, in both layers (routing replay, the MoE examples on a
+# CPU). The load-balancing loss is off in its config (router_aux_loss_coef 0) so the quickstart task's loss is GRPO's.
+TINY_QWEN3_MOE_CONFIG = {**TINY_QWEN2_CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                         "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                         "router_aux_loss_coef": 0.0, "output_router_logits": False}
+
 BUILTIN_MODELS = {"tiny-qwen2": TINY_QWEN2_CONFIG, "tiny-qwen2-hd64": TINY_QWEN2_HD64_CONFIG,
-                  "tiny-qwen2-tools": TINY_QWEN2_TOOLS_CONFIG}
+                  "tiny-qwen2-tools": TINY_QWEN2_TOOLS_CONFIG, "tiny-qwen3-moe": TINY_QWEN3_MOE_CONFIG}
 
 
 def build_char_tokenizer(tools: bool = False):
@@ -69,6 +76,25 @@ def build_char_tokenizer(tools: bool = False):
     out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left")
     if tools:
         out.chat_template = TOOLS_CHAT_TEMPLATE
+    return out
+
+
+def _checkpoint_names(state: dict) -> dict:
+    """transformers' in-memory fused experts (``experts.gate_up_proj (E, 2I, H)``, ``experts.down_proj (E, H, I)``)
+    -> the per-expert tensors of a Qwen-MoE checkpoint on disk (``experts.{e}.gate_proj.weight`` ...)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix, half = name[: -len("gate_up_proj")], tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = tensor[e, :half].contiguous()
+                out[f"{prefix}{e}.up_proj.weight"] = tensor[e, half:].contiguous()
+        elif name.endswith(".experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = tensor[e].contiguous()
+        else:
+            out[name] = tensor
     return out
 
 
@@ -99,7 +125,7 @@ def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     config.to_json_file(str(tmp / "config.json"))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = _checkpoint_names({k: v.contiguous() for k, v in model.state_dict().items()})
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)  # HF convention: tied output weights live in embed_tokens
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

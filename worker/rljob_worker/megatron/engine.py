@@ -201,6 +201,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         self.optim = optim
         self.dtype = dtype
         self.lora = lora  # LoRA adapters (:mod:`.lora`): the only trained weights, with torch AdamW
+        self.routing_replays: list | None = None  # MoE routing replay (enable_routing_replay)
         self.on_gpu = torch.cuda.is_available()
         # megatron's DDP + optimizer (GPU, full weights) or torch AdamW with the reductions by hand (CPU; LoRA)
         self.megatron_optimizer = self.on_gpu and optimizer is not None and lora is None
@@ -369,6 +370,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         """:meth:`forward` over given micro-batches (each a batch dict)."""
         self._require_onloaded("forward")
         self._set_training(False)
+        self._clear_routing()
         with output_layer_returns_hidden(self.chunks[-1], output_hidden):
             if self.pp_size > 1:
                 results = self._run_pipeline(micro_batches, lambda x: (None, head(x)), True, needs_hidden)
@@ -423,6 +425,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         self._set_training(True)
         self._zero_grad()
         self._moe_aux_begin(n)
+        self._clear_routing()
         # what each micro-batch's loss is multiplied by before its backward (see the docstring)
         loss_scale = float(self.dp_size) if loss_reduction == "sum" else 1.0 / n
         with output_layer_returns_hidden(self.chunks[-1], output_hidden):
@@ -495,6 +498,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         if moe.is_moe(self.hf_config):  # the router's load-balancing loss counts real tokens only
             pad = torch.arange(packed.ids.shape[1], device=self.device)[None, :] >= packed.lengths[:, None]
             extra["padding_mask"] = split_for_cp(pad, self.cp_size, self.cp_rank)  # (b, Tc/cp) True = pad
+        self._replay_routing(packed, *packed.ids.shape, cp=True)
         with self._capture_hidden(needs_hidden) as hidden:
             output = self.model(local_ids, positions.expand_as(local_ids), None, **extra)  # (b, Tc/cp, V/tp)
         b, t = local_ids.shape
@@ -550,6 +554,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             item = next(data_iterator)
             # the router's load-balancing loss counts real tokens only (as in _forward_one)
             extra = {"padding_mask": item.padding_mask(rows, cols)} if moe.is_moe(self.hf_config) else {}
+            self._replay_routing(item, rows, cols, cp=False)  # CP does not run with PP
             # stages after the first take their input from the previous stage (set by the schedule)
             with self._capture_hidden(needs_hidden and self.is_last_stage) as hidden:
                 output = model(*item.padded_to(rows, cols), None, **extra)
@@ -615,6 +620,36 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
 
     def _capture_hidden(self, wanted: bool):
         return _capture_decoder_output(self.chunks[-1] if wanted else None)
+
+    # ----------------------------------------------------------------------------------------------
+    # MoE routing replay (:mod:`.routing_replay`)
+
+    def enable_routing_replay(self) -> None:
+        """From now on a micro-batch with ``routed_experts`` (N, T, L, k) routes its tokens to those experts."""
+        from . import routing_replay
+
+        if not moe.is_moe(self.hf_config):
+            raise MegatronConfigError("routing replay needs a mixture-of-experts model (qwen3_moe, qwen2_moe)")
+        self.routing_replays = routing_replay.install(self.chunks)
+
+    def _clear_routing(self) -> None:
+        for replay in self.routing_replays or ():
+            replay.clear()
+
+    def _replay_routing(self, packed: PackedMicroBatch, rows: int, cols: int, cp: bool) -> None:
+        replays = self.routing_replays
+        if not replays:
+            return
+        from . import routing_replay
+
+        routed = packed.micro_batch.get("routed_experts")
+        tokens = None
+        if routed is not None:
+            sp = self.tp_size if self.parallel.sequence_parallel else 1
+            tokens = routing_replay.router_tokens(
+                routed, packed, rows=rows, cols=cols, cp_size=self.cp_size if cp else 1,
+                cp_rank=self.cp_rank if cp else 0, sp_size=sp, sp_rank=self.tp_rank if sp > 1 else 0)
+        routing_replay.set_micro_batch(replays, tokens)
 
     # ----------------------------------------------------------------------------------------------
     # bookkeeping

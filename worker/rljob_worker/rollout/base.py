@@ -28,6 +28,22 @@ class RolloutOutput:
     response_ids: list[list[int]]  # generated tokens, EOS included when produced
     response_logprobs: list[list[float]]  # log-prob of each generated token under the sampling distribution
     finished: list[bool]  # True when the response ended with EOS or a stop token, False when cut at max_new_tokens
+    # MoE routing replay (algorithm.routingReplay): per response, the experts the engine routed each token it fed
+    # through the model to, (fed tokens, layers, top-k) integers over prompt + response in order (the last sampled
+    # token is never fed); None when not recorded.
+    routed_experts: list[torch.Tensor] | None = None
+
+    def extend(self, other: RolloutOutput) -> None:
+        """Append ``other``'s responses (in order), routed experts included when both carry them."""
+        if not self.response_ids and self.routed_experts is None:
+            self.routed_experts = None if other.routed_experts is None else []
+        self.response_ids += other.response_ids
+        self.response_logprobs += other.response_logprobs
+        self.finished += other.finished
+        if self.routed_experts is not None:
+            if other.routed_experts is None:
+                raise ValueError("routed experts: one engine output carries them and another does not")
+            self.routed_experts += other.routed_experts
 
 
 def first_stop(row: list[int], stops: set[int]) -> int:

@@ -90,9 +90,7 @@ def gather_in_batch_order(pieces: Sequence[RolloutOutput | None], shares: Sequen
             raise ValueError(f"replica {r} returned {got} responses for prompts {share.start}..{share.stop - 1} "
                              f"x {samples_per_prompt} samples; expected {want}")
         if piece is not None:
-            out.response_ids += piece.response_ids
-            out.response_logprobs += piece.response_logprobs
-            out.finished += piece.finished
+            out.extend(piece)
     return out
 
 

@@ -43,9 +43,11 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
                 pad_token_id: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
                 max_model_len: int | None = None, enforce_eager: bool = False,
                 max_num_batched_tokens: int | None = None, seed: int = 0, world_size: int = 1,
-                num_params: int | None = None, compile: RolloutCompile | str = RolloutCompile.AUTO):
+                num_params: int | None = None, compile: RolloutCompile | str = RolloutCompile.AUTO,
+                record_routing: bool = False):
     """Build the configured engine (see resolve_engine_name for `auto`; ``compile``: spec.rollout.compile, see
-    compile_config.compile_enabled)."""
+    compile_config.compile_enabled; ``record_routing``: each response carries its routed experts, for MoE
+    routing replay)."""
     vllm_available = importlib.util.find_spec("vllm") is not None
     name = resolve_engine_name(name, device, world_size=world_size, rollout_tp=tensor_parallel_size,
                                num_params=num_params)
@@ -58,10 +60,10 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
         return VLLMEngine(model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                           enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
-                          eos_token_id=eos_token_id, seed=seed)
+                          eos_token_id=eos_token_id, seed=seed, record_routing=record_routing)
     from rljob_worker.rollout.hf_engine import HFEngine
 
-    if device.type == "cuda" and os.environ.get("RLJOB_HF_STATIC", "1") != "0":
+    if device.type == "cuda" and os.environ.get("RLJOB_HF_STATIC", "1") != "0" and not record_routing:
         # On a GPU the HF engine runs with a static KV cache and a CUDA-graphed decode step
         # (3.3x the dynamic-cache engine per GRPO step on an H200, bench/NOTES.md); RLJOB_HF_STATIC=0
         # falls back to the plain engine, as do models the static engine does not support.
@@ -74,4 +76,5 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
                                   pad_token_id=pad_token_id, compile_decode=compile_decode)
         except ValueError as exc:
             logging.getLogger(__name__).warning("static-cache engine unavailable (%s); using the HF engine", exc)
-    return HFEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return HFEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                    record_routing=record_routing)

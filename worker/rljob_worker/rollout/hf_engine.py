@@ -7,6 +7,7 @@ defaults. Weights arrive as HF-named tensors from the megatron actor.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Iterable
 
 import torch
@@ -14,10 +15,14 @@ import torch
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams, first_stop
 from rljob_worker.rollout.sampling import sample_next
 
+# a Qwen-MoE checkpoint's per-expert weights; transformers 5 holds each layer's experts as fused tensors
+_EXPERT_WEIGHT = re.compile(r"(?P<prefix>.*\.experts\.)(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
+
 
 class HFEngine:
     def __init__(self, model_dir: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
-                 pad_token_id: int, max_batch: int = 256):
+                 pad_token_id: int, max_batch: int = 256, record_routing: bool = False):
+        """``record_routing``: return each response's routed experts (MoE models; routing replay)."""
         from transformers import AutoModelForCausalLM
 
         self.device, self.eos, self.pad, self.max_batch = device, eos_token_id, pad_token_id, max_batch
@@ -27,6 +32,11 @@ class HFEngine:
         # transformers renamed `past_key_values` to `cache`; use whichever this version takes.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.recorder = None
+        if record_routing:
+            from rljob_worker.rollout.routed_experts import RoutingRecorder
+
+            self.recorder = RoutingRecorder(self.model)
 
     # -- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
@@ -37,7 +47,7 @@ class HFEngine:
                     continue
                 param = self._params.get(name)
                 if param is None:
-                    raise KeyError(f"weight sync: the HF model has no parameter {name!r}")
+                    param, name = self._fused_expert_slice(name)
                 if param.shape != tensor.shape:
                     raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
                 param.copy_(tensor.to(param.device, param.dtype))
@@ -45,6 +55,21 @@ class HFEngine:
         missing = set(self._params) - seen - ({"lm_head.weight"} if self._tied else set())
         if missing and not partial:
             raise KeyError(f"weight sync: no tensor for {sorted(missing)[:5]}")
+
+    def _fused_expert_slice(self, name: str) -> tuple[torch.Tensor, str]:
+        """A checkpoint's per-expert weight (``...experts.{e}.gate_proj.weight``, up_proj, down_proj) -> its slice
+        of the transformers model's fused expert tensor (``experts.gate_up_proj (E, 2I, H)``: gate rows then up
+        rows; ``experts.down_proj (E, H, I)``), and the fused tensor's name."""
+        match = _EXPERT_WEIGHT.fullmatch(name)
+        fused_name = match and match["prefix"] + ("down_proj" if match["proj"] == "down" else "gate_up_proj")
+        fused = self._params.get(fused_name) if match else None
+        if fused is None:
+            raise KeyError(f"weight sync: the HF model has no parameter {name!r}")
+        e = int(match["expert"])
+        if match["proj"] == "down":
+            return fused[e], fused_name
+        half = fused.shape[1] // 2
+        return (fused[e, :half] if match["proj"] == "gate" else fused[e, half:]), fused_name
 
     def release_cache(self) -> None:
         """Free the KV cache between rollouts (here it lives only inside generate(): nothing to do)."""
@@ -68,9 +93,7 @@ class HFEngine:
         out = RolloutOutput([], [], [])
         for start in range(0, len(expanded), self.max_batch):
             chunk = self._generate_chunk(expanded[start : start + self.max_batch], params, gen)
-            out.response_ids += chunk.response_ids
-            out.response_logprobs += chunk.response_logprobs
-            out.finished += chunk.finished
+            out.extend(chunk)
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> RolloutOutput:
@@ -81,6 +104,8 @@ class HFEngine:
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention[i, width - len(ids):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        if self.recorder is not None:
+            self.recorder.reset()
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         tokens = torch.empty((batch, 0), dtype=torch.long, device=self.device)
         logprobs = torch.empty((batch, 0), dtype=torch.float32, device=self.device)
@@ -101,7 +126,11 @@ class HFEngine:
                 break
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             step_input, step_pos = next_tok[:, None], step_pos[:, -1:] + 1
-        return rows_to_output(tokens.cpu(), logprobs.cpu(), {self.eos, *params.stop_token_ids})
+        out = rows_to_output(tokens.cpu(), logprobs.cpu(), {self.eos, *params.stop_token_ids})
+        if self.recorder is not None:
+            out.routed_experts = self.recorder.rows(batch, width, [len(p) for p in prompts],
+                                                    [len(r) for r in out.response_ids])
+        return out
 
 
 def rows_to_output(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> RolloutOutput:

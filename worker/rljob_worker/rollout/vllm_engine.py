@@ -217,7 +217,7 @@ class VLLMEngine:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  eos_token_id: int | None = None, sleep_level: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  distributed_executor_backend: str | None = None, check_complete_sync: bool = True,
-                 **engine_kwargs: Any):
+                 record_routing: bool = False, **engine_kwargs: Any):
         """Start vLLM on ``model_dir`` (an HF folder). Extra keyword arguments go to ``vllm.LLM``.
 
         ``eos_token_id``: when given, generation also stops at it (``stop_token_ids``) whatever the
@@ -232,6 +232,15 @@ class VLLMEngine:
         self.eos, self.sleep_level, self.bucket_bytes = eos_token_id, sleep_level, bucket_bytes
         self.check_complete_sync = check_complete_sync
         config = _model_config(model_dir)
+        self.routing = None  # (layers, MoE layers, top-k, dtype) when recording routed experts
+        if record_routing:
+            from types import SimpleNamespace
+
+            from rljob_worker.rollout.routed_experts import expert_dtype, moe_layer_indices
+
+            hf = SimpleNamespace(**config)
+            self.routing = (hf.num_hidden_layers, moe_layer_indices(hf), hf.num_experts_per_tok,
+                            expert_dtype(hf.num_experts))
         self.tied = bool(config.get("tie_word_embeddings", False))
         check_tensor_parallel_shape(config, tensor_parallel_size)
         self.calls: list[str] = []
@@ -264,6 +273,8 @@ class VLLMEngine:
             kwargs["max_model_len"] = max_model_len
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if record_routing:
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(engine_kwargs)
         self.engine_kwargs = kwargs
 
@@ -426,7 +437,7 @@ class VLLMEngine:
             raise RuntimeError(f"generate while the vLLM engine is {self.state.replace('_', ' ')}: call wake_up() first")
         if self._weights_stale:
             raise RuntimeError("generate after a level-2 sleep without update_weights: the engine's weights were discarded")
-        out = RolloutOutput([], [], [])
+        out = RolloutOutput([], [], [], [] if self.routing else None)
         if not prompt_ids:
             return out
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
@@ -446,6 +457,12 @@ class VLLMEngine:
                 out.response_ids.append(ids)
                 out.response_logprobs.append(_sampled_logprobs(ids, sample.logprobs))
                 out.finished.append(sample.finish_reason == "stop")
+                if self.routing:
+                    from rljob_worker.rollout.routed_experts import from_vllm
+
+                    if getattr(sample, "routed_experts", None) is None:
+                        raise RuntimeError("vLLM returned no routed experts (enable_return_routed_experts is on)")
+                    out.routed_experts.append(from_vllm(sample.routed_experts, *self.routing))
         self.calls.append(f"generate({len(prompt_ids)} prompts x {params.n})")
         return out
 

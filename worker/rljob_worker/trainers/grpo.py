@@ -74,9 +74,11 @@ from rljob_worker.rollout.every_rank import (
     samples_on_every_rank,
 )
 from rljob_worker.rollout.factory import make_engine, resolve_engine_name
+from rljob_worker.rollout.routed_experts import routing_batch
 from rljob_worker.rollout.weight_sync import plan_rollout_layout
 from rljob_worker.run_health import sanitize_rewards
 from rljob_worker.run_loop import RunLoop
+from rljob_worker.startup_errors import StartupError
 from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
 from rljob_worker.telemetry.flops import active_parameters
 
@@ -150,6 +152,13 @@ class GRPOTrainer(RunLoop):
                                            seed=t.seed, recompute=recompute,
                                            transformer_overrides=m.override_transformer_config, lora=lora)
         a = spec.algorithm
+        if a.routing_replay:  # the rollout's expert choices drive the actor's routers (the reference routes itself)
+            from rljob_worker.megatron import moe
+
+            if not moe.is_moe(self.actor.hf_config):
+                raise StartupError(f"spec.algorithm.routingReplay: the model ({self.actor.hf_config.model_type}) has "
+                                   "no experts to replay; remove routingReplay or train a qwen3_moe / qwen2_moe model")
+            self.actor.enable_routing_replay()
         self.use_ref = a.kl_coef > 0
         # with LoRA the reference policy is the actor with its adapters off: no second copy of the weights
         self.ref = (MegatronActor.from_hf(self.model_dir, parallel=parallel, optim=optim, dtype=self.dtype, seed=t.seed,
@@ -200,7 +209,7 @@ class GRPOTrainer(RunLoop):
                                       gpu_memory_utilization=r.gpu_memory_utilization,
                                       max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
                                       enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
-                                      seed=t.seed, compile=r.compile)
+                                      seed=t.seed, compile=r.compile, record_routing=a.routing_replay)
         if self.engine is not None and self.is_main:
             log.info("rollout engine: %s on %s (rollout.engine: %s; %s%s)", type(self.engine).__name__, self.device,
                      r.engine.value, "every rank samples a share" if self.engine_everywhere else "rank 0 samples",
@@ -368,6 +377,9 @@ class GRPOTrainer(RunLoop):
         sampled_logprobs = (out.response_logprobs if loss_masks is None else
                             [[lp for lp, m in zip(lps, mask) if m] for lps, mask in zip(out.response_logprobs, loss_masks)])
         batch["rollout_logprobs"] = scatter_response_values(sampled_logprobs, batch["response_mask"])
+        if spec.algorithm.routing_replay:  # (N, T, layers, k) beside input_ids: the actor's routers replay them
+            batch["routed_experts"] = routing_batch([r[4] for r in responses], [len(p.prompt_ids) for p in prompts],
+                                                    max(len(p.prompt_ids) for p in prompts), batch["input_ids"].shape[1])
         metrics.update({
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": algo.response_length_clip_ratio(lengths, spec.data.max_response_length),
@@ -512,7 +524,8 @@ class GRPOTrainer(RunLoop):
                     rewards = self._collect_scores(pending)
         if self.engine_everywhere:
             rewards = broadcast_object(rewards)
-        responses = list(zip(out.response_ids, out.response_logprobs, out.finished, loss_masks))
+        routed = out.routed_experts or [None] * len(out.response_ids)  # algorithm.routingReplay
+        responses = list(zip(out.response_ids, out.response_logprobs, out.finished, loss_masks, routed))
         generated = sum(sum(m) for m in loss_masks) if self.agent is not None else sum(len(r) for r in out.response_ids)
         return records, responses, rewards, seconds, float(generated)
 
@@ -631,9 +644,7 @@ class GRPOTrainer(RunLoop):
             dist.all_gather_object(gathered, mine if layout.rollout_rank_of(rank) == 0 else None)
             out = RolloutOutput([], [], [])
             for piece in (g for g in gathered if g is not None):  # replica order = prompt order
-                out.response_ids += piece.response_ids
-                out.response_logprobs += piece.response_logprobs
-                out.finished += piece.finished
+                out.extend(piece)
         if release:
             self._release_engine()
         return out
