@@ -45,6 +45,15 @@ CROSS_INVALID = [
     ("partial-with-sync", {**SEPARATE4, R + "partial": True}, {R + "partial": ["set rollout.mode: one-step or async"]}),
     ("async-agent", {**SEPARATE4, R + "mode": "async", R + "agent": {}, "spec.tools": [{"name": "python", "builtin": "python"}]},
      {R + "mode": ["cannot run the agent loop ahead"]}),
+    # MoE routing replay: an RL algorithm, single-turn rollouts from a colocated engine, an MoE model
+    ("replay-sft", {"spec.algorithm.routingReplay": True, "spec.algorithm.name": "sft", "spec.sft": {}},
+     {"spec.algorithm.routingReplay": ["sft has no rollout"]}),
+    ("replay-agent", {"spec.algorithm.routingReplay": True, R + "agent": {}, "spec.tools": [PY_TOOL]},
+     {"spec.algorithm.routingReplay": ["rollout.agent", "remove routingReplay or rollout.agent"]}),
+    ("replay-separate", {"spec.algorithm.routingReplay": True, **SEPARATE4},
+     {"spec.algorithm.routingReplay": ["placement separate", "colocated"]}),
+    ("replay-dense-builtin", {"spec.algorithm.routingReplay": True, "spec.model.path": "builtin://tiny-qwen2"},
+     {"spec.algorithm.routingReplay": ["builtin://tiny-qwen2 is dense", "builtin://tiny-qwen3-moe"]}),
     # multi-turn rollouts: rollout.agent and spec.tools need each other; one source per tool, unique names
     ("agent-without-tools", {R + "agent": {"maxTurns": 2}}, {"spec.tools": ["no tools", "builtin: python"]}),
     ("tools-without-agent", {"spec.tools": [PY_TOOL]}, {"spec.rollout.agent": ["only called in multi-turn", "add"]}),
@@ -220,6 +229,8 @@ CROSS_INVALID = [
 ]
 
 CROSS_VALID = [
+    ("replay-moe-builtin", {"spec.algorithm.routingReplay": True, "spec.model.path": "builtin://tiny-qwen3-moe"}),
+    ("replay-s3-model", {"spec.algorithm.routingReplay": True}),  # the worker checks the model at start-up
     ("separate-sync", SEPARATE4),
     ("separate-one-step", {**SEPARATE4, R + "mode": "one-step"}),
     ("separate-async-staleness-16", {**SEPARATE4, R + "mode": "async", R + "maxStaleness": 16}),

@@ -23,7 +23,7 @@ STOPS = {  # what the weights mean, the objective, the data order
     "algorithm.maxRefillBatches", "algorithm.overlongBuffer.enable", "algorithm.overlongBuffer.length",
     "algorithm.overlongBuffer.penaltyFactor", "algorithm.rolloutCorrection.tokenTruncation",
     "algorithm.rolloutCorrection.sequenceMasking", "algorithm.rolloutCorrection.threshold",
-    "algorithm.rolloutCorrection.sequenceMaskingThreshold",
+    "algorithm.rolloutCorrection.sequenceMaskingThreshold", "algorithm.routingReplay",
     "sft.format", "sft.responseKey", "sft.messagesKey", "sft.maxLength", "sft.overflow", "sft.lossOnPromptTokens",
     "sft.packing",
     "rollout.samplesPerPrompt",
