@@ -1,6 +1,6 @@
 """The agent loop's rollout overhead over single-turn generation of the same number of tokens (issue 31).
 
-    python3 bench/agent_overhead.py AGENT/metrics.jsonl SINGLE/metrics.jsonl
+    python3 bench/agent_overhead.py AGENT/metrics.jsonl SINGLE/metrics.jsonl [ENGINE]
 
 Both runs: the same model, batch and token budget (bench/gpu_secret_tool.yaml and bench/gpu_secret_single.yaml).
 The rollout stage's seconds per token of the trajectory (model tokens and rendered tool tokens: both pass through
@@ -25,11 +25,11 @@ def seconds_per_token(path: str) -> tuple[float, dict]:
     return statistics.median(per_token), rows[-1]
 
 
-def main(agent_path: str, single_path: str) -> None:
+def main(agent_path: str, single_path: str, engine: str = "hf static engine") -> None:
     agent, last_agent = seconds_per_token(agent_path)
     single, last_single = seconds_per_token(single_path)
     overhead = agent / single - 1
-    shape = (f"builtin tiny-qwen2-tools, {int(last_agent['reward/samples'])} trajectories a step, <= 16 tokens; "
+    shape = (f"builtin tiny-qwen2-tools, {engine}, {int(last_agent['reward/samples'])} trajectories a step, <= 16 tokens; "
              f"agent: {last_agent.get('tool/turns_mean', 0):.2f} turns, tool share {last_agent.get('tool/time_share', 0):.3f}, "
              f"reward {last_agent['reward/mean']:.3f}; single turn: {last_single['response_length/mean']:.1f} tokens")
     print(f"RESULT agent loop overhead: {overhead * 100:+.1f}% rollout seconds per token "
@@ -40,4 +40,4 @@ def main(agent_path: str, single_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

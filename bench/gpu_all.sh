@@ -6,6 +6,9 @@
 #             [the GPU default] at batch 64 and 256, fp32 greedy checks, first-call compile s cold / warm cache,
 #             recompiles over 8 prompt widths; ~8 min) | rollouttests (static engine tests incl. the GPU ones)
 #             | rolloutbuckets (compiled engine reading the filled cache slots vs the whole cache, batch 256)
+#             | moereplay (issue 36, vLLM installed: MoE routing replay, the trainer's log-probs against vLLM's with
+#             and without vLLM's routed experts, Qwen3-30B-A3B shape at 4 layers: bench/moe_routing_replay.py)
+#             | toolvllm (issue 31, vLLM installed: the tool task and its single-turn twin with vLLM as the engine)
 #             | sft [jobs] | gputests | tool (issue 31: examples/secret-tool.yaml on the GPU's static engine, and the
 #             agent loop's rollout seconds per token against the same run as one turn: bench/agent_overhead.py)
 #             ppo (digit-sum PPO with a shared critic vs GRPO, one GPU) | ppo2 (2 GPUs: digit-sum PPO, split critic
@@ -128,6 +131,8 @@ for s in $SECTIONS; do
     q7breport) section q7breport 60 python3 bench/grpo_scale_report.py --gpus 4 \
       tp2dp2-every-rank=/tmp/q7b-tp2dp2-every-rank/work/metrics.jsonl tp2dp2-rank0=/tmp/q7b-tp2dp2-rank0/work/metrics.jsonl ;;
     tool) section tool ${TOOL_LIMIT:-420} bash -c "for c in gpu_secret_tool gpu_secret_single; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|50|100)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done; python3 bench/agent_overhead.py /tmp/gpu_secret_tool/work/metrics.jsonl /tmp/gpu_secret_single/work/metrics.jsonl; python3 -m pytest tests/worker/test_rollout_static.py -m gpu -k stop_token -v -p no:cacheprovider -rs" ;;
+    toolvllm) section toolvllm ${TOOLVLLM_LIMIT:-480} bash -c "for c in gpu_secret_tool_vllm gpu_secret_single_vllm; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|50|100)/|rollout engine|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done; python3 bench/agent_overhead.py /tmp/gpu_secret_tool_vllm/work/metrics.jsonl /tmp/gpu_secret_single_vllm/work/metrics.jsonl 'vLLM 0.26'" ;;
+    moereplay) section moereplay ${MOEREPLAY_LIMIT:-480} python3 bench/moe_routing_replay.py ${MOEREPLAY_ARGS:-} ;;
     *) echo "unknown section $s" ;;
   esac
 done

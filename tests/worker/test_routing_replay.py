@@ -17,14 +17,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import megatron_helpers as H  # noqa: E402
-import tolerances as T  # noqa: E402
-from rljob_worker.data.batching import pad_batch  # noqa: E402
-from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig  # noqa: E402
-from rljob_worker.megatron.engine_config import RecomputeConfig  # noqa: E402
-from rljob_worker.rollout.base import SamplingParams  # noqa: E402
-from rljob_worker.rollout.hf_engine import HFEngine  # noqa: E402
-from rljob_worker.rollout.routed_experts import routing_batch  # noqa: E402
+import megatron_helpers as H
+import tolerances as T
+from rljob_worker.data.batching import pad_batch
+from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
+from rljob_worker.megatron.engine_config import RecomputeConfig
+from rljob_worker.rollout.base import SamplingParams
+from rljob_worker.rollout.hf_engine import HFEngine
+from rljob_worker.rollout.routed_experts import routing_batch
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) path")
 
@@ -81,7 +81,8 @@ def hf_forced_logprobs(model, ids, mask, routed, grad: bool = False):
             h.remove()
 
 
-def _actor(hf_dir, parallel=ParallelConfig(), recompute=None):
+def _actor(hf_dir, parallel=None, recompute=None):
+    parallel = parallel or ParallelConfig()
     kw = {"recompute": recompute} if recompute is not None else {}
     actor = MegatronActor.from_hf(hf_dir, parallel, OptimConfig(lr=1e-2, grad_clip=0.0), seed=1,
                                   transformer_overrides={"moe_aux_loss_coeff": 0.0}, **kw)
@@ -107,7 +108,8 @@ def test_engine_records_the_routing_of_a_full_forward(hf_dirs):
         assert tuple(routed.shape) == (len(tokens), 4, TOP_K)
         assert routed.dtype == torch.uint8
         seen = {}
-        handles = [g.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o[2])) for i, g in gates.items()]
+        handles = [g.register_forward_hook(lambda m, a, o, i=i, seen=seen: seen.__setitem__(i, o[2]))
+                   for i, g in gates.items()]
         with torch.no_grad():
             model(input_ids=torch.tensor([tokens]))
         for h in handles:
@@ -167,9 +169,8 @@ def test_replay_removes_the_routing_part_of_a_bf16_engines_mismatch(tmp_path):
     (router weights x 0.05) and whose experts matter (down projections x 8), so rounding flips some tokens'
     experts. Without replay those tokens' log-probs jump; with the engine's experts replayed only rounding is
     left: the largest gap shrinks severalfold (8x when written) and the trainer's routing is the engine's."""
-    from safetensors.torch import load_file, save_file
-
     from rljob_worker.data.batching import scatter_response_values
+    from safetensors.torch import load_file, save_file
 
     model_dir = H.make_tiny_hf_model("qwen3_moe", tmp_path / "m", seed=3, num_hidden_layers=4, mlp_only_layers=[1])
     weights = load_file(model_dir / "model.safetensors")
@@ -279,3 +280,25 @@ if __name__ == "__main__":
     from rljob_worker.runtime.distributed import destroy_distributed
 
     destroy_distributed()
+
+
+# --------------------------------------------------------------------------------------------------
+# the trainer
+
+
+def test_grpo_with_routing_replay_learns_on_the_moe_example(tmp_path):
+    """examples/moe-routing-replay.yaml in one process (the example runs EP2 over two): the engine's routing
+    reaches the actor through the batch (two mini-batches: the old-policy pass replays too), the trainer's
+    log-probs stay on the rollout's (no token off by 0.1), and the task is learned."""
+    import yaml
+    from test_learning import rewards, run_trainer
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "moe-routing-replay.yaml").read_text())
+    spec = spec["spec"]
+    spec["gpusPerNode"] = 1
+    spec["megatron"].pop("expertModelParallelSize")
+    records = run_trainer(spec, tmp_path, "--checkpoint-uri", f"file://{tmp_path}/ckpt")
+    r = rewards(records)
+    assert len(r) == 30 and r[:3].mean() < 0.3 and r[-5:].mean() > 0.7, r
+    assert all(rec["rollout/logprob_mismatch_frac"] == 0 for rec in records)
+    assert all(rec["timing/old_logprob_s"] > 0 for rec in records)

@@ -124,6 +124,16 @@ def _fake_head_dim(model_dir):
     return config.get("head_dim") or (config["hidden_size"] // heads if heads else None)
 
 
+def _fake_routing(model_dir, tokens):
+    import json
+
+    import numpy as np
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layers, k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    return (np.arange(tokens * layers * k).reshape(tokens, layers, k) % config["num_experts"]).astype(np.uint8)
+
+
 class FakeLLM:
     instances: ClassVar[list[FakeLLM]] = []
     sleep_mode_engines_in_process: ClassVar[int] = 0  # each test plays a fresh process
@@ -152,6 +162,9 @@ class FakeLLM:
         for prompt, sp in zip(prompts, sampling_params):
             ids = prompt["prompt_token_ids"]
             samples = [canned_sample(ids, j, sp.max_tokens) for j in range(sp.n)]
+            if self.kwargs.get("enable_return_routed_experts"):
+                for sample in samples:  # vLLM 0.26: (prompt + output - 1 fed tokens, layers, top-k) on finish
+                    sample.routed_experts = _fake_routing(self.kwargs["model"], len(ids) + len(sample.token_ids) - 1)
             out.append(FakeRequestOutput(ids, list(reversed(samples))))  # vLLM may finish children out of order
         self.log.append("generate")
         return out
@@ -666,3 +679,30 @@ def test_stop_token_ids_reach_vllm_and_end_the_sample_on_them(fake_vllm, model_d
     assert out.response_ids[2] == [32, 33] and out.finished[2]
     assert out.response_ids[0] == [30, 1] and out.finished[0]
     assert len(out.response_logprobs[2]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- routing replay
+def test_recording_routing_asks_vllm_for_routed_experts_and_returns_them_per_response(fake_vllm, tmp_path):
+    from rljob_worker.rollout.base import SamplingParams
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8, '
+                                          '"num_experts_per_tok": 2, "mlp_only_layers": [], "decoder_sparse_step": 1}')
+    engine = new_engine(str(tmp_path), record_routing=True)
+    assert FakeLLM.instances[-1].kwargs["enable_return_routed_experts"] is True
+    out = engine.generate([[3, 4, 5], [6]], SamplingParams(n=2, max_new_tokens=8))
+    assert [tuple(r.shape) for r in out.routed_experts] == [(3 + len(ids) - 1, 3, 2) for ids in out.response_ids[:2]] + [
+        (1 + len(ids) - 1, 3, 2) for ids in out.response_ids[2:]]
+    assert all(r.dtype == torch.uint8 for r in out.routed_experts)
+
+
+def test_routed_experts_of_moe_layers_only_are_placed_in_their_layers():
+    import numpy as np
+
+    from rljob_worker.rollout.routed_experts import from_vllm
+
+    moe_only = np.full((5, 2, 2), 7, dtype=np.uint8)
+    full = from_vllm(moe_only, num_layers=4, moe_layers=[0, 2], top_k=2, dtype=torch.uint8)
+    assert tuple(full.shape) == (5, 4, 2)
+    assert (full[:, [0, 2]] == 7).all() and torch.equal(full[:, 1], torch.tensor([[0, 1]] * 5, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="3 layers"):
+        from_vllm(np.zeros((5, 3, 2)), num_layers=4, moe_layers=[0, 2], top_k=2, dtype=torch.uint8)

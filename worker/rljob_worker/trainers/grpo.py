@@ -78,8 +78,8 @@ from rljob_worker.rollout.routed_experts import routing_batch
 from rljob_worker.rollout.weight_sync import plan_rollout_layout
 from rljob_worker.run_health import sanitize_rewards
 from rljob_worker.run_loop import RunLoop
-from rljob_worker.startup_errors import StartupError
 from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
+from rljob_worker.startup_errors import StartupError
 from rljob_worker.telemetry.flops import active_parameters
 
 log = logging.getLogger("rljob.trainer")
