@@ -37,7 +37,7 @@ def build_model(out: Path, layers: int) -> Path:
     config = Qwen3MoeConfig(**SHAPE, num_hidden_layers=layers, torch_dtype="bfloat16")
     config.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     config.to_json_file(str(out / "config.json"))
@@ -56,7 +56,12 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--dir", default="/tmp/moe30b")
+    p.add_argument("--smoke", action="store_true", help="a tiny shape with the hf engine (no GPU, no vLLM): checks the script")
     a = p.parse_args()
+    if a.smoke:
+        SHAPE.update(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, bos_token_id=1,
+                     eos_token_id=2)
     from rljob_worker.data.batching import pad_batch, scatter_response_values
     from rljob_worker.megatron.actor import MegatronActor, OptimConfig, ParallelConfig
     from rljob_worker.rollout.base import SamplingParams
@@ -66,11 +71,18 @@ def main() -> None:
     t0 = time.perf_counter()
     model_dir = build_model(Path(a.dir), a.layers)
     print(f"model: {a.layers} layers of Qwen3-30B-A3B's shape, built in {time.perf_counter() - t0:.1f}s", flush=True)
-    engine = VLLMEngine(str(model_dir), dtype=torch.bfloat16, gpu_memory_utilization=0.35, record_routing=True,
-                        max_model_len=a.prompt_len + a.new + 8, eos_token_id=SHAPE["eos_token_id"],
-                        skip_tokenizer_init=True, enforce_eager=True)
+    if a.smoke:
+        from rljob_worker.rollout.hf_engine import HFEngine
+
+        engine = HFEngine(str(model_dir), dtype=torch.bfloat16, device=torch.device("cpu"), pad_token_id=0,
+                          eos_token_id=SHAPE["eos_token_id"], record_routing=True)
+    else:
+        engine = VLLMEngine(str(model_dir), dtype=torch.bfloat16, gpu_memory_utilization=0.35, record_routing=True,
+                            max_model_len=a.prompt_len + a.new + 8, eos_token_id=SHAPE["eos_token_id"],
+                            skip_tokenizer_init=True, enforce_eager=True)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 150000, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
+    prompts = [torch.randint(3, SHAPE["vocab_size"] - 1000 if not a.smoke else 500, (a.prompt_len,), generator=g).tolist()
+               for _ in range(a.prompts)]
     t0 = time.perf_counter()
     out = engine.generate(prompts, SamplingParams(n=a.n, temperature=1.0, max_new_tokens=a.new, seed=2))
     gen_s = time.perf_counter() - t0
@@ -80,7 +92,8 @@ def main() -> None:
           f"{sorted({f - t for f, t in fed})} rows vs prompt + response tokens; shape {tuple(out.routed_experts[0].shape)}",
           flush=True)
     engine.sleep()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     batch = pad_batch(expanded, out.response_ids, 0)
     rollout_lp = scatter_response_values(out.response_logprobs, batch["response_mask"])
