@@ -234,11 +234,11 @@ class VLLMEngine:
         config = _model_config(model_dir)
         self.routing = None  # (layers, MoE layers, top-k, dtype) when recording routed experts
         if record_routing:
-            from types import SimpleNamespace
+            from transformers import AutoConfig
 
             from rljob_worker.rollout.routed_experts import expert_dtype, moe_layer_indices
 
-            hf = SimpleNamespace(**config)
+            hf = AutoConfig.from_pretrained(model_dir)  # config.json may leave the defaults out
             self.routing = (hf.num_hidden_layers, moe_layer_indices(hf), hf.num_experts_per_tok,
                             expert_dtype(hf.num_experts))
         self.tied = bool(config.get("tie_word_embeddings", False))
