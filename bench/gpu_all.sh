@@ -8,6 +8,7 @@
 #             | rolloutbuckets (compiled engine reading the filled cache slots vs the whole cache, batch 256)
 #             | moereplay (issue 36, vLLM installed: MoE routing replay, the trainer's log-probs against vLLM's with
 #             and without vLLM's routed experts, Qwen3-30B-A3B shape at 4 layers: bench/moe_routing_replay.py)
+#             | tool15 (issue 31: the same pair on a 1.5B-shaped model over the tool vocabulary, static engine)
 #             | toolvllm (issue 31, vLLM installed: the tool task and its single-turn twin with vLLM as the engine)
 #             | sft [jobs] | gputests | tool (issue 31: examples/secret-tool.yaml on the GPU's static engine, and the
 #             agent loop's rollout seconds per token against the same run as one turn: bench/agent_overhead.py)
@@ -132,6 +133,8 @@ for s in $SECTIONS; do
       tp2dp2-every-rank=/tmp/q7b-tp2dp2-every-rank/work/metrics.jsonl tp2dp2-rank0=/tmp/q7b-tp2dp2-rank0/work/metrics.jsonl ;;
     tool) section tool ${TOOL_LIMIT:-420} bash -c "for c in gpu_secret_tool gpu_secret_single; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|50|100)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done; python3 bench/agent_overhead.py /tmp/gpu_secret_tool/work/metrics.jsonl /tmp/gpu_secret_single/work/metrics.jsonl; python3 -m pytest tests/worker/test_rollout_static.py -m gpu -k stop_token -v -p no:cacheprovider -rs" ;;
     toolvllm) section toolvllm ${TOOLVLLM_LIMIT:-480} bash -c "for c in gpu_secret_tool_vllm gpu_secret_single_vllm; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|50|100)/|rollout engine|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done; python3 bench/agent_overhead.py /tmp/gpu_secret_tool_vllm/work/metrics.jsonl /tmp/gpu_secret_single_vllm/work/metrics.jsonl 'vLLM 0.26'" ;;
+    tool15) section tool15prep 120 python3 bench/gpu_tools_15b_prepare.py
+      section tool15 ${TOOL15_LIMIT:-420} bash -c "for c in gpu_secret_tool_15b gpu_secret_single_15b; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|10|30)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done; python3 bench/agent_overhead.py /tmp/gpu_secret_tool_15b/work/metrics.jsonl /tmp/gpu_secret_single_15b/work/metrics.jsonl 'hf static engine (CUDA graphs, compile off), 1.5B shape bf16'" ;;
     moereplay) section moereplay ${MOEREPLAY_LIMIT:-480} python3 bench/moe_routing_replay.py ${MOEREPLAY_ARGS:-} ;;
     *) echo "unknown section $s" ;;
   esac
