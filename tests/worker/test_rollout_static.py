@@ -321,12 +321,9 @@ class _FakeGraph:
         self.body()
 
 
-@pytest.mark.parametrize("noise_in_graph", [True, False])
-def test_graph_bookkeeping_replays_decode_as_the_eager_steps(sharp_model_dir, monkeypatch, noise_in_graph):
-    """The CUDA-graph control flow, run on a CPU with a stand-in graph: captures happen before the prefill (one
-    per key bucket the rollout reaches), their warm-ups leave no trace in the output, a replay draws its noise
-    (inside the graph, or just before it without register_generator_state) and advances the step counters, so
-    seeded sampling and greedy through the graphs equal the same engine stepping eagerly."""
+def _graphed_and_eager(model_dir, monkeypatch, noise_in_graph: bool = True):
+    """Two static engines on a CPU: one running its decode steps through stand-in CUDA graphs (a capture records
+    the step, a replay runs it), one stepping eagerly."""
     import contextlib
 
     @contextlib.contextmanager
@@ -350,9 +347,9 @@ def test_graph_bookkeeping_replays_decode_as_the_eager_steps(sharp_model_dir, mo
                         "graph_pool_handle": lambda: None, "empty_cache": lambda: None}.items():
         monkeypatch.setattr(torch.cuda, name, value)
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
-    graphed = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, max_graphs=8, **kw)
+    graphed = HFStaticEngine(str(model_dir), sample_in_step=True, max_graphs=8, **kw)
     graphed.use_cuda_graph, graphed.noise_in_graph = True, noise_in_graph
-    eager = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, max_graphs=8, **kw)
+    eager = HFStaticEngine(str(model_dir), sample_in_step=True, max_graphs=8, **kw)
     real_step = graphed._run_step
 
     def run_step(*args, **kwargs):  # inside a capture: remember the step as the graph's body
@@ -361,6 +358,37 @@ def test_graph_bookkeeping_replays_decode_as_the_eager_steps(sharp_model_dir, mo
         real_step(*args, **kwargs)
 
     monkeypatch.setattr(graphed, "_run_step", run_step)
+    return graphed, eager
+
+
+def test_fewer_rows_reuse_the_graphed_session_with_finished_padding_rows(sharp_model_dir, monkeypatch, lp_tol):
+    """With CUDA graphs a call with fewer rows (the agent loop's second turn) runs in the larger session: no new
+    allocation, no capture; its extra rows start finished (the call stops when the real rows do) and the real
+    rows' tokens are those of an engine of their own size, their log-probs to fp32's reordering bound (another
+    batch size blocks the matmuls differently). A larger call grows the session."""
+    graphed, eager = _graphed_and_eager(sharp_model_dir, monkeypatch)
+    greedy = SamplingParams(n=2, temperature=0, max_new_tokens=100)
+    graphed.generate(PROMPTS, greedy)
+    session, captures = graphed._session, graphed.graph_captures
+    few = [p[:3] for p in PROMPTS[:1]]
+    a, b = graphed.generate(few, greedy), eager.generate(few, greedy)
+    assert graphed._session is session and graphed.graph_captures == captures
+    assert a.response_ids == b.response_ids and a.finished == b.finished
+    for x, y in zip(a.response_logprobs, b.response_logprobs):
+        assert x == pytest.approx(y, abs=lp_tol())
+    many = PROMPTS * 3
+    graphed.generate(many, greedy)
+    assert graphed._session.batch == len(many) * 2 and graphed._session is not session
+    assert eager._session.batch == len(few) * 2  # without graphs: the call's exact batch
+
+
+@pytest.mark.parametrize("noise_in_graph", [True, False])
+def test_graph_bookkeeping_replays_decode_as_the_eager_steps(sharp_model_dir, monkeypatch, noise_in_graph):
+    """The CUDA-graph control flow, run on a CPU with a stand-in graph: captures happen before the prefill (one
+    per key bucket the rollout reaches), their warm-ups leave no trace in the output, a replay draws its noise
+    (inside the graph, or just before it without register_generator_state) and advances the step counters, so
+    seeded sampling and greedy through the graphs equal the same engine stepping eagerly."""
+    graphed, eager = _graphed_and_eager(sharp_model_dir, monkeypatch, noise_in_graph)
     for params in (SamplingParams(n=3, temperature=1.0, max_new_tokens=100, seed=4),
                    SamplingParams(n=3, temperature=0.9, top_p=0.8, max_new_tokens=100, seed=4),
                    SamplingParams(n=1, temperature=0, max_new_tokens=100)):

@@ -331,11 +331,18 @@ class HFStaticEngine(HFEngine):
         self.graph_captures += 1
 
     def _session_for(self, batch: int, length: int) -> _Session:
-        """The session of this batch size with a cache of at least ``length`` slots: a longer one is kept (its
-        graphs stay valid and the key buckets bound what a step reads), so prompt widths that alternate around a
-        length boundary do not re-allocate and re-capture every rollout."""
+        """A session of at least this batch size with a cache of at least ``length`` slots: a longer one is kept
+        (its graphs stay valid and the key buckets bound what a step reads), so prompt widths that alternate
+        around a length boundary do not re-allocate and re-capture every rollout. With CUDA graphs a larger batch
+        is kept too (the call's extra rows start finished): the agent loop's later turns, a chunk's remainder and
+        dynamic sampling's refills call with fewer rows, and a new session costs an allocation and a capture of
+        every key bucket's graph (~0.2 s a call at 1.5B, bench/NOTES.md), while a padded decode step costs about
+        the same as a full one where decoding reads weights, not rows. Without graphs the batch is exact."""
         s = self._session
-        if s is None or s.batch != batch or s.length < length:
+        fits = s is not None and s.length >= length and (s.batch == batch or (self.use_cuda_graph and s.batch > batch))
+        if not fits:
+            if s is not None and self.use_cuda_graph:
+                batch = max(batch, s.batch)
             self._session = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -360,15 +367,17 @@ class HFStaticEngine(HFEngine):
         return int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> RolloutOutput:
-        batch, steps = len(prompts), params.max_new_tokens
+        real, steps = len(prompts), params.max_new_tokens
         if len(params.stop_token_ids) > MAX_STOP_TOKENS:
             raise ValueError(f"the static-cache engine checks at most {MAX_STOP_TOKENS} stop tokens, "
                              f"got {len(params.stop_token_ids)}")
         if steps <= 0:
-            return RolloutOutput([[] for _ in prompts], [[] for _ in prompts], [False] * batch)
+            return RolloutOutput([[] for _ in prompts], [[] for _ in prompts], [False] * real)
         width = _round_up(max(len(p) for p in prompts), 16)
         length = _round_up(width + steps, self.length_multiple)
-        s = self._session_for(batch, length)
+        s = self._session_for(real, length)
+        batch = s.batch
+        prompts = prompts + [[self.pad]] * (batch - real)  # a larger session's extra rows: finished from the start
         buckets = kv_buckets(s.length, self.max_graphs)
         mode, top_k, top_p = self._mode(params, self.vocab)
         with torch.no_grad():
@@ -397,6 +406,7 @@ class HFStaticEngine(HFEngine):
             s.tokens.fill_(self.pad)
             s.logprobs.zero_()
             s.done.zero_()
+            s.done[real:] = True
             s.count.zero_()
             s.stops.fill_(self.eos)
             s.stops[1:1 + len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids, dtype=torch.long)
@@ -438,5 +448,5 @@ class HFStaticEngine(HFEngine):
                     s.slot.add_(1)
                     self._record(s, *sample_next(logits, params.temperature, params.top_k, params.top_p, gen))
                 taken += 1
-            tokens, logprobs = s.tokens[:, :taken].cpu(), s.logprobs[:, :taken].cpu()
+            tokens, logprobs = s.tokens[:real, :taken].cpu(), s.logprobs[:real, :taken].cpu()
         return rows_to_output(tokens, logprobs, {self.eos, *params.stop_token_ids})
