@@ -41,4 +41,8 @@ def spec_notes(spec: RLJobSpec) -> list[str]:
         else:
             notes.append("spec.algorithm.rolloutCorrection.tokenTruncation is off: the loss does not correct for "
                          "samples from older policies; set it to true (or unset) unless that is intended")
+    if spec.algorithm.routing_replay:
+        notes.append("spec.algorithm.routingReplay: the rollout engine records each token's experts and the actor's "
+                     "old-policy pass and updates route to them (the reference model routes on its own); the worker "
+                     "refuses a model without experts at start-up")
     return notes

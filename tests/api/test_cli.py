@@ -516,3 +516,12 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
               + "  algorithm: {advantageEstimator: gae}\n  critic: {model: {<<: *policy}}\n")
     code, out = rljob("validate", write(tmp_path, "merge.yaml", merged))
     assert code == 0 and out.startswith("OK "), out
+
+
+def test_validate_notes_routing_replay_and_refuses_it_on_a_dense_builtin():
+    on = {"spec.algorithm.routingReplay": True}
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), on)))
+    assert code == 0 and "  note: spec.algorithm.routingReplay: the rollout engine records each token's experts" in out
+    dense = changed(gpu_job(), {**on, "spec.model.path": "builtin://tiny-qwen2"})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(dense))
+    assert code == 1 and "spec.algorithm.routingReplay:" in out and "builtin://tiny-qwen3-moe" in out, out
