@@ -292,7 +292,7 @@ class AlgorithmSpec(ApiModel):
         "the experts the rollout engine chose for it, recorded per token and layer during the rollout, so the "
         "importance ratio compares the same experts (large MoE RL runs collapse on routing mismatch without it). The "
         "reference model routes on its own. Needs an MoE model (qwen3_moe, qwen2_moe); not with rollout.agent, "
-        "rollout.placement separate or critic-only algorithms in this release.",
+        "rollout.partial or sft in this release.",
     )
     rollout_correction: RolloutCorrectionSpec = _f(
         default_factory=RolloutCorrectionSpec,

@@ -688,8 +688,8 @@ def sft_errors(spec: RLJobSpec, dp: int | None) -> list[FieldError]:
 
 
 def routing_replay_errors(spec: RLJobSpec) -> list[FieldError]:
-    """algorithm.routingReplay: an RL algorithm over single-turn rollouts from a colocated engine, and an MoE
-    model where the spec says which model it is (a builtin). Pure."""
+    """algorithm.routingReplay: an RL algorithm over single-turn rollouts generated whole (not in partial chunks),
+    and an MoE model where the spec says which model it is (a builtin). Pure."""
     if not spec.algorithm.routing_replay:
         return []
     field, errs = "spec.algorithm.routingReplay", []
@@ -698,9 +698,9 @@ def routing_replay_errors(spec: RLJobSpec) -> list[FieldError]:
     if spec.rollout.agent is not None:
         errs.append(FieldError(field, "is not supported with rollout.agent in this release (tool tokens are routed by "
                                "the next turn's prefill); remove routingReplay or rollout.agent"))
-    if rollout_in_own_pool(spec):
-        errs.append(FieldError(field, "is not supported with rollout.placement separate in this release; remove "
-                               "routingReplay or use rollout.placement: colocated"))
+    if spec.rollout.partial:
+        errs.append(FieldError(field, "is not supported with rollout.partial in this release (a response's chunks "
+                               "ran under different weights); remove routingReplay or rollout.partial"))
     path = spec.model.path or ""
     if path.startswith("builtin://") and path[len("builtin://"):] not in BUILTIN_MOE_MODEL_NAMES:
         errs.append(FieldError(field, f"needs a mixture-of-experts model and {path} is dense; remove routingReplay "

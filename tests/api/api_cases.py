@@ -50,8 +50,8 @@ CROSS_INVALID = [
      {"spec.algorithm.routingReplay": ["sft has no rollout"]}),
     ("replay-agent", {"spec.algorithm.routingReplay": True, R + "agent": {}, "spec.tools": [PY_TOOL]},
      {"spec.algorithm.routingReplay": ["rollout.agent", "remove routingReplay or rollout.agent"]}),
-    ("replay-separate", {"spec.algorithm.routingReplay": True, **SEPARATE4},
-     {"spec.algorithm.routingReplay": ["placement separate", "colocated"]}),
+    ("replay-partial", {"spec.algorithm.routingReplay": True, **SEPARATE4, R + "mode": "async", R + "partial": True},
+     {"spec.algorithm.routingReplay": ["rollout.partial", "remove routingReplay or rollout.partial"]}),
     ("replay-dense-builtin", {"spec.algorithm.routingReplay": True, "spec.model.path": "builtin://tiny-qwen2"},
      {"spec.algorithm.routingReplay": ["builtin://tiny-qwen2 is dense", "builtin://tiny-qwen3-moe"]}),
     # multi-turn rollouts: rollout.agent and spec.tools need each other; one source per tool, unique names
@@ -231,6 +231,7 @@ CROSS_INVALID = [
 CROSS_VALID = [
     ("replay-moe-builtin", {"spec.algorithm.routingReplay": True, "spec.model.path": "builtin://tiny-qwen3-moe"}),
     ("replay-s3-model", {"spec.algorithm.routingReplay": True}),  # the worker checks the model at start-up
+    ("replay-separate-async", {"spec.algorithm.routingReplay": True, **SEPARATE4, R + "mode": "async"}),
     ("separate-sync", SEPARATE4),
     ("separate-one-step", {**SEPARATE4, R + "mode": "one-step"}),
     ("separate-async-staleness-16", {**SEPARATE4, R + "mode": "async", R + "maxStaleness": 16}),

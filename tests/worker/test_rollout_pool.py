@@ -151,6 +151,24 @@ def pool_job(name: str, mode: str, max_staleness: int = 2, steps: int = 20) -> d
     return doc
 
 
+def test_routing_replay_reaches_the_trainer_from_a_separate_pool(tmp_path):
+    """An MoE model (builtin://tiny-qwen3-moe) with algorithm.routingReplay, its rollout in a pool of its own (sync):
+    the pool's engine records each token's experts, its replies carry them, the actor replays them, and the
+    trainer's log-probs equal the pool's (the same weights, fp32: no token off by 0.1) while the task is learned."""
+    from test_ppo_split import by_step, finish, launch
+
+    doc = pool_job("pool-moe-replay", "sync")
+    doc["spec"]["model"]["path"] = "builtin://tiny-qwen3-moe"
+    doc["spec"]["algorithm"]["routingReplay"] = True
+    proc, work = launch(doc, tmp_path)
+    out = finish(proc, work)
+    steps = by_step(work)
+    assert sorted(steps) == list(range(1, 21)), out[-3000:]
+    assert all(s["rollout/logprob_mismatch_frac"] == 0 for s in steps.values())
+    first, last = (sum(steps[k]["reward/mean"] for k in ks) / 4 for ks in (range(1, 5), range(17, 21)))
+    assert first < 0.3 and last > 0.6, (first, last)
+
+
 def staleness_bound(mode: str, max_staleness: int) -> int:
     return {"sync": 0, "one-step": 1, "async": max_staleness}[mode]
 

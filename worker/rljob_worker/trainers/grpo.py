@@ -198,7 +198,8 @@ class GRPOTrainer(RunLoop):
 
             self.rollout_pool = RolloutPoolClient(self.pools, self.device)
             self.rollout_pool.build(name=RolloutEngineName.HF, model_dir=str(self.model_dir), dtype=self.dtype,
-                                    eos_token_id=self.eos_id, pad_token_id=self.pad_id, seed=t.seed, compile=r.compile)
+                                    eos_token_id=self.eos_id, pad_token_id=self.pad_id, seed=t.seed, compile=r.compile,
+                                    record_routing=a.routing_replay)
             if self.is_main:
                 log.info("rollout engines: the rollout pool's (%d GPU(s) per node, mode %s%s)", r.gpus, r.mode.value,
                          f", up to {self.lookahead} batch(es) ahead" if self.lookahead else "")
