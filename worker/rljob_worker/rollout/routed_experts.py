@@ -45,6 +45,8 @@ class RoutingRecorder:
         self.num_layers, self.top_k = config.num_hidden_layers, config.num_experts_per_tok
         self.dtype = expert_dtype(config.num_experts)
         self.layers = moe_layer_indices(config)
+        if not self.layers:
+            raise ValueError(f"routing replay: {type(model).__name__} has no mixture-of-experts layer to record")
         self._calls: dict[int, list[torch.Tensor]] = {i: [] for i in self.layers}
         self._handles = []
         modules = dict(model.named_modules())
@@ -56,7 +58,7 @@ class RoutingRecorder:
 
     def _hook(self, layer: int):
         def keep(_module, _inputs, output):
-            self._calls[layer].append(output[2].detach().to("cpu", self.dtype))
+            self._calls[layer].append(output[2].detach().to(self.dtype))  # stays on the device: no sync per step
         return keep
 
     def reset(self) -> None:
@@ -68,8 +70,8 @@ class RoutingRecorder:
         """Per response ``(P_i + R_i - 1, layers, k)`` after a generation whose first call was the prefill of
         ``batch`` left-padded prompts ``prompt_width`` wide, then one call per decode step (token j of a
         response is fed at decode step j + 1)."""
-        steps = [torch.stack([self._calls[i][s] for i in self.layers], dim=1)  # (batch * cols, moe layers, k)
-                 for s in range(len(self._calls[self.layers[0]]))] if self.layers else []
+        steps = [torch.stack([self._calls[i][s] for i in self.layers], dim=1).cpu()  # (batch * cols, moe layers, k)
+                 for s in range(len(self._calls[self.layers[0]]))]
         prefill = steps[0].view(batch, prompt_width, len(self.layers), self.top_k)
         decode = [s.view(batch, len(self.layers), self.top_k) for s in steps[1:]]
         out = []
