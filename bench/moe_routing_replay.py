@@ -30,7 +30,7 @@ SHAPE = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "
 
 
 def build_model(out: Path, layers: int) -> Path:
-    from rljob_worker.data.builtin_models import _checkpoint_names
+    from rljob_worker.data.builtin_models import per_expert_state
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -41,7 +41,7 @@ def build_model(out: Path, layers: int) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     config.to_json_file(str(out / "config.json"))
-    state = _checkpoint_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
+    state = per_expert_state({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     del model
     torch.cuda.empty_cache()

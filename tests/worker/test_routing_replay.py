@@ -201,6 +201,15 @@ def test_replay_removes_the_routing_part_of_a_bf16_engines_mismatch(tmp_path):
     assert gap_replayed.mean() < gap_own.mean()
 
 
+def test_a_dense_model_is_refused_naming_the_field(tmp_path):
+    from rljob_worker.megatron.errors import MegatronConfigError
+
+    actor = MegatronActor.from_hf(H.make_tiny_hf_model("qwen2", tmp_path / "dense"), ParallelConfig(),
+                                  OptimConfig(lr=1e-3), seed=1)
+    with pytest.raises(MegatronConfigError, match=r"spec.algorithm.routingReplay: the model \(qwen2\) has no experts"):
+        actor.enable_routing_replay()
+
+
 def test_routing_batch_aligns_with_pad_batch():
     prompts, responses = [[3, 4, 5], [6]], [[7, 8], [9, 10, 11]]
     routed = [torch.full((4, 2, TOP_K), 3, dtype=torch.uint8), torch.full((3, 2, TOP_K), 2, dtype=torch.uint8)]

@@ -79,7 +79,7 @@ def build_char_tokenizer(tools: bool = False):
     return out
 
 
-def _checkpoint_names(state: dict) -> dict:
+def per_expert_state(state: dict) -> dict:
     """transformers' in-memory fused experts (``experts.gate_up_proj (E, 2I, H)``, ``experts.down_proj (E, H, I)``)
     -> the per-expert tensors of a Qwen-MoE checkpoint on disk (``experts.{e}.gate_proj.weight`` ...)."""
     out = {}
@@ -125,7 +125,7 @@ def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     config.to_json_file(str(tmp / "config.json"))
-    state = _checkpoint_names({k: v.contiguous() for k, v in model.state_dict().items()})
+    state = per_expert_state({k: v.contiguous() for k, v in model.state_dict().items()})
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)  # HF convention: tied output weights live in embed_tokens
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -629,7 +629,8 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         from . import routing_replay
 
         if not moe.is_moe(self.hf_config):
-            raise MegatronConfigError("routing replay needs a mixture-of-experts model (qwen3_moe, qwen2_moe)")
+            raise MegatronConfigError(f"spec.algorithm.routingReplay: the model ({self.hf_config.model_type}) has no "
+                                      "experts to replay; remove routingReplay or train a qwen3_moe / qwen2_moe model")
         self.routing_replays = routing_replay.install(self.chunks)
 
     def _clear_routing(self) -> None:

@@ -25,12 +25,10 @@ def filler(top_k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def moe_layer_indices(hf_config) -> list[int]:
-    """The decoder layers of an HF Qwen2/3-MoE config that route to experts (``mlp_only_layers`` and
-    ``decoder_sparse_step`` as transformers reads them)."""
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    return [i for i in range(hf_config.num_hidden_layers)
-            if i not in dense and int(getattr(hf_config, "num_experts", 0) or 0) > 0 and (i + 1) % step == 0]
+    """The decoder layers of an HF Qwen2/3-MoE config that route to experts ([] for a dense model)."""
+    from rljob_worker.megatron.moe import is_moe, moe_layer_pattern  # no megatron-core import
+
+    return [i for i, has_experts in enumerate(moe_layer_pattern(hf_config)) if has_experts] if is_moe(hf_config) else []
 
 
 class RoutingRecorder:

@@ -79,7 +79,6 @@ from rljob_worker.rollout.weight_sync import plan_rollout_layout
 from rljob_worker.run_health import sanitize_rewards
 from rljob_worker.run_loop import RunLoop
 from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
-from rljob_worker.startup_errors import StartupError
 from rljob_worker.telemetry.flops import active_parameters
 
 log = logging.getLogger("rljob.trainer")
@@ -153,11 +152,6 @@ class GRPOTrainer(RunLoop):
                                            transformer_overrides=m.override_transformer_config, lora=lora)
         a = spec.algorithm
         if a.routing_replay:  # the rollout's expert choices drive the actor's routers (the reference routes itself)
-            from rljob_worker.megatron import moe
-
-            if not moe.is_moe(self.actor.hf_config):
-                raise StartupError(f"spec.algorithm.routingReplay: the model ({self.actor.hf_config.model_type}) has "
-                                   "no experts to replay; remove routingReplay or train a qwen3_moe / qwen2_moe model")
             self.actor.enable_routing_replay()
         self.use_ref = a.kl_coef > 0
         # with LoRA the reference policy is the actor with its adapters off: no second copy of the weights
