@@ -821,6 +821,12 @@ class CheckpointSpec(ApiModel):
         "model with one label (<Model>ForTokenClassification: the critic's layers, its value head as the classifier "
         "`score`); its logit after token t is the value of the next state. (verl: the critic's HF checkpoint)")
     save_on_preemption: bool = _f(True, "On SIGTERM (eviction, suspend) save a checkpoint before exiting when the grace period allows.")
+    compile_cache: bool = _f(
+        True, "Keep the compiled kernels (inductor, Triton and vLLM compile caches) in this storage under "
+        "<job prefix>/compile-cache/, saved after the first step that compiled and restored by every new pod "
+        "before its model is built, so a preempted or moved job does not compile again (minutes at 0.5B-7B). "
+        "One archive per model shape, dtype, GPU, library versions and engine settings; a missing or bad "
+        "archive only means a compile.")
 
 
 class SecretKeyRef(ApiModel):

@@ -60,6 +60,7 @@ CHILD_API_VERSIONS = {ChildKind.PYTORCHJOB: PYTORCHJOB_API_VERSION, ChildKind.JO
 # Size of the compile-cache emptyDir (the names and paths of the pod's own volumes: rljob_api.pod_layout).
 COMPILE_CACHE_SIZE = "10Gi"
 COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": f"{COMPILE_CACHE_MOUNT}/inductor",
+                     "TRITON_CACHE_DIR": f"{COMPILE_CACHE_MOUNT}/triton", "VLLM_CACHE_ROOT": f"{COMPILE_CACHE_MOUNT}/vllm",
                      "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 GPU_RESOURCE = "nvidia.com/gpu"
 

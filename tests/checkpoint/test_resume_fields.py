@@ -77,7 +77,7 @@ RESUMES = {  # schedules, validation, engines, rewards, storage, cluster setting
     *(f"tracking.wandb.{f}" for f in (
         "apiKeySecretRef.key", "apiKeySecretRef.name", "entity", "mode", "project", "runName")),
     "checkpoint.uri", "checkpoint.saveFreq", "checkpoint.maxToKeep", "checkpoint.resumeMode",
-    "checkpoint.resumeFrom", "checkpoint.exportHf", "checkpoint.exportCritic", "checkpoint.saveOnPreemption",
+    "checkpoint.resumeFrom", "checkpoint.exportHf", "checkpoint.exportCritic", "checkpoint.saveOnPreemption", "checkpoint.compileCache",
     "s3.endpoint", "s3.region", "s3.credentialsSecretRef.name", "s3.credentialsSecretRef.accessKeyIdKey",
     "s3.credentialsSecretRef.secretAccessKeyKey", "s3.addressingStyle",
     "metrics.enabled", "metrics.port", "metrics.podMonitor", "metrics.tensorboardDir",

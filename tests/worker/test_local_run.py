@@ -227,7 +227,7 @@ def test_start_up_names_each_phase_and_a_finished_job_stops_before_building_the_
     first = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     phases = [line.split()[1:-1] for line in first.stdout.splitlines() if line.startswith("start-up: ")]
-    assert [" ".join(p) for p in phases] == ["imports", "distributed init", "data", "checkpoint store", "model build",
+    assert [" ".join(p) for p in phases] == ["imports", "distributed init", "data", "checkpoint store", "compile cache", "model build",
                                              "resume"], first.stdout[-3000:]
     assert first.stdout.index("start-up: resume") < first.stdout.index("step 1/2"), first.stdout[-3000:]
     again = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)

@@ -272,8 +272,11 @@ def test_cpu_default_is_uncompiled_with_the_hf_engines_sampler(sharp_model_dir, 
 def test_compile_cache_env_points_under_the_workdir_unless_set(tmp_path):
     env = compile_cache_env(tmp_path, {})
     assert env == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile-cache" / "inductor"),
+                   "TRITON_CACHE_DIR": str(tmp_path / "compile-cache" / "triton"),
+                   "VLLM_CACHE_ROOT": str(tmp_path / "compile-cache" / "vllm"),
                    "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-    assert compile_cache_env(tmp_path, {"TORCHINDUCTOR_CACHE_DIR": "/cache", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}) == {
+    assert compile_cache_env(tmp_path, {"TORCHINDUCTOR_CACHE_DIR": "/cache", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+                                        "TRITON_CACHE_DIR": "/t", "VLLM_CACHE_ROOT": "/v"}) == {
         "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 

@@ -200,6 +200,8 @@ class RunLoop:
         if self.finished_at is not None:  # a re-run with nothing left: say so before building any model
             self.step = self.finished_at
             return
+        self.compile_cache = self._restore_compile_cache()
+        t = self._phase("compile cache", t)
         if self.device.type == "cpu":  # (imports megatron: part of the model's build)
             from rljob_worker.megatron.cpu_compat import apply_cpu_patches
 
@@ -212,6 +214,30 @@ class RunLoop:
         self._phase("resume", t)
         if self.is_main and (self.spec.tracking.mlflow or self.spec.tracking.wandb):
             self._open_trackers()
+
+    def _restore_compile_cache(self):
+        """A new pod's compiled kernels from the job's storage (checkpoint.compileCache), before any engine
+        compiles; says on the start-up lines whether the first rollout will compile."""
+        if not self.spec.checkpoint.compile_cache:
+            return None
+        from rljob_worker.checkpoint import compile_cache as cc
+
+        engine = {"engine": self.spec.rollout.engine.value, "compile": self.spec.rollout.compile.value,
+                  "tp": self.spec.rollout.tensor_model_parallel_size, "lora": self.spec.lora is not None,
+                  "enforce_eager": self.spec.rollout.enforce_eager}
+        parts = cc.fingerprint(cc.model_config_of(getattr(self, "model_dir", None)), dtype=self.spec.model.dtype.value,
+                               engine=engine, device=cc.device_name(self.device))
+        sync = cc.CompileCacheSync(self.checkpoints.store, self.checkpoints.manager.base_prefix, cc.archive_key(parts),
+                                   cc.cache_roots(), uploads=self.is_main)
+        words = sync.restore()
+        if self.is_main:
+            print(f"compile cache: {words}", flush=True)
+        return sync
+
+    def _save_compile_cache(self) -> None:
+        sync = getattr(self, "compile_cache", None)
+        if sync is not None and sync.save_if_grown():
+            log.info("compile cache: the caches grew; uploading them in the background")
 
     def _open_trackers(self) -> None:
         from rljob_worker.telemetry.trackers import RunTrackers
@@ -300,6 +326,9 @@ class RunLoop:
             metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
             metrics.update(stage_peaks_over_ranks(self.telemetry.pending_stage_peak_bytes(), self.device))
             self.history.append(StepResult(self.step, metrics))
+            if len(self.history) == 1:  # this process's first step: what it compiled, kept for the next pod
+                self._log_first_step_compiles(metrics["timing/step_s"])
+                self._save_compile_cache()
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
             self.telemetry.record_gpu_memory()
             self._poll_checkpoint()
@@ -317,17 +346,31 @@ class RunLoop:
             due = (last and freq != 0) or (freq > 0 and self.step % freq == 0)
             if due or (stop and spec.checkpoint.save_on_preemption):
                 self.save_checkpoint(metrics)
+                self._save_compile_cache()  # a validation or a new shape may have compiled since
             if stop:
                 self.checkpoints.wait()
                 raise Preempted(f"stopped by SIGTERM after step {self.step}")
         if bar is not None:
             bar.close()
         self.checkpoints.wait()
+        if getattr(self, "compile_cache", None) is not None:
+            self.compile_cache.wait()
         self._poll_checkpoint()
         self._publish_status(self.history[-1].metrics if self.history else {}, force=True)
         self.export_final_models()
         self._completed = True
         return self.history
+
+    def _log_first_step_compiles(self, seconds: float) -> None:
+        """One line saying whether the first step compiled or loaded its kernels (rank 0)."""
+        if not self.is_main:
+            return
+        from torch._dynamo.utils import counters
+
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        if hits or misses:
+            print(f"first step {seconds:.1f}s: {misses} graph(s) compiled, {hits} loaded from the compile cache",
+                  flush=True)
 
     def export_final_models(self) -> None:
         """After the last step: the policy in Hugging Face format (checkpoint.exportHf). Collective."""

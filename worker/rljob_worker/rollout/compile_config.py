@@ -1,10 +1,11 @@
 """Whether the static engine compiles its decode step, and where compiled kernels are kept across restarts.
 
 Compiling the decode step (torch.compile + inductor) costs ~30-60 s on its first call; inductor's on-disk
-caches (FX graphs, AOT autograd graphs, Triton kernels, autotuning results, all under
-``TORCHINDUCTOR_CACHE_DIR``) turn a later process's first call into a cache load. The operator mounts an
-``emptyDir`` in every GPU pod for them (it outlives container restarts in the pod) and sets the variables;
-a local run (``rljob run``) keeps them under its workdir.
+caches (FX graphs, AOT autograd graphs, autotuning results under ``TORCHINDUCTOR_CACHE_DIR``, Triton
+kernels under ``TRITON_CACHE_DIR``) turn a later process's first call into a cache load. The operator mounts
+an ``emptyDir`` in every GPU pod for them (it outlives container restarts in the pod) and sets the
+variables; a local run (``rljob run``) keeps them under its workdir. A new pod restores them from the job's
+object storage (checkpoint/compile_cache, ``spec.checkpoint.compileCache``).
 """
 from __future__ import annotations
 
@@ -43,8 +44,11 @@ def compile_enabled(setting: RolloutCompile | str, device: torch.device,
 
 
 def compile_cache_env(workdir: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables to set for a persistent compile cache under ``workdir`` (only those not set already:
-    the operator's pod env points them at the pod's emptyDir)."""
+    """The variables to set for persistent compile caches under ``workdir`` (only those not set already:
+    the operator's pod env points them at the pod's emptyDir): inductor's, Triton's (also the kernels
+    outside inductor) and vLLM's. checkpoint/compile_cache keeps the same three in the job's storage."""
     environ = os.environ if environ is None else environ
-    wanted = {CACHE_DIR_ENV: str(Path(workdir) / "compile-cache" / "inductor"), **CACHE_SWITCHES}
+    root = Path(workdir) / "compile-cache"
+    wanted = {CACHE_DIR_ENV: str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton"),
+              "VLLM_CACHE_ROOT": str(root / "vllm"), **CACHE_SWITCHES}
     return {k: v for k, v in wanted.items() if not environ.get(k)}
