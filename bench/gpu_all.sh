@@ -6,6 +6,10 @@
 #             [the GPU default] at batch 64 and 256, fp32 greedy checks, first-call compile s cold / warm cache,
 #             recompiles over 8 prompt widths; ~8 min) | rollouttests (static engine tests incl. the GPU ones)
 #             | rolloutbuckets (compiled engine reading the filled cache slots vs the whole cache, batch 256)
+#             | warmstart (issue 35: first step of a cold pod, of a pod whose compile cache was restored from the
+#             job's storage, of a restarted container, and with compile off, each against its warm step:
+#             bench/warm_start.py) | offload15 (issue 35: actor offload + onload at 1.5B by phase against the
+#             pinned copy floor: bench/offload.py)
 #             | moereplay (issue 36, vLLM installed: MoE routing replay, the trainer's log-probs against vLLM's with
 #             and without vLLM's routed experts, Qwen3-30B-A3B shape at 4 layers: bench/moe_routing_replay.py)
 #             | tool15 (issue 31: the same pair on a 1.5B-shaped model over the tool vocabulary, static engine)
@@ -135,6 +139,8 @@ for s in $SECTIONS; do
     toolvllm) section toolvllm ${TOOLVLLM_LIMIT:-480} bash -c "for c in gpu_secret_tool_vllm gpu_secret_single_vllm; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|50|100)/|rollout engine|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done; python3 bench/agent_overhead.py /tmp/gpu_secret_tool_vllm/work/metrics.jsonl /tmp/gpu_secret_single_vllm/work/metrics.jsonl 'vLLM 0.26'" ;;
     tool15) section tool15prep 120 python3 bench/gpu_1_5b_char_prepare.py --tools --output-scale 0.02 --out /tmp/tools1.5b
       section tool15 ${TOOL15_LIMIT:-420} bash -c "for c in gpu_secret_tool_15b gpu_secret_single_15b; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|10|30)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done; python3 bench/agent_overhead.py /tmp/gpu_secret_tool_15b/work/metrics.jsonl /tmp/gpu_secret_single_15b/work/metrics.jsonl 'hf static engine (CUDA graphs, compile off), 1.5B shape bf16'" ;;
+    warmstart) section warmstart ${WARMSTART_LIMIT:-540} python3 bench/warm_start.py --pods ${WARMSTART_PODS:-cold,restored,restarted,nocompile} ;;
+    offload15) section offload15 ${OFFLOAD_LIMIT:-240} python3 bench/offload.py --model 1.5b ;;
     moereplay) section moereplay ${MOEREPLAY_LIMIT:-480} python3 bench/moe_routing_replay.py ${MOEREPLAY_ARGS:-} ;;
     *) echo "unknown section $s" ;;
   esac

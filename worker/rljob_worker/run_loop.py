@@ -221,8 +221,10 @@ class RunLoop:
         if not self.spec.checkpoint.compile_cache:
             return None
         from rljob_worker.checkpoint import compile_cache as cc
+        from rljob_worker.rollout.compile_config import compile_enabled
 
-        engine = {"engine": self.spec.rollout.engine.value, "compile": self.spec.rollout.compile.value,
+        engine = {"engine": self.spec.rollout.engine.value,
+                  "compile": compile_enabled(self.spec.rollout.compile, self.device),  # as resolved (env wins)
                   "tp": self.spec.rollout.tensor_model_parallel_size, "lora": self.spec.lora is not None,
                   "enforce_eager": self.spec.rollout.enforce_eager}
         parts = cc.fingerprint(cc.model_config_of(getattr(self, "model_dir", None)), dtype=self.spec.model.dtype.value,

@@ -26,6 +26,7 @@ read by a kernel is garbage, not an error).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -111,6 +112,8 @@ class StorageOffloader:
     """
 
     host_pin: bool = True
+    # seconds of the last offload / onload by phase (host_alloc, copy_issue, copy_wait, release / alloc, ...)
+    last_timing: dict[str, float] = field(default_factory=dict)
     _offloaded: dict[str, list[_Block]] = field(default_factory=dict)
     _host: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -147,18 +150,28 @@ class StorageOffloader:
                 continue
             blocks.append(_Block(storage, nbytes, t.device, name, keep_values))
         # copy out (async into pinned memory on CUDA), wait once, then release
+        timing = {"host_alloc": 0.0, "copy_issue": 0.0}
         for b in blocks:
             if b.keep_values:
                 host = self._host.get(b.storage._cdata)
                 if host is None or host.numel() != b.nbytes:
+                    t = time.perf_counter()
                     pin = self.host_pin and b.device.type == "cuda"
                     host = torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=pin)
                     self._host[b.storage._cdata] = host
+                    timing["host_alloc"] += time.perf_counter() - t
+                t = time.perf_counter()
                 host.untyped_storage().copy_(b.storage, non_blocking=b.device.type == "cuda")
+                timing["copy_issue"] += time.perf_counter() - t
+        t = time.perf_counter()
         if any(b.device.type == "cuda" for b in blocks):
             torch.cuda.synchronize()
+        timing["copy_wait"] = time.perf_counter() - t
+        t = time.perf_counter()
         for b in blocks:
             b.storage.resize_(0)
+        timing["release"] = time.perf_counter() - t
+        self.last_timing = timing
         self._offloaded[category] = blocks
         return sum(b.nbytes for b in blocks)
 
@@ -168,18 +181,26 @@ class StorageOffloader:
         blocks = self._offloaded.pop(category, None)
         if not blocks:
             return 0
+        timing = {"alloc": 0.0, "copy_issue": 0.0}
         for b in blocks:
             if b.storage.nbytes() != 0:
                 raise OffloadStateError(
                     f"{category}: the storage of {b.first_name} was reallocated behind the offloader's back"
                 )
+            t = time.perf_counter()
             b.storage.resize_(b.nbytes)
+            timing["alloc"] += time.perf_counter() - t
+            t = time.perf_counter()
             if b.keep_values:
                 b.storage.copy_(
                     self._host[b.storage._cdata].untyped_storage(), non_blocking=b.device.type == "cuda"
                 )
             else:
                 torch.empty(0, dtype=torch.uint8, device=b.device).set_(b.storage).zero_()
+            timing["copy_issue"] += time.perf_counter() - t
+        t = time.perf_counter()
         if any(b.device.type == "cuda" for b in blocks):
             torch.cuda.synchronize()
+        timing["copy_wait"] = time.perf_counter() - t
+        self.last_timing = timing
         return sum(b.nbytes for b in blocks)

@@ -1,0 +1,119 @@
+"""First step of a new pod against a warm step (issue 35): cold compile vs the compile cache restored from the
+job's storage (spec.checkpoint.compileCache).
+
+Each "pod" is a real `rljob run` of the same job (GRPO at the grpo_step workload: random-init model, 32 prompts
+x 8, 128 + 256 tokens, the static engine with its decode step compiled) with its own, initially empty, cache
+folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one shared checkpoint store:
+
+- ``cold``: nothing stored yet: the first step compiles; its caches are uploaded after it.
+- ``restored``: a new pod: start-up restores the archive, the first step loads kernels.
+- ``restarted``: the same pod's folders again (a container restart: the emptyDir kept them).
+- ``nocompile``: compile off, cold (what a first step costs without any compile: CUDA graph capture,
+  allocator and library warm-up).
+
+First-step / warm-step ratios (warm = median of the later steps of the same run) go to results.jsonl.
+
+    python bench/warm_start.py [--model 0.5b] [--steps 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="0.5b")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--pods", default="cold,restored,restarted,nocompile")
+    ap.add_argument("--timeout-each", type=float, default=420)
+    ap.add_argument("--smoke", action="store_true", help="CPU check of this script: 2 prompts x 2, 8 tokens")
+    a = ap.parse_args()
+
+    import grpo_step
+    import torch
+
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    root = Path(tempfile.mkdtemp(prefix="warm_start_"))
+    gargs = argparse.Namespace(prompts=32, n=8, prompt_len=128, new_tokens=256, mbs=16, kl_coef=0.0, warmup=0,
+                               steps=a.steps, child="rljob-compiled")
+    vocab = grpo_step.VOCAB
+    if a.smoke:
+        gargs.prompts, gargs.n, gargs.prompt_len, gargs.new_tokens, gargs.mbs, vocab = 2, 2, 8, 8, 2, 64
+        grpo_step.EOS_ID = vocab
+    paths = grpo_step.prepare(root / "data", a.model, gargs.prompts * a.steps, gargs.prompt_len, vocab)
+    spec = grpo_step.rljob_spec(gargs, paths, root)
+    if a.smoke:
+        spec["device"] = "cpu"
+    spec["checkpoint"] = {"uri": f"file://{root}/store", "saveFreq": 0, "exportHf": False}
+    spec["rollout"]["compile"] = "enabled"
+    doc = {"apiVersion": "rljob.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "warmstart"}, "spec": spec}
+    job = root / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "VLLM_CACHE", "RLJOB_HF_STATIC"))}
+
+    import results as bench_results
+
+    shape = (f"{a.model} random init, GRPO 32 prompts x 8, 128 + 256 tokens, bf16, static engine with the decode "
+             f"step compiled, one `rljob run` per pod, {a.steps} steps; warm = median of steps 2-{a.steps}")
+    rows = {}
+    for pod in a.pods.split(","):
+        cache = root / ("pod-restored" if pod in ("restored", "restarted") else f"pod-{pod}")
+        pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
+                   "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1"}
+        workdir = root / f"run-{pod}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "rljob_cli.main", "run", str(job), "--workdir",
+                                   str(workdir), "--steps", str(a.steps)], env=pod_env, capture_output=True,
+                                  text=True, timeout=a.timeout_each, check=False)
+        except subprocess.TimeoutExpired as exc:
+            print(f"== {pod}: no result within {a.timeout_each:.0f}s\n{(exc.stdout or b'')[-3000:]!r}", flush=True)
+            continue
+        wall = time.perf_counter() - t0
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("compile cache:", "first step", "start-up:"))]
+        print(f"== {pod}: rc {proc.returncode}, {wall:.1f}s\n  " + "\n  ".join(lines), flush=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
+            continue
+        steps = [json.loads(ln) for ln in (workdir / "work" / "metrics.jsonl").read_text().splitlines()]
+        times = [s["timing/step_s"] for s in steps]
+        rollout = [s.get("timing/rollout_s") for s in steps]
+        warm = statistics.median(times[1:])
+        rows[pod] = {"first_s": times[0], "warm_s": warm, "ratio": times[0] / warm, "wall_s": wall,
+                     "first_rollout_s": rollout[0], "warm_rollout_s": statistics.median(r for r in rollout[1:] if r),
+                     "lines": lines}
+        print(json.dumps({k: v for k, v in rows[pod].items() if k != "lines"}), flush=True)
+        bench_results.record(f"first step of a new pod ({pod})", shape, "first_step_s", rows[pod]["first_s"], "s",
+                             card=card, baseline=f"warm step of the same run ({pod})",
+                             baseline_value=rows[pod]["warm_s"], same_run=True)
+    archives = list((root / "store").rglob("compile-cache/*.tar"))
+    sizes = [p.stat().st_size / 2**20 for p in archives]
+    print(f"archives: {[p.name for p in archives]} {[round(s, 1) for s in sizes]} MiB", flush=True)
+    (Path(os.environ.get("OUT", ".")) / "warm_start.json").write_text(json.dumps(
+        {"card": card, "model": a.model, "rows": rows, "archive_mib": sizes}, indent=1))
+
+    if "cold" in rows and "restored" in rows:
+        bench_results.record("first step, compile cache restored from storage", shape, "first_step_s",
+                             rows["restored"]["first_s"], "s", card=card, baseline="first step, cold pod",
+                             baseline_value=rows["cold"]["first_s"], same_run=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
