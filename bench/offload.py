@@ -63,7 +63,7 @@ def main() -> int:
     torch.cuda.empty_cache()
     actor = MegatronActor.from_hf(tmp, ParallelConfig(), OptimConfig(lr=1e-6, weight_decay=0.0),
                                   dtype=torch.bfloat16, seed=0)
-    actor.update(grpo_batch(8, cfg.vocab_size, 0, seq=512), pg_loss, 4)  # Adam's state exists from here
+    actor.update(grpo_batch(8, cfg.vocab_size, 0), pg_loss, 4)  # Adam's state exists from here
     torch.cuda.synchronize()
 
     phases: list[tuple[str, str, dict]] = []
