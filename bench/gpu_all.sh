@@ -141,6 +141,8 @@ for s in $SECTIONS; do
       section tool15 ${TOOL15_LIMIT:-420} bash -c "for c in gpu_secret_tool_15b gpu_secret_single_15b; do python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/\$c --fresh | grep -E 'step (1|10|30)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/\$c/work/metrics.jsonl \$c; done; python3 bench/agent_overhead.py /tmp/gpu_secret_tool_15b/work/metrics.jsonl /tmp/gpu_secret_single_15b/work/metrics.jsonl 'hf static engine (CUDA graphs, compile off), 1.5B shape bf16'" ;;
     warmstart) section warmstart ${WARMSTART_LIMIT:-540} python3 bench/warm_start.py --pods ${WARMSTART_PODS:-cold,restored,restarted,nocompile} ;;
     offload15) section offload15 ${OFFLOAD_LIMIT:-240} python3 bench/offload.py --model 1.5b ;;
+    offload15reg) section offload15reg ${OFFLOAD_LIMIT:-240} env PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 python3 bench/offload.py --model 1.5b --tag _hostregister ;;
+    offload15d) section offload15d ${OFFLOAD_LIMIT:-240} python3 bench/offload.py --model 1.5b --distributed-optimizer --tag _distopt ;;
     moereplay) section moereplay ${MOEREPLAY_LIMIT:-480} python3 bench/moe_routing_replay.py ${MOEREPLAY_ARGS:-} ;;
     *) echo "unknown section $s" ;;
   esac

@@ -370,6 +370,28 @@ def test_storage_offloader_keeps_views_and_shares():
     assert torch.equal(grad, torch.zeros(6))  # grads come back zeroed, not copied
 
 
+def test_host_buffers_are_reused_by_size_when_storages_are_recreated():
+    """An optimizer that re-creates a state tensor every step must not cost a new (pinned) host buffer per
+    step: buffers go back to a pool by size after each onload, so the host memory held stays at the bytes
+    offloaded at once, and every round trip still restores its own values."""
+    off = StorageOffloader(host_pin=False)
+    held = []
+    for step in range(4):
+        state = [torch.full((8,), float(step)), torch.arange(3.0) + step]  # new storages every step
+        off.offload("optimizer", [("a", state[0]), ("b", state[1])])
+        held.append(off.host_bytes())
+        off.onload("optimizer")
+        assert torch.equal(state[0], torch.full((8,), float(step)))
+        assert torch.equal(state[1], torch.arange(3.0) + step)
+    assert held == [(8 + 3) * 4] * 4 and off.host_bytes() == (8 + 3) * 4
+    # two storages of one size offloaded together take two buffers (never one buffer for both)
+    x, y = torch.ones(8), torch.full((8,), 2.0)
+    off.offload("optimizer", [("x", x), ("y", y)])
+    off.onload("optimizer")
+    assert torch.equal(x, torch.ones(8)) and torch.equal(y, torch.full((8,), 2.0))
+    assert off.host_bytes() == (8 + 8 + 3) * 4
+
+
 @cpu_only
 def test_offload_api_on_cpu_checks_state_and_guards(hf_dirs):
     actor = _actor(hf_dirs["qwen2"])
