@@ -9,7 +9,9 @@
 #             | warmstart (issue 35: first step of a cold pod, of a pod whose compile cache was restored from the
 #             job's storage, of a restarted container, and with compile off, each against its warm step:
 #             bench/warm_start.py) | offload15 (issue 35: actor offload + onload at 1.5B by phase against the
-#             pinned copy floor: bench/offload.py)
+#             pinned copy floor: bench/offload.py; offload15reg with cudaHostRegister pinning, offload15d with the
+#             distributed optimizer) | offloadrun (issue 35: the trainer's actor_offload per step at 1.5B, the worker's
+#             pinned-memory default vs torch's: bench/offload_run.sh)
 #             | moereplay (issue 36, vLLM installed: MoE routing replay, the trainer's log-probs against vLLM's with
 #             and without vLLM's routed experts, Qwen3-30B-A3B shape at 4 layers: bench/moe_routing_replay.py)
 #             | tool15 (issue 31: the same pair on a 1.5B-shaped model over the tool vocabulary, static engine)
@@ -142,6 +144,8 @@ for s in $SECTIONS; do
     warmstart) section warmstart ${WARMSTART_LIMIT:-540} python3 bench/warm_start.py --pods ${WARMSTART_PODS:-cold,restored,restarted,nocompile} ;;
     offload15) section offload15 ${OFFLOAD_LIMIT:-240} python3 bench/offload.py --model 1.5b ;;
     offload15reg) section offload15reg ${OFFLOAD_LIMIT:-240} env PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 python3 bench/offload.py --model 1.5b --tag _hostregister ;;
+    offloadrun) section offloadprep 120 python3 bench/gpu_1_5b_char_prepare.py
+      section offloadrun ${OFFLOADRUN_LIMIT:-400} bash bench/offload_run.sh ;;
     offload15d) section offload15d ${OFFLOAD_LIMIT:-240} python3 bench/offload.py --model 1.5b --distributed-optimizer --tag _distopt ;;
     moereplay) section moereplay ${MOEREPLAY_LIMIT:-480} python3 bench/moe_routing_replay.py ${MOEREPLAY_ARGS:-} ;;
     *) echo "unknown section $s" ;;

@@ -649,3 +649,12 @@ def test_gpu_recompute_lowers_peak_memory_same_loss(tmp_path, recompute):
         assert peak1 < peak0
     else:  # SDPA (flash) keeps no score matrix: recomputing core attention saves little
         assert peak1 <= peak0
+
+
+def test_worker_pins_host_memory_with_registered_threads_unless_told_otherwise():
+    from rljob_worker.runtime.host_memory import PINNED_OPTIONS, pinned_host_env
+
+    assert pinned_host_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": PINNED_OPTIONS}
+    assert pinned_host_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:True,{PINNED_OPTIONS}"}
+    assert pinned_host_env({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}) == {}

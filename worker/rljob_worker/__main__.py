@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     from rljob_worker.rollout.compile_config import compile_cache_env
 
     os.environ.update(compile_cache_env(ctx.workdir))  # torch.compile's caches outlive this process (unless set)
+    from rljob_worker.runtime.host_memory import pinned_host_env
+
+    os.environ.update(pinned_host_env())  # before CUDA's first use: the offload's pinned buffers pin 3.8x faster
     from rljob_worker.run_health import RunFailed
 
     try:
