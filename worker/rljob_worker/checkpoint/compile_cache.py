@@ -100,7 +100,8 @@ def snapshot(roots: Mapping[str, Path]) -> dict[str, int]:
         for dirpath, dirs, names in os.walk(root):
             dirs[:] = [d for d in dirs if not d.startswith(".staging-")]  # an unpack in progress
             for n in names:
-                if n.endswith((".lock", ".tmp")) or n.startswith(".restored-"):
+                # half-written files (inductor: *.tmp, Triton: *.tmp.pid_*) and this module's own markers
+                if n.endswith(".lock") or ".tmp" in n or n.startswith(".restored-"):
                     continue
                 path = Path(dirpath) / n
                 try:
