@@ -68,6 +68,10 @@ def test_the_key_follows_what_invalidates_kernels_and_ignores_the_model_path():
 def test_cache_roots_are_the_variables_that_are_set(tmp_path):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "i"), "VLLM_CACHE_ROOT": str(tmp_path / "v")}
     assert cache_roots(env) == {"inductor": tmp_path / "i", "vllm": tmp_path / "v"}
+    # torch's own default, which inductor writes into the environment when nothing was set: the machine's cache
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert cache_roots({"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}) == {}
 
 
 def test_a_new_pod_restores_what_the_first_saved_and_uploads_only_what_grew(store, tmp_path):

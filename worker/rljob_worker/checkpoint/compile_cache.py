@@ -44,9 +44,17 @@ _IGNORED_MODEL_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "
 
 
 def cache_roots(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
-    """{name: directory} of the caches to keep, from the variables that are set."""
+    """{name: directory} of the caches to keep, from the variables that are set. Not torch's default
+    ``/tmp/torchinductor_<user>``: inductor writes that path into the environment on its first use when nothing
+    was set (a process that did not come through the worker's entry point), and it is the whole machine's cache,
+    not this job's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     environ = os.environ if environ is None else environ
-    return {name: Path(environ[var]) for name, var in ROOT_VARIABLES.items() if environ.get(var)}
+    roots = {name: Path(environ[var]) for name, var in ROOT_VARIABLES.items() if environ.get(var)}
+    if "inductor" in roots and roots["inductor"].resolve() == Path(default_cache_dir()).resolve():
+        del roots["inductor"]
+    return roots
 
 
 def fingerprint(model_config: Mapping[str, Any], *, dtype: str, engine: Mapping[str, Any],
