@@ -42,6 +42,7 @@ Selected by ``make_engine`` for ``rollout.engine: hf`` on CUDA (``RLJOB_HF_STATI
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -192,6 +193,7 @@ class HFStaticEngine(HFEngine):
         steps = {"greedy": self._step_greedy, "sample": self._step_sample, "filtered": self._step_filtered}
         self._steps = ({m: torch.compile(f, fullgraph=True, backend=compile_backend) for m, f in steps.items()}
                        if self.compile_decode else steps)
+        self._compiled_modes: set[str] = set()  # sampler modes whose compile has been announced
 
     # -- memory
     def release_cache(self) -> None:
@@ -312,6 +314,12 @@ class HFStaticEngine(HFEngine):
         """Capture one decode step (noise draw, forward over `keys` slots, pick, record) as a CUDA graph. Runs
         before the chunk's prefill: the warm-ups and the capture write wherever the counters point, and the
         chunk resets every buffer they touch."""
+        if self.compile_decode and mode not in self._compiled_modes:  # the first call of this sampler compiles
+            self._compiled_modes.add(mode)
+            if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
+                log.warning("compiling the decode step (%s sampler): about 2-5 min with a cold compile cache (0.5B on an "
+                            "H200: 123 s; 7B on an H100: ~270 s), ~20 s with one restored from the job's storage; "
+                            "rollout.compile: disabled skips it", mode)
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
