@@ -658,3 +658,17 @@ def test_worker_pins_host_memory_with_registered_threads_unless_told_otherwise()
     assert pinned_host_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == {
         "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:True,{PINNED_OPTIONS}"}
     assert pinned_host_env({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}) == {}
+
+
+def test_offload_stops_only_when_the_rollout_fits_beside_the_state():
+    """After the first rollout the trainer keeps the state on the GPU when the rollout's measured peak plus the
+    bytes the offload moved fit below 90% of the device: 141 GiB card, 1.5B run (17 GiB moved, 30 GiB peak) fits;
+    a 7B-like rank (40 GiB moved, 60 GiB peak on an 80 GiB card) does not; the edge is the headroom."""
+    from rljob_worker.megatron.offload import HEADROOM, offload_still_needed
+
+    GiB = 2**30
+    assert not offload_still_needed(141 * GiB, 30 * GiB, 17 * GiB)
+    assert offload_still_needed(80 * GiB, 60 * GiB, 40 * GiB)
+    edge = int(100 * GiB * (1 - HEADROOM))
+    assert not offload_still_needed(100 * GiB, edge - 5 * GiB, 5 * GiB)
+    assert offload_still_needed(100 * GiB, edge - 5 * GiB, 5 * GiB + 1)

@@ -214,3 +214,17 @@ class StorageOffloader:
                 self._free.setdefault((host.numel(), host.is_pinned()), []).append(host)
         self.last_timing = timing
         return sum(b.nbytes for b in blocks)
+
+
+OFFLOAD_MODE_ENV = "RLJOB_OFFLOAD"  # "always": keep offloading even when the rollout fits beside the state
+HEADROOM = 0.10  # of the device's memory, left free for fragmentation and a longer rollout than the first
+
+
+def offload_still_needed(total_bytes: int, rollout_peak_bytes: int, offloaded_bytes: int,
+                         headroom: float = HEADROOM) -> bool:
+    """After the first rollout: whether the offloaded state must keep leaving the GPU.
+
+    ``rollout_peak_bytes``: the rollout's peak allocation on this device, measured with the state
+    offloaded (so it already holds everything that stayed); ``offloaded_bytes``: what the offload moved.
+    The state can stay when both fit below ``(1 - headroom)`` of the device's memory."""
+    return rollout_peak_bytes + offloaded_bytes > total_bytes * (1.0 - headroom)

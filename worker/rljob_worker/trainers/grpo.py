@@ -168,6 +168,7 @@ class GRPOTrainer(RunLoop):
         ref_flags = {"params": m.param_offload, "grads": False, "optimizer": False}
         self._offload_plan = [(model, f) for model, f in ((self.actor, flags), (self.ref, ref_flags))
                               if model is not None and any(f.values()) and not self.separate]
+        self._offload_checked = False  # after the first rollout: does the state fit beside it after all?
         self.dp_rank, self.dp_size = self.actor.dp_rank, self.actor.dp_size
         self._num_params = active_parameters(self.actor.hf_config)  # MoE: top-k experts only
         self.loss_config = algo.LossConfig(
@@ -258,6 +259,30 @@ class GRPOTrainer(RunLoop):
             return t.total_training_steps
         return t.total_epochs * self.sampler.batches_per_epoch
 
+    def _check_offload_needed(self, offloaded: int) -> None:
+        """After the first rollout with offload: when its measured peak plus the state the offload moved fits
+        the GPU on every rank, stop offloading (each step saves the copies out and back). Only with the hf
+        engines, whose memory comes from torch's allocator and so is in the peak; vLLM reserves its share
+        outside it. ``RLJOB_OFFLOAD=always`` keeps offloading."""
+        from rljob_worker.megatron.offload import HEADROOM, OFFLOAD_MODE_ENV, offload_still_needed
+
+        self._offload_checked = True
+        if (self.device.type != "cuda" or self.engine_is_vllm or not offloaded
+                or os.environ.get(OFFLOAD_MODE_ENV, "").strip().lower() == "always"):
+            return
+        peak = self.telemetry.pending_stage_peak_bytes().get("rollout", 0)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        need = torch.tensor([float(offload_still_needed(total, peak, offloaded))], device=self.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(need, op=dist.ReduceOp.MAX)  # every rank decides the same
+        if need.item():
+            return
+        self._offload_plan = []
+        if self.is_main:
+            log.warning("offload off from step 2: the rollout peaked at %.1f GiB with %.1f GiB offloaded, which fit "
+                        "below %.0f%% of the GPU's %.1f GiB together (set RLJOB_OFFLOAD=always to keep offloading)",
+                        peak / 2**30, offloaded / 2**30, 100 * (1 - HEADROOM), total / 2**30)
+
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
         spec, a = self.spec, self.spec.algorithm
@@ -265,10 +290,11 @@ class GRPOTrainer(RunLoop):
 
         # 1. rollout + reward + advantages on rank 0, then the batch goes to every rank.
         #    batch tensors are (N, T): N = prompts x n responses, T = prompt + response columns.
+        offloaded = 0
         if self._offload_plan:
             with self.telemetry.stage("actor_offload"):  # the rollout engine gets their GPU memory
                 for model, flags in self._offload_plan:
-                    model.offload(**flags)
+                    offloaded += sum(model.offload(**flags).values())
         samples_here = self.is_main or self.engine_everywhere
         # a remote reward scores in the background while the log-probs below are computed (joined in 3.)
         defer = (self.rewards.overlap and not a.dynamic_sampling
@@ -279,6 +305,8 @@ class GRPOTrainer(RunLoop):
             with self.telemetry.stage("actor_offload"):
                 for model, _ in self._offload_plan:
                     model.onload()
+            if not self._offload_checked:
+                self._check_offload_needed(offloaded)
         batch = payload["batch"]
         metrics.update(payload["metrics"])
         metrics["batch/tokens"] = float(batch["attention_mask"].sum())  # prompt + response tokens of the step
