@@ -278,10 +278,10 @@ class GRPOTrainer(RunLoop):
         if need.item():
             return
         self._offload_plan = []
-        if self.is_main:
-            log.warning("offload off from step 2: the rollout peaked at %.1f GiB with %.1f GiB offloaded, which fit "
-                        "below %.0f%% of the GPU's %.1f GiB together (set RLJOB_OFFLOAD=always to keep offloading)",
-                        peak / 2**30, offloaded / 2**30, 100 * (1 - HEADROOM), total / 2**30)
+        if self.is_main:  # on the progress output, like the start-up lines
+            print(f"offload off from step 2: the rollout peaked at {peak / 2**30:.1f} GiB with {offloaded / 2**30:.1f} "
+                  f"GiB offloaded, together below {100 * (1 - HEADROOM):.0f}% of the GPU's {total / 2**30:.1f} GiB "
+                  "(RLJOB_OFFLOAD=always keeps offloading)", flush=True)
 
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
