@@ -172,9 +172,9 @@ def test_sigkill_and_resume_continue_the_same_runs_without_duplicate_or_missing_
 @pytest.mark.services
 def test_tracking_server_killed_mid_run_costs_no_step_and_gets_the_queue_when_back(tmp_path, mlflow_server):
     """The server is SIGKILLed right after the first step (a step takes ~0.1 s on an idle machine: steps
-    enough that the run is still training when the kill lands), training goes on through the outage, and
-    every step reaches the server once it is back."""
-    experiment, steps = f"outage-{uuid.uuid4().hex[:8]}", 40
+    enough that the run is still training when the kill lands, even when stopping the server takes 15 s),
+    training goes on through the outage, and every step reaches the server once it is back."""
+    experiment, steps = f"outage-{uuid.uuid4().hex[:8]}", 400
     spec = tracked_spec(mlflow_server.uri, experiment, steps=steps)
     spec["tracking"].pop("wandb")
     # the end of the run waits (bounded) for a server still restarting: restarts take minutes on a loaded machine
@@ -184,7 +184,8 @@ def test_tracking_server_killed_mid_run_costs_no_step_and_gets_the_queue_when_ba
     try:
         mlflow_server.stop(kill=True)
         down_since = time.monotonic()
-        down_at = max(logged_steps(tmp_path / "metrics.jsonl"))
+        down_at = max(logged_steps(tmp_path / "metrics.jsonl"))  # the step when the server was gone
+        assert down_at < steps, f"the run finished ({down_at} steps) before the server was down: raise `steps`"
         time.sleep(20)
         during = max(logged_steps(tmp_path / "metrics.jsonl"))
         print(f"server down at step {down_at}; step {during} 20 s later")
