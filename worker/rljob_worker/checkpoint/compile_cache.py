@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from rljob_worker.checkpoint.store import ObjectNotFoundError
+from rljob_worker.rollout.compile_config import CACHE_ROOT_VARIABLES
 
 log = logging.getLogger(__name__)
 
 FOLDER = "compile-cache"  # under <namespace>/<job>/, beside the step folders
 MAX_ARCHIVE_BYTES = 4 * 2**30  # larger caches stay local (a slow download would cost more than a compile)
-# the directories packed, by the variable that names each (compile_config sets all of them)
-ROOT_VARIABLES = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR", "vllm": "VLLM_CACHE_ROOT"}
 # config.json keys that do not change a compiled graph
 _IGNORED_MODEL_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "name_or_path"}
 
@@ -51,7 +50,7 @@ def cache_roots(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     environ = os.environ if environ is None else environ
-    roots = {name: Path(environ[var]) for name, var in ROOT_VARIABLES.items() if environ.get(var)}
+    roots = {name: Path(environ[var]) for name, var in CACHE_ROOT_VARIABLES.items() if environ.get(var)}
     if "inductor" in roots and roots["inductor"].resolve() == Path(default_cache_dir()).resolve():
         del roots["inductor"]
     return roots
@@ -134,9 +133,9 @@ def pack(roots: Mapping[str, Path], files: Mapping[str, int], out: Path) -> int:
 
 
 def unpack(archive: Path, roots: Mapping[str, Path]) -> tuple[int, list[str]]:
-    """Extract into the roots; returns the files added and the archive's file names. Everything is extracted into a staging folder first
-    and moved into place only when the whole archive read cleanly, so a truncated download never leaves a
-    half-written cache entry. Members of caches not configured here are skipped; tarfile's ``data`` filter
+    """Extract into the roots; returns the files added and the archive's file names. Everything is extracted
+    into a staging folder first and moved into place only when the whole archive read cleanly, so a truncated
+    download never leaves a half-written cache entry. Members of caches not configured here are skipped; tarfile's ``data`` filter
     refuses absolute paths, ``..`` and links out. Files already present win: they are this pod's own."""
     staging = {name: Path(tempfile.mkdtemp(prefix=".staging-", dir=_made(root))) for name, root in roots.items()}
     members: list[str] = []
@@ -180,9 +179,8 @@ class CompileCacheSync:
     key: str
     roots: dict[str, Path]
     uploads: bool = False  # rank 0 of the job
-    restored: dict[str, int] = field(default_factory=dict)  # the files present after restore (not re-uploaded)
+    stored: set[str] = field(default_factory=set)  # the files storage's archive holds (never uploaded again)
     _thread: threading.Thread | None = None
-    _uploading: dict[str, int] | None = None
 
     @property
     def object_key(self) -> str:
@@ -208,7 +206,7 @@ class CompileCacheSync:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         # what storage already holds: local files beyond it (this pod's, or an earlier container's) get uploaded
-        self.restored = dict.fromkeys(stored, 0)
+        self.stored = set(stored)
         return words
 
     def _download(self) -> tuple[str, list[str]]:
@@ -240,9 +238,8 @@ class CompileCacheSync:
         if not self.uploads or not self.roots or (self._thread is not None and self._thread.is_alive()):
             return False
         files = snapshot(self.roots)
-        if not set(files) - set(self.restored):
+        if not set(files) - self.stored:
             return False
-        self._uploading = files
         if not background:
             self._upload(files)
             return True
@@ -259,10 +256,10 @@ class CompileCacheSync:
                 if size > MAX_ARCHIVE_BYTES:
                     log.warning("compile cache: %.1f GiB is above the %.0f GiB kept in storage; a new pod "
                                 "compiles again", size / 2**30, MAX_ARCHIVE_BYTES / 2**30)
-                    self.restored = files  # not again for the same content
+                    self.stored = set(files)  # not again for the same content
                     return
                 self.store.put_file(local, self.object_key)  # one object: readers see all of it or none
-            self.restored = files
+            self.stored = set(files)
             log.info("compile cache: saved %d files (%.1f MiB) to %s in %.1fs", len(files), size / 2**20,
                      self.store.uri_for(self.object_key), time.monotonic() - start)
         except Exception as exc:  # noqa: BLE001 - the run goes on; the next check tries again

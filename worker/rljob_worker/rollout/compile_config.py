@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # no torch import here: the worker sets the cache variables b
 
 COMPILE_ENV = "RLJOB_HF_STATIC_COMPILE"  # 1 / 0: overrides spec.rollout.compile (e.g. for a whole cluster via podTemplate.env)
 CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# the cache folders kept across restarts and in the job's storage (checkpoint/compile_cache), by the variable of each
+CACHE_ROOT_VARIABLES = {"inductor": CACHE_DIR_ENV, "triton": "TRITON_CACHE_DIR", "vllm": "VLLM_CACHE_ROOT"}
 # inductor's local caches (on by default in torch 2.11; set so a torch build with other defaults keeps them)
 CACHE_SWITCHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
@@ -49,6 +51,5 @@ def compile_cache_env(workdir: Path, environ: Mapping[str, str] | None = None) -
     outside inductor) and vLLM's. checkpoint/compile_cache keeps the same three in the job's storage."""
     environ = os.environ if environ is None else environ
     root = Path(workdir) / "compile-cache"
-    wanted = {CACHE_DIR_ENV: str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton"),
-              "VLLM_CACHE_ROOT": str(root / "vllm"), **CACHE_SWITCHES}
+    wanted = {var: str(root / name) for name, var in CACHE_ROOT_VARIABLES.items()} | CACHE_SWITCHES
     return {k: v for k, v in wanted.items() if not environ.get(k)}
