@@ -73,7 +73,7 @@ def main() -> int:
             sync()
             start = time.time()
             pools.rollout_link.send_object({"start": start}, 1).wait()
-            sent = push_weights(pools.weights_group, actor.export_hf_weights(), version=version, device=device)
+            sent = push_weights(pools.weights_link, actor.export_hf_weights(), version=version, device=device)
             sync()
             push_s = time.time() - start
             ready_s = pools.rollout_link.recv_object(1)["ready"] - start
@@ -88,7 +88,7 @@ def main() -> int:
         pools.rollout_link.broadcast_object(None, 0)
         engine = make_engine("hf", str(folder), dtype=torch.bfloat16, device=device, eos_token_id=1, pad_token_id=0,
                              max_model_len=2048, compile="disabled")
-        receiver = WeightReceiver(pools.weights_group, device)
+        receiver = WeightReceiver(pools.weights_link, device)
         receiver.start()
         for version in range(1, a.rounds + 1):
             pools.rollout_link.recv_object(0)
@@ -103,7 +103,7 @@ def main() -> int:
     from rljob_worker.rollout.weight_push import stop_receivers
 
     if trainer:
-        stop_receivers(pools.weights_group, device)
+        stop_receivers(pools.weights_link)
     else:
         receiver.join(timeout=60)
     nbytes = pools.rollout_link.broadcast_object(nbytes, 0)
@@ -115,7 +115,7 @@ def main() -> int:
         pools.rollout_link.broadcast_object(None, 0)
         sync()
         t = time.perf_counter()
-        pools.weights_group.broadcast([flat], opts).wait()
+        pools.weights_link.tensors.broadcast([flat], opts).wait()
         sync()
         floor = min(floor, time.perf_counter() - t)
     if not trainer:

@@ -87,15 +87,15 @@ def _member(local_rank: int, port: int, out_dir: str) -> None:
         sent = {}
         for version in (1, 2):
             sent = weights(version)
-            push_weights(pools.weights_group, iter(sent.items()), version=version, device=cpu, check=True,
+            push_weights(pools.weights_link, iter(sent.items()), version=version, device=cpu, check=True,
                          bucket_bytes=4096)
-        push_weights(pools.weights_group, iter([("layer.1.w", weights(3)["layer.1.w"])]), version=3, device=cpu,
+        push_weights(pools.weights_link, iter([("layer.1.w", weights(3)["layer.1.w"])]), version=3, device=cpu,
                      partial=True, check=True, bucket_bytes=4096)
-        stop_receivers(pools.weights_group, cpu)
+        stop_receivers(pools.weights_link)
     elif pools.is_rollout:
         receiver = None
         if dist.get_rank() == 0:  # the rollout leader
-            receiver = WeightReceiver(pools.weights_group, cpu)
+            receiver = WeightReceiver(pools.weights_link, cpu)
             receiver.start()
             sends = [pools.rollout_link.send_object({"reply": i * 10}, 0) for i in range(3)]
             out["requests"] = [pools.rollout_link.recv_object(0)["request"] for _ in range(3)]

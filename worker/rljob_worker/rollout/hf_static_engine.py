@@ -333,7 +333,8 @@ class HFStaticEngine(HFEngine):
         graph = torch.cuda.CUDAGraph()
         if self.noise_in_graph and mode != "greedy":
             graph.register_generator_state(s.gen)  # each replay draws fresh noise from s.gen's current state
-        with torch.cuda.graph(graph, pool=s.pool):
+        # thread_local: a separate rollout pool receives weights in a thread of its own meanwhile (weight_push)
+        with torch.cuda.graph(graph, pool=s.pool, capture_error_mode="thread_local"):
             self._run_step(s, keys, mode, top_k, top_p, draw=self.noise_in_graph)
         s.graphs[(mode, top_k, top_p, keys)] = graph
         self.graph_captures += 1

@@ -91,7 +91,7 @@ class RolloutPoolClient:
         self.link, self.device = pools.rollout_link, device
         self.is_leader = pools.world_env.rank == 0
         self.leader = rollout_group_ranks(pools.layout).index(pools.layout.rollout_leader)
-        self.weights_group = pools.weights_group
+        self.weights_link = pools.weights_link
         self.check = os.environ.get(CHECK_ENV) == "1"
         self._next_id = 0
         self._answers: dict[int, Reply] = {}
@@ -140,7 +140,7 @@ class RolloutPoolClient:
                 pass
             return {}
         start = time.perf_counter()
-        sent = push_weights(self.weights_group, stream, version=version, device=self.device, partial=partial,
+        sent = push_weights(self.weights_link, stream, version=version, device=self.device, partial=partial,
                             check=self.check)
         return {"seconds": time.perf_counter() - start, "gb": sent["gb"]}
 
@@ -153,7 +153,7 @@ class RolloutPoolClient:
         for rid in list(self._outstanding):
             self.result(rid)
         self.link.send_object({"op": "stop"}, self.leader).wait()
-        stop_receivers(self.weights_group, self.device)
+        stop_receivers(self.weights_link)
 
 
 class RolloutPool:
@@ -220,7 +220,7 @@ class RolloutPool:
             self.engine = make_engine(device=self.device, **command["engine_args"])
             self.version = 0
             if self.is_leader:
-                self.receiver = WeightReceiver(self.pools.weights_group, self.device)
+                self.receiver = WeightReceiver(self.pools.weights_link, self.device)
                 self.receiver.start()
         except Exception as exc:
             self._reply({"error": f"{type(exc).__name__}: {exc}"}, wait=True)

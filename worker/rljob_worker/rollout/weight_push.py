@@ -1,6 +1,7 @@
 """The new weights from the trainer pool to a separate rollout pool: the actor leader sends each version to
-the rollout leader in a group of the two (NCCL between GPUs, gloo on CPU); the rollout leader hands it to
-the rest of its pool when it next installs weights, so every rollout rank installs the same version.
+the rollout leader over the two groups of a :class:`~rljob_worker.runtime.pools.WeightsLink` (the tensors over
+NCCL between GPUs, gloo on CPU; every header over gloo); the rollout leader hands it to the rest of its pool
+when it next installs weights, so every rollout rank installs the same version.
 
 One push is a stream of HF-named full tensors (the trainer's TP/PP shards already gathered by
 ``export_hf_weights``) packed into buckets: per bucket a header ``{"version", "meta": [(name, shape,
@@ -8,7 +9,10 @@ dtype)], "nbytes"}`` and one flat byte tensor holding them all (dtypes mixed, bi
 "done", "partial", "fingerprint"}``; ``{"stop"}`` ends the receiver. The rollout leader receives in a
 thread of its own (:class:`WeightReceiver`), so the trainer's push never waits for a generation to finish:
 a version waits in one slot until the generating thread takes it, and a newer version arriving first
-replaces it (LoRA's partial pushes merge into it, name by name).
+replaces it (LoRA's partial pushes merge into it, name by name). The thread waits for a push on the gloo
+header group (on the CPU): a GPU collective is posted only once the trainer is sending, never left waiting for
+a peer on the rollout GPU, where it would hold up every synchronising call (a cache release, a new
+communicator) until the trainer's next push, which itself waits for the rollout's batch.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rljob_worker.rollout.weight_sync import DEFAULT_BUCKET_BYTES, NamedTensor, bucket_named_tensors
+from rljob_worker.runtime.pools import WeightsLink
 
 log = logging.getLogger(__name__)
 
@@ -73,46 +78,47 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def broadcast_object(group, obj: Any, device: torch.device, is_root: bool) -> Any:
-    """Rank 0's ``obj`` on every rank of ``group`` (pickled, as bytes on ``device``)."""
+def broadcast_header(link: WeightsLink, obj: Any, is_root: bool) -> Any:
+    """Rank 0's ``obj`` on both ends of ``link`` (pickled, over its gloo header group, on the CPU)."""
     if is_root:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
     else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    _broadcast(group, size)
+        size = torch.zeros(1, dtype=torch.int64)
+    _broadcast(link.headers, size)
     if not is_root:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _broadcast(group, data)
-    return obj if is_root else pickle.loads(data.cpu().numpy().tobytes())
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    _broadcast(link.headers, data)
+    return obj if is_root else pickle.loads(data.numpy().tobytes())
 
 
-def push_weights(group, stream: Iterable[NamedTensor], *, version: int, device: torch.device, partial: bool = False,
-                 check: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
+def push_weights(link: WeightsLink, stream: Iterable[NamedTensor], *, version: int, device: torch.device,
+                 partial: bool = False, check: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
     """The actor leader's side of one push; ``check`` adds the fingerprint the receivers verify. Returns
     {gb, buckets}."""
     sent, buckets, named = 0, 0, []
     for bucket in bucket_named_tensors(stream, bucket_bytes):
         meta, flat = pack_bucket([(name, t.to(device)) for name, t in bucket])
-        broadcast_object(group, {"version": version, "meta": meta, "nbytes": flat.numel()}, device, True)
-        _broadcast(group, flat)
+        broadcast_header(link, {"version": version, "meta": meta, "nbytes": flat.numel()}, True)
+        _broadcast(link.tensors, flat)
         sent, buckets = sent + flat.numel(), buckets + 1
         if check:
             named.extend((name, t.cpu().clone()) for name, t in unpack_bucket(meta, flat))
-    broadcast_object(group, {"version": version, "done": True, "partial": partial,
-                             "fingerprint": fingerprint(named) if check else None}, device, True)
+    broadcast_header(link, {"version": version, "done": True, "partial": partial,
+                            "fingerprint": fingerprint(named) if check else None}, True)
     return {"gb": sent / 1e9, "buckets": float(buckets)}
 
 
-def stop_receivers(group, device: torch.device) -> None:
-    broadcast_object(group, {"stop": True}, device, True)
+def stop_receivers(link: WeightsLink) -> None:
+    broadcast_header(link, {"stop": True}, True)
 
 
 class WeightReceiver:
     """The rollout leader's receiving thread: the newest complete version waits in one slot until :meth:`take`."""
 
-    def __init__(self, group, device: torch.device):
-        self.group, self.device = group, device
+    def __init__(self, link: WeightsLink, device: torch.device):
+        self.link, self.device = link, device
         self._cond = threading.Condition()
         self._slot: tuple[int, dict[str, torch.Tensor], bool, str | None] | None = None
         self.latest = -1  # the newest version fully received (staged or taken)
@@ -137,13 +143,13 @@ class WeightReceiver:
     def _receive_one(self) -> bool:
         tensors: dict[str, torch.Tensor] = {}
         while True:
-            header = broadcast_object(self.group, None, self.device, False)
+            header = broadcast_header(self.link, None, False)
             if header.get("stop"):
                 return False
             if header.get("done"):
                 break
             flat = torch.empty(header["nbytes"], dtype=torch.uint8, device=self.device)
-            _broadcast(self.group, flat)
+            _broadcast(self.link.tensors, flat)
             tensors.update(unpack_bucket(header["meta"], flat))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the generating thread reads them next

@@ -186,6 +186,18 @@ class PendingSend:
             work.wait()
 
 
+@dataclass(frozen=True)
+class WeightsLink:
+    """The weight push between the actor leader (rank 0) and the rollout leader: ``tensors`` carries the
+    buckets (NCCL between GPUs, so the trainer's tensors never leave the device; gloo on CPU), ``headers``
+    (gloo, on the CPU) everything else. The rollout leader's receiving thread waits on ``headers``: a GPU
+    collective waiting for its peer would hold up every synchronising call on the rollout GPU until the next
+    push (a cache release, a new communicator), and the next push waits for the rollout's batch."""
+
+    tensors: Any
+    headers: Any
+
+
 @dataclass
 class Pools:
     """This process's pool: its role, the pool-local env (``pool_env.rank`` = pool rank), the layout and
@@ -197,7 +209,7 @@ class Pools:
     layout: PoolLayout
     cross: CrossPool | None  # actor + critic ranks (group rank = global rank), with a critic pool
     rollout_link: CrossPool | None = None  # actor + rollout ranks (see rollout_group_ranks), with a rollout pool
-    weights_group: Any = None  # actor leader + rollout leader (NCCL on GPUs, else gloo): the weight push
+    weights_link: WeightsLink | None = None  # actor leader + rollout leader: the weight push
 
     @property
     def is_critic(self) -> bool:
@@ -244,7 +256,7 @@ def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
     dist.init_process_group(backend, store=dist.PrefixStore(f"rljob_pool_{role}", store), rank=pool_env.rank,
                             world_size=pool_env.world_size, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
     timeout = datetime.timedelta(seconds=timeout_s)
-    cross = rollout_link = weights_group = None
+    cross = rollout_link = weights_link = None
     if layout.critic_per_node:
         members = sorted(layout.global_ranks(ACTOR) + layout.global_ranks(CRITIC))
         if env.rank in members:  # with only these two pools: every rank, and the group rank is the global rank
@@ -259,12 +271,15 @@ def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
             rollout_link = CrossPool(group, members.index(env.rank), len(members))
         pushers = [0, layout.rollout_leader]  # the rollout leader hands each version on inside its pool
         if env.rank in pushers:
-            weights_group = _weights_group(dist.PrefixStore("rljob_weights", store), pushers.index(env.rank),
-                                           len(pushers), backend, timeout)
+            rank = pushers.index(env.rank)
+            weights_link = WeightsLink(
+                tensors=_weights_group(dist.PrefixStore("rljob_weights", store), rank, len(pushers), backend, timeout),
+                headers=dist.ProcessGroupGloo(dist.PrefixStore("rljob_weights_headers", store), rank, len(pushers),
+                                              timeout))
     log.info("%s: global rank %d is %s pool rank %d of %d", layout.placement, env.rank, role,
              pool_env.rank, pool_env.world_size)
     return Pools(role=role, env=pool_env, world_env=env, layout=layout, cross=cross, rollout_link=rollout_link,
-                 weights_group=weights_group)
+                 weights_link=weights_link)
 
 
 def rollout_group_ranks(layout: PoolLayout) -> list[int]:
