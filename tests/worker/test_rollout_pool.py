@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,10 +66,25 @@ def weights(version: int) -> dict[str, torch.Tensor]:
             "step": torch.tensor([version], dtype=torch.int64)}
 
 
+class _RecordingGroup:
+    """A process group that notes when each broadcast is posted (time.time()), then posts it."""
+
+    def __init__(self, group):
+        self.group, self.posted = group, []
+
+    def broadcast(self, tensors, opts):
+        self.posted.append(time.time())
+        return self.group.broadcast(tensors, opts)
+
+
 def _member(local_rank: int, port: int, out_dir: str) -> None:
     """1 actor process + 2 rollout processes. The actor leader and the rollout leader both send before either
     receives (the link must not deadlock); then versions 1 (full), 2 (full) and 3 (partial: layer.1.w only) are
-    pushed before the rollout leader takes any, in buckets of 4 KiB; the rollout ranks install what it takes."""
+    pushed before the rollout leader takes any, in buckets of 4 KiB; the rollout ranks install what it takes.
+    The actor leader pushes only after a pause, noting when it started; the rollout leader notes when its
+    receiving thread first posted a broadcast on the tensors group."""
+    import dataclasses
+
     import torch.distributed as dist
     from rljob_worker.rollout.rollout_pool import _broadcast_tensors
     from rljob_worker.rollout.weight_push import WeightReceiver, push_weights, stop_receivers
@@ -85,6 +101,8 @@ def _member(local_rank: int, port: int, out_dir: str) -> None:
         for s in sends:
             s.wait()
         sent = {}
+        time.sleep(1.0)  # the receiving thread is waiting by now
+        out["push_started"] = time.time()
         for version in (1, 2):
             sent = weights(version)
             push_weights(pools.weights_link, iter(sent.items()), version=version, device=cpu, check=True,
@@ -95,7 +113,8 @@ def _member(local_rank: int, port: int, out_dir: str) -> None:
     elif pools.is_rollout:
         receiver = None
         if dist.get_rank() == 0:  # the rollout leader
-            receiver = WeightReceiver(pools.weights_link, cpu)
+            recording = _RecordingGroup(pools.weights_link.tensors)
+            receiver = WeightReceiver(dataclasses.replace(pools.weights_link, tensors=recording), cpu)
             receiver.start()
             sends = [pools.rollout_link.send_object({"reply": i * 10}, 0) for i in range(3)]
             out["requests"] = [pools.rollout_link.recv_object(0)["request"] for _ in range(3)]
@@ -105,6 +124,7 @@ def _member(local_rank: int, port: int, out_dir: str) -> None:
             version, tensors, partial, digest = receiver.take()
             out["taken"] = [version, partial, digest is None, receiver.take() is None]
             receiver.join(timeout=60)
+            out["first_tensor_post"] = recording.posted[0]
         header = [None if receiver is None else version]
         dist.broadcast_object_list(header, src=0)
         installed = _broadcast_tensors(tensors if receiver is not None else None, cpu)
@@ -121,7 +141,10 @@ def _member(local_rank: int, port: int, out_dir: str) -> None:
 def test_weights_pushed_to_the_rollout_pool_arrive_bit_equal_and_the_newest_wins(tmp_path):
     mp.start_processes(_member, args=(H.free_port(), str(tmp_path)), nprocs=3, start_method="spawn")
     got = {g: json.loads((tmp_path / f"{g}.json").read_text()) for g in range(3)}
-    assert got[0] == {"role": ACTOR, "replies": [0, 10, 20]}
+    assert got[0]["role"] == ACTOR and got[0]["replies"] == [0, 10, 20]
+    # between pushes the receiving thread waits on the header group (CPU): no collective is left waiting for the
+    # trainer on the tensors group, which on a GPU holds up every synchronising call of the rollout process
+    assert got[1]["first_tensor_post"] >= got[0]["push_started"]
     assert got[1]["requests"] == [0, 1, 2]
     # three versions arrived before any was taken: one slot, version 3 merged over version 2 (a partial push
     # carries no whole-model fingerprint)
