@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -313,6 +314,7 @@ class _FakeGraph:
     ``torch.cuda.graph(...)`` and a replay runs it again (what a real replay does, minus the speed)."""
 
     active = None
+    error_modes: ClassVar[list[str]] = []  # capture_error_mode of every capture
 
     def __init__(self):
         self.body, self.generators = None, []
@@ -330,7 +332,10 @@ def _graphed_and_eager(model_dir, monkeypatch, noise_in_graph: bool = True):
     import contextlib
 
     @contextlib.contextmanager
-    def graph(g, pool=None):
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):  # torch's accepted modes
+            raise ValueError(f"unknown capture_error_mode {capture_error_mode!r}")
+        _FakeGraph.error_modes.append(capture_error_mode)
         _FakeGraph.active = g
         try:
             yield
@@ -390,7 +395,9 @@ def test_graph_bookkeeping_replays_decode_as_the_eager_steps(sharp_model_dir, mo
     """The CUDA-graph control flow, run on a CPU with a stand-in graph: captures happen before the prefill (one
     per key bucket the rollout reaches), their warm-ups leave no trace in the output, a replay draws its noise
     (inside the graph, or just before it without register_generator_state) and advances the step counters, so
-    seeded sampling and greedy through the graphs equal the same engine stepping eagerly."""
+    seeded sampling and greedy through the graphs equal the same engine stepping eagerly. Captures are
+    thread-local: a separate rollout pool's weights arrive on another thread meanwhile (rollout/weight_push.py)."""
+    _FakeGraph.error_modes.clear()
     graphed, eager = _graphed_and_eager(sharp_model_dir, monkeypatch, noise_in_graph)
     for params in (SamplingParams(n=3, temperature=1.0, max_new_tokens=100, seed=4),
                    SamplingParams(n=3, temperature=0.9, top_p=0.8, max_new_tokens=100, seed=4),
@@ -400,6 +407,7 @@ def test_graph_bookkeeping_replays_decode_as_the_eager_steps(sharp_model_dir, mo
         assert all(len(r) == 100 for r in a.response_ids)
     graphs = graphed._session.graphs
     assert sorted({k[-1] for k in graphs}) == [64, 128] and graphed.graph_captures == 6  # 2 buckets x 3 samplers
+    assert _FakeGraph.error_modes == ["thread_local"] * 6
     assert all((len(g.generators) == 1) == (noise_in_graph and k[0] != "greedy") for k, g in graphs.items())
 
 
