@@ -50,6 +50,7 @@ def main() -> int:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
     folder = Path(tempfile.gettempdir()) / f"weight_push_{a.model}"
     if trainer:  # one random-init checkpoint both sides load
         from transformers import AutoModelForCausalLM

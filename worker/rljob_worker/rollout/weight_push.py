@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import pickle
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -79,17 +78,8 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
 
 
 def broadcast_header(link: WeightsLink, obj: Any, is_root: bool) -> Any:
-    """Rank 0's ``obj`` on both ends of ``link`` (pickled, over its gloo header group, on the CPU)."""
-    if is_root:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    _broadcast(link.headers, size)
-    if not is_root:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    _broadcast(link.headers, data)
-    return obj if is_root else pickle.loads(data.numpy().tobytes())
+    """Rank 0's ``obj`` on both ends of ``link`` (over its gloo header group, on the CPU)."""
+    return link.headers.broadcast_object(obj if is_root else None, src=0)
 
 
 def push_weights(link: WeightsLink, stream: Iterable[NamedTensor], *, version: int, device: torch.device,

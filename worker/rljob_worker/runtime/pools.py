@@ -195,7 +195,7 @@ class WeightsLink:
     push (a cache release, a new communicator), and the next push waits for the rollout's batch."""
 
     tensors: Any
-    headers: Any
+    headers: CrossPool
 
 
 @dataclass
@@ -274,8 +274,8 @@ def init_pools(env: DistEnv, layout: PoolLayout, backend: str | None = None,
             rank = pushers.index(env.rank)
             weights_link = WeightsLink(
                 tensors=_weights_group(dist.PrefixStore("rljob_weights", store), rank, len(pushers), backend, timeout),
-                headers=dist.ProcessGroupGloo(dist.PrefixStore("rljob_weights_headers", store), rank, len(pushers),
-                                              timeout))
+                headers=CrossPool(dist.ProcessGroupGloo(dist.PrefixStore("rljob_weights_headers", store), rank,
+                                                        len(pushers), timeout), rank, len(pushers)))
     log.info("%s: global rank %d is %s pool rank %d of %d", layout.placement, env.rank, role,
              pool_env.rank, pool_env.world_size)
     return Pools(role=role, env=pool_env, world_env=env, layout=layout, cross=cross, rollout_link=rollout_link,
