@@ -26,7 +26,9 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
 from rljob_worker.rollout.tool_parser import ToolCall, ToolCallParser
@@ -108,96 +110,190 @@ class ToolResponseRenderer:
 def run_agent_loop(generate: Callable[[list[list[int]], SamplingParams], RolloutOutput],
                    prompt_ids: list[list[int]], params: SamplingParams, *, parser: ToolCallParser, tools: ToolBox,
                    renderer: ToolResponseRenderer, decode: Callable[[list[int], bool], str], call_end_id: int,
-                   eos_id: int, config: AgentConfig, contexts: list[dict]) -> tuple[list[Trajectory], dict]:
+                   eos_id: int, config: AgentConfig, contexts: list[dict],
+                   open_stream: StreamFactory | None = None) -> tuple[list[Trajectory], dict]:
     """Roll out len(prompt_ids) x params.n trajectories (sample j of prompt i at i*n + j, as the engines).
 
     generate: the engine's generate; decode(ids, skip_special_tokens) -> text; contexts: one per prompt, passed
-    to function tools. Returns the trajectories and the step's ``tool/...`` metrics, with the per-(tool,
-    outcome) call counts under the key "outcomes" (a Counter, not a metric).
+    to function tools; open_stream: the engine's continuous rows (`static_stream.RowStream`), when it has them:
+    a trajectory's next turn then starts as soon as its tool answers, while the others decode on. Returns the
+    trajectories and the step's ``tool/...`` metrics, with the per-(tool, outcome) call counts under the key
+    "outcomes" (a Counter, not a metric).
     """
-    n = params.n
-    trajs = [Trajectory() for _ in range(len(prompt_ids) * n)]
-    prompts = [p for p in prompt_ids for _ in range(n)]
-    stops = tuple(dict.fromkeys((*params.stop_token_ids, call_end_id)))
-    start, tool_seconds, generated = time.perf_counter(), 0.0, 0
-    outcomes: Counter = Counter()
-    for turn in range(config.max_turns):
-        live = [i for i, t in enumerate(trajs) if not t.done]
-        if not live:
-            break
-        budget = {i: config.max_response_length - len(trajs[i].response_ids) for i in live}
-        seed = None if params.seed is None else params.seed + 7919 * turn
-        if turn == 0:  # n samples of each prompt in one request (vLLM fans them out from one prefill)
-            out = generate(prompt_ids, dataclasses.replace(params, max_new_tokens=config.max_response_length,
-                                                           stop_token_ids=stops, seed=seed))
-        else:  # one request per live trajectory: its prompt and every token so far
-            out = generate([prompts[i] + trajs[i].response_ids for i in live],
-                           dataclasses.replace(params, n=1, max_new_tokens=max(budget.values()),
-                                               stop_token_ids=stops, seed=seed))
-        pending: list[tuple[int, list[ToolCall]]] = []
-        for k, i in enumerate(live):
-            t, ids, lps = trajs[i], out.response_ids[k], out.response_logprobs[k]
-            ids, lps = ids[:budget[i]], lps[:budget[i]]  # the longest live budget was asked for
-            generated += len(ids)
-            t._append(ids, lps)
-            t.turns.append({"text": decode(ids, True), "tool_calls": []})
-            last = ids[-1] if ids else None
-            if last == call_end_id:
-                calls = parser.parse(decode(ids, False)) or [ToolCall(None, error=(
-                    f"no tool call was opened before {parser.end_marker}"))]
-                if turn + 1 >= config.max_turns:
-                    t.done = True  # no turn is left to read the answer
-                elif len(t.response_ids) >= config.max_response_length:
-                    t.done = t.cut = True
-                else:
-                    pending.append((i, calls))
-            elif last == eos_id or (last is not None and last in stops):
-                t.done = t.finished = True
-            else:  # cut at the budget
+    loop = _Loop(prompt_ids, params, parser=parser, tools=tools, renderer=renderer, decode=decode,
+                 call_end_id=call_end_id, eos_id=eos_id, config=config, contexts=contexts)
+    if open_stream is not None:
+        for lo in range(0, len(loop.trajs), open_stream.max_rows):
+            loop.continuous(open_stream, range(lo, min(lo + open_stream.max_rows, len(loop.trajs))))
+    loop.turn_batched(generate)  # every trajectory (or those a stream could not hold to the end)
+    return loop.trajs, loop.metrics()
+
+
+class StreamFactory(Protocol):
+    """An engine's continuous rows: ``open_stream(prompts, params, budgets, length_budget)`` -> a RowStream."""
+
+    max_rows: int
+
+    def __call__(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
+                 length_budget: int): ...
+
+
+class _Loop:
+    """The trajectories of one rollout and the rules every turn follows, whichever way the turns are scheduled."""
+
+    def __init__(self, prompt_ids, params, *, parser, tools, renderer, decode, call_end_id, eos_id, config,
+                 contexts):
+        self.n, self.params, self.parser, self.tools, self.renderer = params.n, params, parser, tools, renderer
+        self.decode, self.call_end_id, self.eos_id, self.config, self.contexts = (
+            decode, call_end_id, eos_id, config, contexts)
+        self.prompt_ids = prompt_ids
+        self.trajs = [Trajectory() for _ in range(len(prompt_ids) * params.n)]
+        self.prompts = [p for p in prompt_ids for _ in range(params.n)]
+        self.stops = tuple(dict.fromkeys((*params.stop_token_ids, call_end_id)))
+        self.start, self.generated, self.calls_made = time.perf_counter(), 0, 0
+        self.tool_spans: list[tuple[float, float]] = []
+        self.outcomes: Counter = Counter()
+
+    def budget(self, i: int) -> int:
+        return self.config.max_response_length - len(self.trajs[i].response_ids)
+
+    # -- the rules of a turn
+    def end_turn(self, i: int, ids: list[int], lps: list[float]) -> list[ToolCall] | None:
+        """Record trajectory i's turn (sampled ids and log-probs, within its budget). Returns the tool calls to
+        run when the trajectory goes on, None when it is done."""
+        t = self.trajs[i]
+        self.generated += len(ids)
+        t._append(ids, lps)
+        t.turns.append({"text": self.decode(ids, True), "tool_calls": []})
+        last = ids[-1] if ids else None
+        if last == self.call_end_id:
+            calls = self.parser.parse(self.decode(ids, False)) or [ToolCall(None, error=(
+                f"no tool call was opened before {self.parser.end_marker}"))]
+            if len(t.turns) >= self.config.max_turns:
+                t.done = True  # no turn is left to read the answer
+            elif len(t.response_ids) >= self.config.max_response_length:
                 t.done = t.cut = True
-        if not pending:
-            continue
-        tool_start = time.perf_counter()
+            else:
+                return calls
+        elif last == self.eos_id or (last is not None and last in self.stops):
+            t.done = t.finished = True
+        else:  # cut at the budget
+            t.done = t.cut = True
+        return None
+
+    def run_tools(self, pending: list[tuple[int, list[ToolCall]]]) -> list[tuple[int, list[ToolResult]]]:
+        """Run the calls of the trajectories in ``pending`` (concurrently, at most max_tool_calls_per_turn each)."""
+        started = time.perf_counter()
+        per_turn = self.config.max_tool_calls_per_turn
         jobs, owners = [], []
         for i, calls in pending:
             for c, call in enumerate(calls):
-                if c < config.max_tool_calls_per_turn:
-                    jobs.append((call, contexts[i // n]))
+                if c < per_turn:
+                    jobs.append((call, self.contexts[i // self.n]))
                 owners.append((i, c))
-        results = iter(tools.call_all(jobs))
+        results = iter(self.tools.call_all(jobs))
         per_traj: dict[int, list[ToolResult]] = {}
         for i, c in owners:
-            result = next(results) if c < config.max_tool_calls_per_turn else ToolResult(
+            result = next(results) if c < per_turn else ToolResult(
                 "<over limit>", {}, "too_many_calls",
-                f"Error: at most {config.max_tool_calls_per_turn} tool calls per turn; this one was not run", 0.0)
+                f"Error: at most {per_turn} tool calls per turn; this one was not run", 0.0)
             per_traj.setdefault(i, []).append(result)
-            outcomes[(result.name, result.outcome)] += 1
-        tool_seconds += time.perf_counter() - tool_start
-        for i, results_i in per_traj.items():
-            t = trajs[i]
-            t.turns[-1]["tool_calls"] = [{"name": r.name, "arguments": r.arguments, "output": r.output,
-                                          "outcome": r.outcome, "seconds": r.seconds} for r in results_i]
-            rendered = renderer.render([(r.name, r.output) for r in results_i])
-            room = config.max_response_length - len(t.response_ids)
-            t._append(rendered[:room], None)
-            if len(rendered) >= room:  # no room left for an answer
-                t.done = t.cut = True
-    for t in trajs:
-        t.done = True
-    total = time.perf_counter() - start
-    calls = [sum(len(turn["tool_calls"]) for turn in t.turns) for t in trajs]
-    metrics = {
-        "tool/calls_per_trajectory": sum(calls) / max(len(trajs), 1),
-        "tool/trajectories_with_call": sum(c > 0 for c in calls) / max(len(trajs), 1),
-        "tool/turns_mean": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
-        "tool/errors": float(sum(v for (_, o), v in outcomes.items() if o != "ok")),
-        "tool/calls": float(sum(outcomes.values())),
-        "tool/time_share": tool_seconds / max(total, 1e-9),
-        "tool/cut_share": sum(t.cut for t in trajs) / max(len(trajs), 1),
-        "tool/model_tokens": float(generated),
-        "outcomes": outcomes,
-    }
-    return trajs, metrics
+        self.tool_spans.append((started, time.perf_counter()))
+        return list(per_traj.items())
+
+    def observe(self, i: int, results: list[ToolResult]) -> list[int] | None:
+        """Append the rendered tool responses to trajectory i; returns them when it goes on, None when the budget
+        left no room for an answer (the trajectory is cut)."""
+        t = self.trajs[i]
+        for r in results:
+            self.outcomes[(r.name, r.outcome)] += 1
+        t.turns[-1]["tool_calls"] = [{"name": r.name, "arguments": r.arguments, "output": r.output,
+                                      "outcome": r.outcome, "seconds": r.seconds} for r in results]
+        rendered = self.renderer.render([(r.name, r.output) for r in results])
+        room = self.config.max_response_length - len(t.response_ids)
+        t._append(rendered[:room], None)
+        if len(rendered) >= room:  # no room left for an answer
+            t.done = t.cut = True
+            return None
+        return rendered
+
+    # -- two schedules
+    def turn_batched(self, generate) -> None:
+        """Every live trajectory's next turn in one engine call, until none is live."""
+        for call in range(self.config.max_turns):
+            live = [i for i, t in enumerate(self.trajs) if not t.done]
+            if not live:
+                break
+            budget = {i: self.budget(i) for i in live}
+            seed = None if self.params.seed is None else self.params.seed + 7919 * call
+            if all(not self.trajs[i].turns for i in live) and len(live) == len(self.trajs):
+                # the first turn: n samples of each prompt in one request (vLLM fans them out from one prefill)
+                out = generate(self.prompt_ids, dataclasses.replace(
+                    self.params, max_new_tokens=self.config.max_response_length, stop_token_ids=self.stops, seed=seed))
+            else:  # one request per live trajectory: its prompt and every token so far
+                out = generate([self.prompts[i] + self.trajs[i].response_ids for i in live],
+                               dataclasses.replace(self.params, n=1, max_new_tokens=max(budget.values()),
+                                                   stop_token_ids=self.stops, seed=seed))
+            pending = []
+            for k, i in enumerate(live):  # the longest live budget was asked for
+                calls = self.end_turn(i, out.response_ids[k][:budget[i]], out.response_logprobs[k][:budget[i]])
+                if calls is not None:
+                    pending.append((i, calls))
+            if pending:
+                for i, results in self.run_tools(pending):
+                    self.observe(i, results)
+        for t in self.trajs:
+            t.done = True
+
+    def continuous(self, open_stream: StreamFactory, rows: range) -> None:
+        """Trajectories ``rows`` in one engine stream: a turn that ends at a call hands its calls to a tool thread
+        and the engine decodes the others on; the trajectory resumes at the first poll after its tools answer.
+        A trajectory the stream cannot hold to its end is left live for `turn_batched`."""
+        budget = self.config.max_response_length
+        stream = open_stream([self.prompts[i] for i in rows], dataclasses.replace(
+            self.params, n=1, max_new_tokens=budget, stop_token_ids=self.stops,
+            seed=None if self.params.seed is None else self.params.seed + rows.start),
+            [budget] * len(rows), 2 * budget)
+        futures: dict[Future, None] = {}
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="rljob-agent") as tool_threads:
+            while stream.live or futures:
+                pending = []
+                for end in stream.poll():
+                    calls = self.end_turn(rows[end.row], end.ids, end.logprobs)
+                    if calls is not None:
+                        pending.append((rows[end.row], calls))
+                if pending:
+                    futures[tool_threads.submit(self.run_tools, pending)] = None
+                if not stream.live and futures:  # nothing to decode: wait for a tool
+                    wait(futures, return_when=FIRST_COMPLETED)
+                resumes = []
+                for f in [f for f in futures if f.done()]:
+                    del futures[f]
+                    for i, results in f.result():
+                        rendered = self.observe(i, results)
+                        if rendered is not None:
+                            resumes.append((i - rows.start, rendered, self.budget(i)))
+                stream.resume(resumes)  # refused rows stay live for turn_batched
+
+    def metrics(self) -> dict:
+        total = time.perf_counter() - self.start
+        tool_seconds, until = 0.0, float("-inf")  # wall time with a tool running (batches may overlap)
+        for lo, hi in sorted(self.tool_spans):
+            tool_seconds += max(0.0, hi - max(lo, until))
+            until = max(until, hi)
+        trajs = self.trajs
+        calls = [sum(len(turn["tool_calls"]) for turn in t.turns) for t in trajs]
+        return {
+            "tool/calls_per_trajectory": sum(calls) / max(len(trajs), 1),
+            "tool/trajectories_with_call": sum(c > 0 for c in calls) / max(len(trajs), 1),
+            "tool/turns_mean": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
+            "tool/errors": float(sum(v for (_, o), v in self.outcomes.items() if o != "ok")),
+            "tool/calls": float(sum(self.outcomes.values())),
+            "tool/time_share": tool_seconds / max(total, 1e-9),
+            "tool/cut_share": sum(t.cut for t in trajs) / max(len(trajs), 1),
+            "tool/model_tokens": float(self.generated),
+            "outcomes": self.outcomes,
+        }
 
 
 def agent_output(trajs: list[Trajectory]) -> RolloutOutput:

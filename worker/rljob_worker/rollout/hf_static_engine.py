@@ -377,85 +377,104 @@ class HFStaticEngine(HFEngine):
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> RolloutOutput:
         real, steps = len(prompts), params.max_new_tokens
-        if len(params.stop_token_ids) > MAX_STOP_TOKENS:
-            raise ValueError(f"the static-cache engine checks at most {MAX_STOP_TOKENS} stop tokens, "
-                             f"got {len(params.stop_token_ids)}")
+        self._check_stops(params)
         if steps <= 0:
             return RolloutOutput([[] for _ in prompts], [[] for _ in prompts], [False] * real)
         width = _round_up(max(len(p) for p in prompts), 16)
-        length = _round_up(width + steps, self.length_multiple)
-        s = self._session_for(real, length)
-        batch = s.batch
-        prompts = prompts + [[self.pad]] * (batch - real)  # a larger session's extra rows: finished from the start
+        s = self._session_for(real, _round_up(width + steps, self.length_multiple))
         buckets = kv_buckets(s.length, self.max_graphs)
         mode, top_k, top_p = self._mode(params, self.vocab)
         with torch.no_grad():
-            if self.use_cuda_graph:  # decode forwards run at slots width .. width + steps - 2
-                for keys in sorted({bucket_for(t, buckets) for t in range(width, width + steps - 1)}):
-                    if (mode, top_k, top_p, keys) in s.graphs:
-                        continue
-                    try:
-                        self._capture(s, mode, top_k, top_p, keys)
-                    except Exception as exc:  # noqa: BLE001 - keep generating without the graphs
-                        log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(exc).__name__, exc)
-                        self.use_cuda_graph = False
-                        s.graphs.clear()
-                        torch.cuda.synchronize(self.device)
-                        break
-            input_ids = torch.full((batch, width), self.pad, dtype=torch.long)
-            attention = torch.zeros((batch, width), dtype=torch.long)
-            for i, ids in enumerate(prompts):  # left padding, as HFEngine
-                input_ids[i, width - len(ids):] = torch.tensor(ids)
-                attention[i, width - len(ids):] = 1
-            input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-            position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-            valid = attention.bool()
-            s.key_valid.zero_()
-            s.key_valid[:, :width] = valid
-            s.tokens.fill_(self.pad)
-            s.logprobs.zero_()
-            s.done.zero_()
-            s.done[real:] = True
-            s.count.zero_()
-            s.stops.fill_(self.eos)
-            s.stops[1:1 + len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids, dtype=torch.long)
-            s.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
-            if self.sample_in_step and mode != "greedy":
-                s.gen.manual_seed(self._chunk_seed(gen))
-            # prefill: query i sees real prompt keys j <= i (and itself, so padded rows stay finite)
-            ar = torch.arange(width, device=self.device)
-            causal = ar[None, :] <= ar[:, None]
-            key_mask = (valid[:, None, :] & causal[None]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
-            rows = self.prefill_rows(width)
-            logits = torch.cat([self._forward(input_ids[lo:lo + rows], position_ids[lo:lo + rows], s.rows(lo, lo + rows),
-                                              s.slots[:width], key_mask[lo:lo + rows], width)
-                                for lo in range(0, batch, rows)])
-            s.slot.fill_(width)
-            s.pos.copy_(position_ids[:, -1:] + 1)
-            if self.sample_in_step:
-                if mode != "greedy":
-                    s.noise.uniform_(0.0, 1.0, generator=s.gen)
-                tok, lp = self._pick(logits, s, mode, top_k, top_p)
-            else:
-                tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
-            self._record(s, tok, lp)
+            self._capture_buckets(s, (mode, top_k, top_p), {bucket_for(t, buckets) for t in range(width, width + steps - 1)})
+            self._start(s, prompts, width, params, gen)
             taken = 1
             while taken < steps:
                 if taken % self.check_every == 0 and bool(s.done.all()):
                     break
-                keys = bucket_for(width + taken - 1, buckets)
-                graph = s.graphs.get((mode, top_k, top_p, keys)) if self.use_cuda_graph else None
-                if graph is not None:
-                    if not self.noise_in_graph and mode != "greedy":
-                        s.noise.uniform_(0.0, 1.0, generator=s.gen)
-                    graph.replay()
-                elif self.sample_in_step:
-                    self._run_step(s, keys, mode, top_k, top_p, draw=True)
-                else:  # eager, sampled on the host side with the call's generator (the HF engine's draws)
-                    logits = self._decode_logits(s, s.slots[:keys])
-                    s.pos.add_(1)
-                    s.slot.add_(1)
-                    self._record(s, *sample_next(logits, params.temperature, params.top_k, params.top_p, gen))
+                self._advance(s, bucket_for(width + taken - 1, buckets), (mode, top_k, top_p), params, gen)
                 taken += 1
             tokens, logprobs = s.tokens[:real, :taken].cpu(), s.logprobs[:real, :taken].cpu()
         return rows_to_output(tokens, logprobs, {self.eos, *params.stop_token_ids})
+
+    @staticmethod
+    def _check_stops(params: SamplingParams) -> None:
+        if len(params.stop_token_ids) > MAX_STOP_TOKENS:
+            raise ValueError(f"the static-cache engine checks at most {MAX_STOP_TOKENS} stop tokens, "
+                             f"got {len(params.stop_token_ids)}")
+
+    def _capture_buckets(self, s: _Session, sampler: tuple[str, int, float], keys_needed: set[int]) -> None:
+        """Capture the decode step's graph for each key bucket a call will read (before its prefill: a capture
+        writes wherever the counters point). A failed capture turns graphs off and decoding goes on eagerly."""
+        if not self.use_cuda_graph:
+            return
+        for keys in sorted(keys_needed):
+            if (*sampler, keys) in s.graphs:
+                continue
+            try:
+                self._capture(s, *sampler, keys)
+            except Exception as exc:  # noqa: BLE001 - keep generating without the graphs
+                log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(exc).__name__, exc)
+                self.use_cuda_graph = False
+                s.graphs.clear()
+                torch.cuda.synchronize(self.device)
+                return
+
+    def _start(self, s: _Session, prompts: list[list[int]], width: int, params: SamplingParams, gen) -> None:
+        """Reset the session's buffers for ``prompts`` (<= s.batch rows, left-padded to ``width``; the session's
+        extra rows start finished), prefill them and record each row's first token (count 1, next slot width)."""
+        real, batch = len(prompts), s.batch
+        prompts = prompts + [[self.pad]] * (batch - real)
+        mode, top_k, top_p = self._mode(params, self.vocab)
+        input_ids = torch.full((batch, width), self.pad, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, ids in enumerate(prompts):  # left padding, as HFEngine
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            attention[i, width - len(ids):] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        valid = attention.bool()
+        s.key_valid.zero_()
+        s.key_valid[:, :width] = valid
+        s.tokens.fill_(self.pad)
+        s.logprobs.zero_()
+        s.done.zero_()
+        s.done[real:] = True
+        s.count.zero_()
+        s.stops.fill_(self.eos)
+        s.stops[1:1 + len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids, dtype=torch.long)
+        s.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
+        if self.sample_in_step and mode != "greedy":
+            s.gen.manual_seed(self._chunk_seed(gen))
+        # prefill: query i sees real prompt keys j <= i (and itself, so padded rows stay finite)
+        ar = torch.arange(width, device=self.device)
+        causal = ar[None, :] <= ar[:, None]
+        key_mask = (valid[:, None, :] & causal[None]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        rows = self.prefill_rows(width)
+        logits = torch.cat([self._forward(input_ids[lo:lo + rows], position_ids[lo:lo + rows], s.rows(lo, lo + rows),
+                                          s.slots[:width], key_mask[lo:lo + rows], width)
+                            for lo in range(0, batch, rows)])
+        s.slot.fill_(width)
+        s.pos.copy_(position_ids[:, -1:] + 1)
+        if self.sample_in_step:
+            if mode != "greedy":
+                s.noise.uniform_(0.0, 1.0, generator=s.gen)
+            tok, lp = self._pick(logits, s, mode, top_k, top_p)
+        else:
+            tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
+        self._record(s, tok, lp)
+
+    def _advance(self, s: _Session, keys: int, sampler: tuple[str, int, float], params: SamplingParams, gen) -> None:
+        """One decode step over ``keys`` cache slots: a graph replay where one was captured, else eagerly."""
+        mode, top_k, top_p = sampler
+        graph = s.graphs.get((*sampler, keys)) if self.use_cuda_graph else None
+        if graph is not None:
+            if not self.noise_in_graph and mode != "greedy":
+                s.noise.uniform_(0.0, 1.0, generator=s.gen)
+            graph.replay()
+        elif self.sample_in_step:
+            self._run_step(s, keys, mode, top_k, top_p, draw=True)
+        else:  # eager, sampled on the host side with the call's generator (the HF engine's draws)
+            logits = self._decode_logits(s, s.slots[:keys])
+            s.pos.add_(1)
+            s.slot.add_(1)
+            self._record(s, *sample_next(logits, params.temperature, params.top_k, params.top_p, gen))

@@ -570,7 +570,8 @@ class GRPOTrainer(RunLoop):
                 lambda ids, p: self._generate(ids, p, release=False), [r.prompt_ids for r in records], params,
                 parser=a.parser, tools=a.tools, renderer=a.renderer,
                 decode=lambda ids, skip: self.tokenizer.decode(ids, skip_special_tokens=skip),
-                call_end_id=a.call_end_id, eos_id=self.eos_id, config=a.config, contexts=contexts)
+                call_end_id=a.call_end_id, eos_id=self.eos_id, config=a.config, contexts=contexts,
+                open_stream=self._row_streams())
         finally:
             self._release_engine()
         outcomes = tool_metrics.pop("outcomes")
@@ -579,6 +580,18 @@ class GRPOTrainer(RunLoop):
         self._tool_metrics = tool_metrics
         return (agent_output(trajs), [t.final_text for t in trajs], [t.as_dict() for t in trajs],
                 [t.loss_mask for t in trajs])
+
+    def _row_streams(self):
+        """The static engine's continuous rows for the agent loop where this process samples the whole batch
+        (rank 0, or one rank), else None (turn-batched; RLJOB_AGENT_STREAM=0 forces that)."""
+        from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+        from rljob_worker.rollout.static_stream import RowStreams
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if (os.environ.get("RLJOB_AGENT_STREAM", "1") == "0" or self.rollout_pool is not None
+                or not isinstance(self.engine, HFStaticEngine) or (self.engine_everywhere and world > 1)):
+            return None
+        return RowStreams(self.engine)
 
     # ------------------------------------------------------------------ a separate rollout pool
     def _policy_version(self) -> int:
