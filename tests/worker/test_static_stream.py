@@ -8,6 +8,7 @@ streamed: the schedule changes when a turn runs, never what it sees.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def _drive(stream: RowStream, reply: list[int], turns: int, budget: int) -> dict
     `reply`. Returns row -> its turns as (ids, logprobs, the context before the turn)."""
     seen: dict[int, list] = {i: [] for i in range(len(stream.rows))}
     context = {i: [] for i in seen}
-    while stream.live:
+    while stream.busy:
         resumes = []
         for end in stream.poll():
             seen[end.row].append((end.ids, end.logprobs, list(context[end.row])))
@@ -105,27 +106,33 @@ def _drive(stream: RowStream, reply: list[int], turns: int, budget: int) -> dict
             if end.finished and len(seen[end.row]) < turns:
                 context[end.row] += reply
                 resumes.append((end.row, reply, budget))
-        assert stream.resume(resumes) == []
+        stream.resume(resumes)
     return seen
 
 
 @pytest.mark.parametrize("sample_in_step", [False, True])
+@pytest.mark.parametrize(("first", "length_budget", "reply_x", "check_every"),
+                         [(12, 80, 2, 1), (12, 80, 2, 3), (40, 40, 4, 1)])
 def test_a_resumed_row_samples_what_a_prefill_of_its_whole_context_samples(model_dir, stop_token, lp_tol,
-                                                                           sample_in_step):
+                                                                           sample_in_step, first, length_budget,
+                                                                           reply_x, check_every):
     """Rows stop at different steps and resume while the others decode; every later turn's greedy tokens are the
-    HF engine's on prompt + earlier turns + replies, its log-probs a teacher-forced forward's."""
+    HF engine's on prompt + earlier turns + replies, its log-probs a teacher-forced forward's. The reply is longer
+    than a row's wait: with room in the cache the rows skip ahead to place it; where a skip would cut a live row's
+turn short, it waits for its own wait to grow."""
     engine = HFStaticEngine(str(model_dir), sample_in_step=sample_in_step, **_kw())
-    params = SamplingParams(n=1, temperature=0, max_new_tokens=12, stop_token_ids=(stop_token,))
-    stream = RowStream(engine, PROMPTS, params, [12] * len(PROMPTS), 80)
-    turns = _drive(stream, TOOL_REPLY, turns=3, budget=12)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=first, stop_token_ids=(stop_token,))
+    stream = RowStream(engine, PROMPTS, params, [first] * len(PROMPTS), length_budget, check_every)
+    turns = _drive(stream, TOOL_REPLY * reply_x, turns=3, budget=6)
+    assert stream.skipped > 0 if first == 12 else stream.deferred > 0  # both ways of placing a reply ran
     ref = HFEngine(str(model_dir), **_kw())
     resumed = 0
     for i, row_turns in turns.items():
         for k, (ids, lps, before) in enumerate(row_turns):
             context = PROMPTS[i] + before
-            want = ref.generate([context], params).response_ids[0]
-            assert ids == want, f"row {i} turn {k}"
-            rescored = _rescored(model_dir, [context], type("O", (), {"response_ids": [ids]}), 1.0)[0]
+            want = ref.generate([context], dataclasses.replace(params, max_new_tokens=first if k == 0 else 6))
+            assert ids == want.response_ids[0], f"row {i} turn {k}"
+            rescored = _rescored(model_dir, [context], want, 1.0)[0]
             assert lps == pytest.approx(rescored, abs=lp_tol)
             resumed += k > 0
     assert resumed >= 3  # the stop token is common: several rows went on after a reply
@@ -133,28 +140,27 @@ def test_a_resumed_row_samples_what_a_prefill_of_its_whole_context_samples(model
     assert len(set(ends)) > 1  # first turns ended at different steps: rows resumed while others decoded
 
 
-def test_rows_whose_next_turn_does_not_fit_are_refused_and_stay_stopped(model_dir, stop_token):
+def test_a_next_turn_that_cannot_fit_the_cache_is_refused_and_the_row_stays_stopped(model_dir, stop_token):
     engine = HFStaticEngine(str(model_dir), **_kw())
     params = SamplingParams(n=1, temperature=0, max_new_tokens=12, stop_token_ids=(stop_token,))
-    stream = RowStream(engine, PROMPTS, params, [12] * len(PROMPTS), 16)
+    stream = RowStream(engine, PROMPTS, params, [12] * len(PROMPTS), 14)
     ended = []
     while stream.live and not ended:
         ended = [e for e in stream.poll() if e.finished]
     assert ended, "no row reached the stop token"
     row = ended[0].row
-    too_long = stream.room() - len(TOOL_REPLY) + 1
-    assert stream.resume([(row, TOOL_REPLY, too_long)]) == [row]
-    assert not stream.rows[row].live
-    assert stream.resume([(row, TOOL_REPLY, too_long - 1)]) == []
-    assert stream.rows[row].live
+    stream.resume([(row, TOOL_REPLY, stream.session.length)])
+    while stream.busy:
+        stream.poll()
+    assert stream.refused == [row] and not stream.rows[row].live
     with pytest.raises(ValueError, match="no ended turn"):
-        stream.resume([(row, TOOL_REPLY, 1)])
+        stream.resume([(row, [], 1)])
 
 
 # --------------------------------------------------------------------------- the agent loop over streams
 
 
-def _loop(model_dir, stop_token, engine, streamed: bool, max_turns=4, budget=96, n=2):
+def _loop(model_dir, stop_token, engine, streamed: bool, max_turns=4, budget=96, n=2, check_every=None):
     tools = ToolBox([ToolConfig(name="secret", function="rljob_worker.data.synthetic:secret_tool")])
     try:
         return run_agent_loop(
@@ -163,14 +169,14 @@ def _loop(model_dir, stop_token, engine, streamed: bool, max_turns=4, budget=96,
             decode=lambda ids, skip: TOK.decode(ids, skip_special_tokens=skip), call_end_id=stop_token,
             eos_id=NO_EOS, config=AgentConfig(max_turns=max_turns, max_response_length=budget),
             contexts=[{"ground_truth": str(i % 4)} for i in range(len(PROMPTS))],
-            open_stream=RowStreams(engine) if streamed else None)
+            open_stream=RowStreams(engine, check_every) if streamed else None)
     finally:
         tools.close()
 
 
-@pytest.mark.parametrize("graphed", [False, True])
+@pytest.mark.parametrize(("graphed", "check_every"), [(False, 1), (False, 2), (True, 2)])
 def test_the_agent_loop_builds_the_same_trajectories_streamed_or_turn_batched(model_dir, stop_token, lp_tol,
-                                                                              monkeypatch, graphed):
+                                                                              monkeypatch, graphed, check_every):
     """Greedy trajectories of 1 to 4 turns (replies, cuts at the budget, calls at maxTurns): token for token the
     same, the same loss masks, turns and flags, log-probs to the reordering bound; with stand-in CUDA graphs the
     stream replays the decode step captured before its prefill."""
@@ -182,7 +188,7 @@ def test_the_agent_loop_builds_the_same_trajectories_streamed_or_turn_batched(mo
     turns, captures = set(), engine.graph_captures
     for budget in (32, 96):  # mostly cut in the first turn; mostly 2-3 turns
         batched, m_batched = _loop(model_dir, stop_token, HFEngine(str(model_dir), **_kw()), False, budget=budget)
-        streamed, m_streamed = _loop(model_dir, stop_token, engine, True, budget=budget)
+        streamed, m_streamed = _loop(model_dir, stop_token, engine, True, budget=budget, check_every=check_every)
         for a, b in zip(batched, streamed, strict=True):
             assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
             assert (len(a.turns), a.cut, a.finished) == (len(b.turns), b.cut, b.finished)

@@ -256,7 +256,7 @@ class _Loop:
             [budget] * len(rows), 2 * budget)
         futures: dict[Future, None] = {}
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="rljob-agent") as tool_threads:
-            while stream.live or futures:
+            while stream.busy or futures:
                 pending = []
                 for end in stream.poll():
                     calls = self.end_turn(rows[end.row], end.ids, end.logprobs)
@@ -264,7 +264,7 @@ class _Loop:
                         pending.append((rows[end.row], calls))
                 if pending:
                     futures[tool_threads.submit(self.run_tools, pending)] = None
-                if not stream.live and futures:  # nothing to decode: wait for a tool
+                if not stream.busy and futures:  # nothing to decode: wait for a tool
                     wait(futures, return_when=FIRST_COMPLETED)
                 resumes = []
                 for f in [f for f in futures if f.done()]:
@@ -273,7 +273,7 @@ class _Loop:
                         rendered = self.observe(i, results)
                         if rendered is not None:
                             resumes.append((i - rows.start, rendered, self.budget(i)))
-                stream.resume(resumes)  # refused rows stay live for turn_batched
+                stream.resume(resumes)  # a row the stream refuses stays live for turn_batched
 
     def metrics(self) -> dict:
         total = time.perf_counter() - self.start

@@ -7,16 +7,17 @@ reports the rows whose turn ended (`poll`); a row whose tool has answered is res
 turn's last token and the tool response are written into the row's cache at fresh slots and the row decodes on
 from there, while the other rows never stopped.
 
-How a row continues without moving anything. All rows of a session write the same cache slot each step, and a
-row's own positions (`_Session.pos`) and valid keys (`_Session.key_valid`) are per row, so a row's context need
-not be contiguous in the cache. A resume therefore writes the new tokens at the next free slots, skips every row
-past them (slots cost memory, not compute: attention reads the filled key buckets), and rebuilds the resumed row's
-key mask from the slots it owns (its prompt, the tokens it fed, the new tokens), dropping the slots it wrote while
-it waited. Positions run on from the context's length, so the tokens and log-probs are those a fresh prefill of
-the whole context would give (up to the arithmetic's reordering), without re-reading the earlier turns.
-
-The caller owns the budgets: `resume` refuses a row whose next turn would not fit the session's cache (the caller
-then finishes it with an engine call of its own), and a turn is cut at its budget at the first poll after it.
+How a row continues without moving anything. All rows of a session write the same cache slot each step, but each
+row has its own cache, positions (`_Session.pos`) and valid keys (`_Session.key_valid`), so a row's context need
+not be contiguous. While a row waits for its tool, the decode steps write junk into its own slots; a resume writes
+the turn's last token and the tool response into the last of those slots (computed in one forward over a copy of
+the resumed rows' caches, then put in place), rebuilds the row's key mask from the slots it owns (its prompt, the
+tokens it fed, the new tokens) and the row decodes on. Positions run on from the context's length, so the tokens
+and log-probs are those a fresh prefill of the whole context would give (up to the arithmetic's reordering),
+without re-reading the earlier turns. A response longer than the row's wait is placed when the wait has grown
+enough, or at once by skipping every row ahead a few slots where the cache has room for every live row's budget
+(skipped slots cost memory, not compute); a row whose next turn cannot fit is refused (`refused`) and the caller
+finishes it with an engine call of its own.
 """
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ class RowStream:
         self.slot, self.count = width, 1  # the next decode step writes `slot` and records token number `count`
         self.step_slot: list[int] = [-1]  # step_slot[c]: the slot written by the step that recorded token c
         self.rows = [_Row(list(range(width - len(p), width)), len(p), 0, b) for p, b in zip(prompts, budgets)]
+        self.queued: list[tuple[int, list[int], int]] = []  # resumes waiting for room (module docstring)
+        self.refused: list[int] = []  # rows whose next turn could not fit: the caller finishes them
+        self.skipped = 0  # slots skipped to place responses longer than their rows' wait
+        self.deferred = 0  # polls a queued resume waited for its row's wait to grow
         with torch.no_grad():
             engine._capture_buckets(s, self.sampler, {bucket_for(t, self.buckets) for t in range(width, s.length)})
             engine._start(s, prompts, width, params, self.gen)
@@ -77,18 +82,28 @@ class RowStream:
     def live(self) -> bool:
         return any(r.live for r in self.rows)
 
-    def room(self) -> int:
-        """Slots a resume could fill now with new context and a sampled turn (the cache's free slots, less the
-        steps a turn may run past its budget before the poll that cuts it)."""
-        return self.session.length - self.slot - self.check_every
+    @property
+    def busy(self) -> bool:
+        """Rows are decoding or waiting to be resumed."""
+        return self.live or bool(self.queued)
+
+    def resume(self, items: list[tuple[int, list[int], int]]) -> None:
+        """Continue rows after their turn: (row, new context tokens, budget of the next turn) each. Placed at the
+        next poll where the cache allows (see the module's docstring), else refused (`refused`)."""
+        for i, new, _ in items:
+            r = self.rows[i]
+            if r.live or not r.turn_ids or not new or any(q[0] == i for q in self.queued):
+                raise ValueError(f"row {i} has no ended turn to continue, or nothing to continue it with")
+        self.queued += items
 
     @torch.no_grad()
     def poll(self) -> list[TurnEnd]:
-        """Decode up to check_every steps while a row is live; return the turns that ended (at EOS, a stop token,
-        or their budget). Their rows stop until resumed."""
+        """Place the queued resumes that fit, decode up to check_every steps while a row is live, and return the
+        turns that ended (at EOS, a stop token, or their budget). Their rows stop until resumed."""
         e, s = self.engine, self.session
+        self._place()
         for _ in range(self.check_every):
-            if not self.live or self.slot >= s.length:
+            if not self.live or self.slot >= s.length:  # the cache's end: _place keeps turns short of it
                 break
             e._advance(s, bucket_for(self.slot, self.buckets), self.sampler, self.params, self.gen)
             self.step_slot.append(self.slot)
@@ -113,73 +128,91 @@ class RowStream:
             row = tokens[k][r.turn_start - start:][:r.budget]
             n = first_stop(row, self.stops)
             r.live, r.turn_ids = False, row[:n]
+            r.valid += self.step_slot[max(r.turn_start, 1):r.turn_start + n]  # the slots of the tokens it fed
             out.append(TurnEnd(i, row[:n], logprobs[k][r.turn_start - start:][:n], n > 0 and row[n - 1] in self.stops))
         return out
 
-    @torch.no_grad()
-    def resume(self, items: list[tuple[int, list[int], int]]) -> list[int]:
-        """Continue rows after their turn: (row, new context tokens, budget of the next turn) each. The turn's
-        last sampled token and the new tokens but the last are written at the next free slots (one forward for
-        all rows), the last new token is fed by the next decode step. Returns the rows refused because their
-        next turn does not fit the session's cache (they stay stopped; the caller finishes them elsewhere)."""
-        for i, new, _ in items:
-            if self.rows[i].live or not self.rows[i].turn_ids or not new:
-                raise ValueError(f"row {i} has no ended turn to continue, or nothing to continue it with")
-        width = max((len(new) for _, new, _ in items), default=0)
-        refused = [i for i, _, budget in items if width + budget > self.room()]
-        items = [item for item in items if item[0] not in refused]
-        if items:
-            self._resume(items)
-        return refused
+    # -- placing resumes
+    def _fits(self, skip: int, budgets: list[int]) -> bool:
+        """Whether every live row's rest of turn and each of ``budgets`` fit the cache after skipping ``skip``
+        slots (a turn may run check_every - 1 steps past its budget before the poll that cuts it)."""
+        rest = [r.budget - (self.count - r.turn_start) for r in self.rows if r.live]
+        return self.slot + skip + max(rest + budgets, default=0) + self.check_every <= self.session.length
 
-    def _resume(self, items: list[tuple[int, list[int], int]]) -> None:
+    def _place(self) -> None:
+        """Resume the queued rows whose response fits their wait; the others too if a skip that makes room fits
+        every live row's budget; refuse a row that cannot fit even with nothing else live."""
+        if not self.queued:
+            return
+        need = {i: len(new) - (self.slot - (self.rows[i].valid[-1] + 1)) for i, new, _ in self.queued}
+        now = [q for q in self.queued if need[q[0]] <= 0 and self._fits(0, [q[2]])]
+        later = [q for q in self.queued if q not in now]
+        skip = max(0, max((need[q[0]] for q in later), default=0))
+        if later and self._fits(skip, [q[2] for q in now + later]):
+            now, later = now + later, []
+        else:
+            skip = 0
+        if not now and not self.live:  # nothing decodes, so nothing frees: fit whom we can, refuse the rest
+            later.sort(key=lambda q: q[2])
+            while later and not self._fits(max(0, max(need[q[0]] for q in later)), [q[2] for q in later]):
+                self.refused.append(later.pop()[0])  # the largest budget first
+            now, later = later, []
+            skip = max(0, max((need[q[0]] for q in now), default=0))
+        self.queued = later
+        self.deferred += len(later)
+        if now:
+            self.slot += skip
+            self.skipped += skip
+            self.session.slot.add_(skip)  # every row skips these (the others' keys there stay invalid)
+            self._write(now)
+
+    def _write(self, items: list[tuple[int, list[int], int]]) -> None:
+        """Write each row's turn's last token and its new tokens but the last at the row's slots just before the
+        next one (one forward over a copy of the rows' caches), and hand the last new token to the next step."""
         e, s = self.engine, self.session
-        writes = []
-        for i, new, _ in items:
+        at, width = self.slot, max(len(new) for _, new, _ in items)
+        keys = at + width  # the copy's new tokens sit at slots at.. (right-padded), then move to their own slots
+        ids = torch.full((len(items), width), e.pad, dtype=torch.long)
+        pos = torch.zeros((len(items), width), dtype=torch.long)
+        mask = torch.zeros((len(items), width, keys), dtype=torch.bool)
+        new_valid = torch.zeros((len(items), s.length), dtype=torch.bool)
+        src_rows, src_slots, dst_rows, dst_slots = [], [], [], []
+        for k, (i, new, _) in enumerate(items):
             r = self.rows[i]
-            first = max(r.turn_start, 1)  # tokens fed by steps (the first turn's first one came from the prefill)
-            r.valid += self.step_slot[first:r.turn_start + len(r.turn_ids)]
-            writes.append((i, [r.turn_ids[-1], *new[:-1]], r.length + len(r.turn_ids) - 1))
-        width = max(len(w) for _, w, _ in writes)
-        at = self.slot
-        ids = torch.full((len(writes), width), e.pad, dtype=torch.long)
-        pos = torch.zeros((len(writes), width), dtype=torch.long)
-        keys = at + width
-        mask = torch.zeros((len(writes), width, keys), dtype=torch.bool)
-        new_valid = torch.zeros((len(writes), s.length), dtype=torch.bool)
-        for k, (i, w, p) in enumerate(writes):
-            r = self.rows[i]
+            w = [r.turn_ids[-1], *new[:-1]]
+            p = r.length + len(r.turn_ids) - 1  # the position of the turn's last token
             ids[k, :len(w)] = torch.tensor(w)
             pos[k, :len(w)] = torch.arange(p, p + len(w))
-            own = torch.tensor(r.valid, dtype=torch.long)
-            mask[k, :, own] = True
+            mask[k, :, torch.tensor(r.valid, dtype=torch.long)] = True
             for t in range(width):  # new token t sees the new tokens up to itself (a padded one: itself alone)
-                if t < len(w):
-                    mask[k, t, at:at + t + 1] = True
-                else:
-                    mask[k, t, at + t] = True
-            r.valid += list(range(at, at + len(w)))
+                mask[k, t, at + (0 if t < len(w) else t):at + t + 1] = True
+            own = list(range(at - len(w), at))  # the row's last waiting slots
+            src_rows += [k] * len(w)
+            src_slots += list(range(at, at + len(w)))
+            dst_rows += [i] * len(w)
+            dst_slots += own
+            r.valid += own
             new_valid[k, torch.tensor(r.valid, dtype=torch.long)] = True
-        rows = torch.tensor([i for i, _, _ in writes], device=e.device)
-        ids, pos, mask = ids.to(e.device), pos.to(e.device), mask.to(e.device)
-        chunk = max(1, int(e.prefill_bytes // (3.5 * e.heads * width * keys * 4
-                                               + 3 * width * e.cfg.intermediate_size * e.dtype.itemsize)))
-        for lo in range(0, len(writes), chunk):  # the rows' caches up to the new slots: gathered, written, put back
-            part = rows[lo:lo + chunk]
-            view = object.__new__(type(s))
-            view.k = [t[:, :, :keys].index_select(0, part) for t in s.k]
-            view.v = [t[:, :, :keys].index_select(0, part) for t in s.v]
-            e._forward(ids[lo:lo + chunk], pos[lo:lo + chunk], view, s.slots[at:keys], mask[lo:lo + chunk], keys)
-            for full, gathered in zip((*s.k, *s.v), (*view.k, *view.v)):
-                full[part, :, at:keys] = gathered[:, :, at:keys]
-        s.key_valid[rows] = new_valid.to(e.device)
-        last = torch.tensor([[new[-1]] for _, new, _ in items], device=e.device)
-        s.tok[rows] = last
-        s.pos[rows] = torch.tensor([[p + len(w)] for _, w, p in writes], device=e.device)
+        dev = e.device
+        rows = torch.tensor([i for i, _, _ in items], device=dev)
+        ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
+        src_rows, src_slots = torch.tensor(src_rows, device=dev), torch.tensor(src_slots, device=dev)
+        dst_rows, dst_slots = torch.tensor(dst_rows, device=dev), torch.tensor(dst_slots, device=dev)
+        view = object.__new__(type(s))
+        view.k, view.v = [], []
+        for full, out in [(t, view.k) for t in s.k] + [(t, view.v) for t in s.v]:
+            copy = full.new_zeros((len(items), full.shape[1], keys, full.shape[3]))
+            copy[:, :, :at] = full[:, :, :at].index_select(0, rows)
+            out.append(copy)
+        e._forward(ids, pos, view, torch.arange(at, keys, device=dev), mask, keys)
+        for full, copy in zip((*s.k, *s.v), (*view.k, *view.v)):
+            full[dst_rows, :, dst_slots] = copy[src_rows, :, src_slots]
+        s.key_valid[rows] = new_valid.to(dev)
+        s.tok[rows] = torch.tensor([[new[-1]] for _, new, _ in items], device=dev)
+        s.pos[rows] = torch.tensor([[self.rows[i].length + len(self.rows[i].turn_ids) + len(new) - 1]
+                                    for i, new, _ in items], device=dev)
         s.done[rows] = False
-        s.slot.add_(width)  # every row skips the written slots (the others' keys there stay invalid)
-        self.slot += width
-        for (i, new, budget), (_, w, _) in zip(items, writes):
+        for i, new, budget in items:
             r = self.rows[i]
             r.length += len(r.turn_ids) + len(new)
             r.turn_start, r.budget, r.live, r.turn_ids = self.count, budget, True, []
@@ -188,9 +221,9 @@ class RowStream:
 class RowStreams:
     """The agent loop's way to open streams on a static engine (agent_loop.StreamFactory)."""
 
-    def __init__(self, engine: HFStaticEngine):
-        self.engine, self.max_rows = engine, engine.max_batch
+    def __init__(self, engine: HFStaticEngine, check_every: int | None = None):
+        self.engine, self.max_rows, self.check_every = engine, engine.max_batch, check_every
 
     def __call__(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
                  length_budget: int) -> RowStream:
-        return RowStream(self.engine, prompts, params, budgets, length_budget)
+        return RowStream(self.engine, prompts, params, budgets, length_budget, self.check_every)
