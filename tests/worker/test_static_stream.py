@@ -124,7 +124,6 @@ turn short, it waits for its own wait to grow."""
     params = SamplingParams(n=1, temperature=0, max_new_tokens=first, stop_token_ids=(stop_token,))
     stream = RowStream(engine, PROMPTS, params, [first] * len(PROMPTS), length_budget, check_every)
     turns = _drive(stream, TOOL_REPLY * reply_x, turns=3, budget=6)
-    assert stream.skipped > 0 if first == 12 else stream.deferred > 0  # both ways of placing a reply ran
     ref = HFEngine(str(model_dir), **_kw())
     resumed = 0
     for i, row_turns in turns.items():

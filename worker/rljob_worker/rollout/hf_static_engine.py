@@ -108,6 +108,9 @@ class _Session:
         self.tokens = torch.full((batch, length), engine.pad, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros((batch, length), dtype=torch.float32, device=dev)
         self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        # token numbers whose token is given, not sampled (static_stream: a tool response fed through decode steps);
+        # the given token already sits in `tokens` there and is recorded with log-prob 0
+        self.forced = torch.zeros((batch, length), dtype=torch.bool, device=dev)
         # tokens that finish a row: EOS and the call's stop tokens, padded with EOS to a fixed width so the
         # captured step reads a buffer of one shape whatever the call's stops are
         self.stops = torch.full((MAX_STOP_TOKENS + 1,), engine.eos, dtype=torch.long, device=dev)
@@ -120,7 +123,7 @@ class _Session:
             for t in (*self.k, *self.v):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
                 torch._dynamo.maybe_mark_dynamic(t, 2)
-            for t in (self.key_valid, self.tokens, self.logprobs):
+            for t in (self.key_valid, self.tokens, self.logprobs, self.forced):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             for t in (self.slots, self.tok, self.pos, self.done, *([self.noise] if self.noise is not None else [])):
@@ -265,14 +268,16 @@ class HFStaticEngine(HFEngine):
         return self._forward(s.tok, s.pos, s, slot, s.key_valid[:, None, :keys], keys)
 
     def _record(self, s: _Session, tok: torch.Tensor, lp: torch.Tensor) -> None:
-        """Store the picks tok, lp (B,) as token number s.count (pad / 0 for finished rows) and feed them to the
-        next step."""
-        tok = tok.masked_fill(s.done, self.pad)
-        lp = lp.float().masked_fill(s.done, 0.0)
+        """Store the picks tok, lp (B,) as token number s.count (pad / 0 for finished rows; the given token where
+        it is forced) and feed them to the next step."""
         at = s.count.view(1)
+        forced = s.forced.index_select(1, at).squeeze(1)
+        given = s.tokens.index_select(1, at).squeeze(1)
+        tok = torch.where(forced, given, tok.masked_fill(s.done, self.pad))
+        lp = lp.float().masked_fill(s.done | forced, 0.0)
         s.tokens.index_copy_(1, at, tok[:, None])
         s.logprobs.index_copy_(1, at, lp[:, None])
-        s.done.logical_or_((tok[:, None] == s.stops[None, :]).any(dim=-1))
+        s.done.logical_or_((tok[:, None] == s.stops[None, :]).any(dim=-1) & ~forced)  # a given EOS ends nothing
         s.tok.copy_(tok[:, None])
         s.count.add_(1)
 
@@ -437,6 +442,7 @@ class HFStaticEngine(HFEngine):
         s.key_valid[:, :width] = valid
         s.tokens.fill_(self.pad)
         s.logprobs.zero_()
+        s.forced.zero_()
         s.done.zero_()
         s.done[real:] = True
         s.count.zero_()
