@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ from rljob_worker.data.builtin_models import EOS, PAD, VOCAB, build_char_tokeniz
 from rljob_worker.rollout import SamplingParams
 from rljob_worker.rollout.hf_engine import HFEngine
 from rljob_worker.rollout.sampling import filter_logits, sample_next
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sharp_models import one_torch_thread, sharp_builtin  # noqa: F401 - one_torch_thread: an autouse fixture
 
 NEG = float("-inf")
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -84,31 +89,10 @@ def test_sampling_follows_the_filtered_distribution_and_its_log_prob():
 # ---------------------------------------------------------------- HFEngine
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Decoding a tiny model is many tiny ops: intra-op threads only contend (10x slower on a busy CI box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def sharp_model_dir(tmp_path_factory):
     """builtin://tiny-qwen2 materialised, then its 2-D weights redrawn with std 0.5."""
-    from transformers import AutoModelForCausalLM
-
-    base = materialize_builtin("tiny-qwen2", tmp_path_factory.mktemp("tiny") / "tiny-qwen2")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    out = tmp_path_factory.mktemp("sharp")
-    model.save_pretrained(out)
-    build_char_tokenizer().save_pretrained(out)
-    return out
+    return sharp_builtin("tiny-qwen2", tmp_path_factory, seed=0)
 
 
 def make_engine(model_dir, eos: str = EOS) -> HFEngine:

@@ -15,14 +15,15 @@ import pytest
 import torch
 from rljob_api.enums import RolloutCompile
 from rljob_api.enums import RolloutEngine as EngineName
-from rljob_worker.data.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer, materialize_builtin
+from rljob_worker.data.builtin_models import EOS, PAD, VOCAB, build_char_tokenizer
 from rljob_worker.rollout import SamplingParams, make_engine
 from rljob_worker.rollout.compile_config import compile_cache_env, compile_enabled
 from rljob_worker.rollout.hf_engine import HFEngine
 from rljob_worker.rollout.hf_static_engine import HFStaticEngine, bucket_for, dynamo_compiles, kv_buckets
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tolerances import logprob_bound  # noqa: E402
+from sharp_models import one_torch_thread, sharp_builtin  # noqa: F401 - one_torch_thread: an autouse fixture
+from tolerances import logprob_bound
 
 TOK = build_char_tokenizer()
 PROMPTS = [TOK(s, add_special_tokens=False)["input_ids"] for s in ["12+3=", "9=", "4444 8=", "0", "77+1=2 #"]]
@@ -30,30 +31,10 @@ EOS_ID, PAD_ID = VOCAB.index(EOS), VOCAB.index(PAD)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def sharp_model_dir(tmp_path_factory):
     """builtin://tiny-qwen2 with its 2-D weights redrawn at std 0.5 (prompt-dependent outputs)."""
-    from transformers import AutoModelForCausalLM
-
-    base = materialize_builtin("tiny-qwen2", tmp_path_factory.mktemp("tiny") / "tiny-qwen2")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    out = tmp_path_factory.mktemp("sharp")
-    model.save_pretrained(out)
-    build_char_tokenizer().save_pretrained(out)
-    return out
+    return sharp_builtin("tiny-qwen2", tmp_path_factory, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rljob_worker.data.builtin_models import PAD, TOOLS_VOCAB, build_char_tokenizer, materialize_builtin
+from rljob_worker.data.builtin_models import PAD, TOOLS_VOCAB, build_char_tokenizer
 from rljob_worker.rollout.agent_loop import AgentConfig, ToolResponseRenderer, run_agent_loop
 from rljob_worker.rollout.base import SamplingParams
 from rljob_worker.rollout.hf_engine import HFEngine
@@ -24,6 +24,7 @@ from rljob_worker.rollout.tool_parser import make_parser
 from rljob_worker.rollout.tools import ToolBox, ToolConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
+from sharp_models import one_torch_thread, sharp_builtin  # noqa: F401 - one_torch_thread: an autouse fixture
 from test_rollout_static import _FakeGraph, _graphed_and_eager, _rescored
 from tolerances import logprob_bound
 
@@ -35,30 +36,10 @@ PROMPTS = [TOK(s, add_special_tokens=False)["input_ids"] for s in ["12+3=", "9="
 TOOL_REPLY = TOK("<tool_response>21", add_special_tokens=False)["input_ids"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """builtin://tiny-qwen2-tools with its 2-D weights redrawn at std 0.5 (prompt-dependent greedy rows)."""
-    from transformers import AutoModelForCausalLM
-
-    base = materialize_builtin("tiny-qwen2-tools", tmp_path_factory.mktemp("tiny") / "tools")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    out = tmp_path_factory.mktemp("sharp-tools")
-    model.save_pretrained(out)
-    TOK.save_pretrained(out)
-    return out
+    return sharp_builtin("tiny-qwen2-tools", tmp_path_factory, seed=1)
 
 
 @pytest.fixture(scope="module")

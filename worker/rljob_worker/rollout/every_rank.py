@@ -16,7 +16,7 @@ Seeds: replica r samples with ``seed + first_prompt * n`` (`replica_seed`), as t
 so replicas draw independent streams and a rerun of the same layout repeats itself. A different
 layout (or rank-0 rollout) draws other samples: one generator per replica samples a whole chunk of
 rows at once, so the samples of a row depend on its chunk. Rank-0 rollout stays available
-(``spec.rollout.generateOn: rank0``); its samples do not depend on the parallel layout.
+(``spec.rollout.ranks: rank0``); its samples do not depend on the parallel layout.
 
 What an hf engine cannot serve (`check_hf_engine_layout`, a start-up error): the hf engines keep the
 whole model on each sampling GPU and have no tensor-parallel sharding, so
