@@ -212,3 +212,22 @@ def test_tool_tokens_are_padding_to_the_loss_mask():
     batch = pad_batch([[1]], [[2, 3, 4]], 0, loss_masks=[[1, 0, 1]])
     assert batch["response_mask"].tolist() == [[0, 1, 0, 1]] and batch["attention_mask"].tolist() == [[1, 1, 1, 1]]
     assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3, 4]]))
+
+
+def test_loops_of_several_ranks_merge_into_one_batch():
+    """Every-rank loops (each over its share) merge in prompt order; means weigh each share by its trajectories,
+    counts add up, and a rank with no share adds nothing."""
+    from collections import Counter
+
+    from rljob_worker.rollout.agent_loop import Trajectory, merge_loop_results
+
+    a = [Trajectory(response_ids=[1]), Trajectory(response_ids=[2]), Trajectory(response_ids=[3])]
+    b = [Trajectory(response_ids=[4])]
+    parts = [(a, {"tool/turns_mean": 2.0, "tool/calls": 3.0, "outcomes": Counter({("t", "ok"): 3})}),
+             ([], {"outcomes": Counter()}),
+             (b, {"tool/turns_mean": 1.0, "tool/calls": 1.0, "outcomes": Counter({("t", "timeout"): 1})})]
+    trajs, metrics = merge_loop_results(parts)
+    assert [t.response_ids for t in trajs] == [[1], [2], [3], [4]]
+    assert metrics["tool/turns_mean"] == pytest.approx((3 * 2.0 + 1.0) / 4)
+    assert metrics["tool/calls"] == 4.0
+    assert metrics["outcomes"] == Counter({("t", "ok"): 3, ("t", "timeout"): 1})

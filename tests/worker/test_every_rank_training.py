@@ -121,3 +121,45 @@ def test_every_rank_rollout_on_two_gpus_learns_and_reports_stage_memory(tmp_path
     check_learns(records)
     for key in ("memory/rollout_peak_gib", "memory/actor_update_peak_gib", "memory/weight_sync_peak_gib"):
         assert all(0 < rec[key] < 80 for rec in records), key
+
+
+def test_every_rank_agent_loop_runs_each_share_and_its_tools_on_its_own_rank(tmp_path, monkeypatch):
+    """Multi-turn rollouts with every-rank hf engines (the default on GPUs): each rank runs the agent loop over
+    its share of whole prompt groups (first turns and later turns alike), runs the tool calls of its own
+    trajectories once (no rank repeats another's), and the gathered trajectories are the batch in prompt order."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_tool_learning import secret_tool_spec
+
+    prompts, n, steps = 3, 4, 3
+    spec = secret_tool_spec()
+    spec["gpusPerNode"] = 2
+    spec["rollout"].update(ranks="every-rank", samplesPerPrompt=n)
+    spec["tools"][0]["function"] = "agent_tools:logged_secret"
+    spec["training"].update(trainBatchSizePerNode=prompts, ppoMiniBatchSizePerNode=prompts, microBatchSizePerGpu=6,
+                            totalTrainingSteps=steps)
+    monkeypatch.setenv("RLJOB_TEST_TOOL_LOG", str(tmp_path / "tool_calls.jsonl"))
+    records = run_torchrun(spec, tmp_path / "run", nproc=2)
+    batches = jsonl(tmp_path / "run" / "estimator_batches.jsonl")
+    calls = [jsonl(tmp_path / "run" / f"rollouts_rank{rank}.jsonl") for rank in range(2)]
+    shares = prompt_shares(prompts, 2)
+    firsts = [[c for c in rank_calls if c["n"] == n] for rank_calls in calls]
+    assert len(batches) == steps and all(len(f) == steps for f in firsts)
+    owners = {}
+    for step, batch in enumerate(batches):
+        groups = batch["prompts"][::n]
+        for rank, share in enumerate(shares):
+            assert firsts[rank][step]["prompts"] == groups[share]
+            for j, i in enumerate(range(share.start, share.stop)):  # each trajectory opens with its first turn
+                for k in range(n):
+                    first = firsts[rank][step]["responses"][j * n + k]
+                    assert batch["responses"][i * n + k][:len(first)] == first[:len(batch["responses"][i * n + k])]
+            owners.update({tuple(p): rank for p in groups[share]})
+    later = 0
+    for rank, rank_calls in enumerate(calls):  # later turns: contexts of the rank's own trajectories only
+        for context in (p for c in rank_calls if c["n"] == 1 for p in c["prompts"]):
+            assert [owner for prompt, owner in owners.items() if tuple(context[:len(prompt)]) == prompt] == [rank]
+            later += 1
+    assert later > 0
+    log = jsonl(tmp_path / "tool_calls.jsonl")
+    assert len(log) == sum(r["tool/calls"] for r in records) > 0  # every call ran once, on one rank
+    assert {entry["rank"] for entry in log} == {0, 1}

@@ -296,6 +296,27 @@ class _Loop:
         }
 
 
+_MEANS = ("tool/calls_per_trajectory", "tool/trajectories_with_call", "tool/turns_mean", "tool/time_share",
+          "tool/cut_share")
+
+
+def merge_loop_results(parts: list[tuple[list[Trajectory], dict]]) -> tuple[list[Trajectory], dict]:
+    """The agent loops of several ranks (each over its share of the prompts, in prompt order) as one: the
+    trajectories concatenated, the means weighted by trajectories, the counts summed."""
+    trajs = [t for part, _ in parts for t in part]
+    total = max(len(trajs), 1)
+    metrics: dict = {"outcomes": Counter()}
+    for part, m in parts:
+        for key, value in m.items():
+            if key == "outcomes":
+                metrics[key].update(value)
+            elif key in _MEANS:
+                metrics[key] = metrics.get(key, 0.0) + value * len(part) / total
+            else:
+                metrics[key] = metrics.get(key, 0.0) + value
+    return trajs, metrics
+
+
 def agent_output(trajs: list[Trajectory]) -> RolloutOutput:
     """The trajectories as a RolloutOutput (logprobs of rendered tokens are 0; pair with the loss masks)."""
     return RolloutOutput([t.response_ids for t in trajs], [t.logprobs for t in trajs], [t.finished for t in trajs])

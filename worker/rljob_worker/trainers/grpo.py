@@ -70,6 +70,8 @@ from rljob_worker.rewards import RewardRouter
 from rljob_worker.rollout import RolloutOutput, SamplingParams
 from rljob_worker.rollout.every_rank import (
     check_hf_engine_layout,
+    prompt_shares,
+    replica_seed,
     sample_share_and_gather,
     samples_on_every_rank,
 )
@@ -561,17 +563,30 @@ class GRPOTrainer(RunLoop):
             out = self._generate([r.prompt_ids for r in records], params)
             texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
             return out, texts, None, [None] * len(out.response_ids)
-        from rljob_worker.rollout.agent_loop import agent_output, run_agent_loop
+        from rljob_worker.rollout.agent_loop import agent_output, merge_loop_results, run_agent_loop
 
         a = self.agent
         contexts = [{"prompt": r.prompt_text, "ground_truth": r.ground_truth, "extra": r.extra} for r in records]
+        prompt_ids = [r.prompt_ids for r in records]
+        loop = {"parser": a.parser, "renderer": a.renderer, "call_end_id": a.call_end_id, "eos_id": self.eos_id,
+                "config": a.config, "decode": lambda ids, skip: self.tokenizer.decode(ids, skip_special_tokens=skip)}
         try:
-            trajs, tool_metrics = run_agent_loop(
-                lambda ids, p: self._generate(ids, p, release=False), [r.prompt_ids for r in records], params,
-                parser=a.parser, tools=a.tools, renderer=a.renderer,
-                decode=lambda ids, skip: self.tokenizer.decode(ids, skip_special_tokens=skip),
-                call_end_id=a.call_end_id, eos_id=self.eos_id, config=a.config, contexts=contexts,
-                open_stream=self._row_streams())
+            if self._agent_per_share():  # each rank runs the loop over its share, its own tools, then all gather
+                rank, world = dist.get_rank(), dist.get_world_size()
+                share = prompt_shares(len(records), world)[rank]
+                mine = ([], {"outcomes": collections.Counter()})
+                if share.stop > share.start:
+                    mine = run_agent_loop(
+                        self.engine.generate, prompt_ids[share],
+                        dataclasses.replace(params, seed=replica_seed(params.seed, share, params.n)),
+                        tools=a.tools.box, contexts=contexts[share], open_stream=self._row_streams(), **loop)
+                parts: list[Any] = [None] * world
+                dist.all_gather_object(parts, mine)
+                trajs, tool_metrics = merge_loop_results(parts)
+            else:
+                trajs, tool_metrics = run_agent_loop(
+                    lambda ids, p: self._generate(ids, p, release=False), prompt_ids, params, tools=a.tools,
+                    contexts=contexts, open_stream=self._row_streams(), **loop)
         finally:
             self._release_engine()
         outcomes = tool_metrics.pop("outcomes")
@@ -581,15 +596,23 @@ class GRPOTrainer(RunLoop):
         return (agent_output(trajs), [t.final_text for t in trajs], [t.as_dict() for t in trajs],
                 [t.loss_mask for t in trajs])
 
+    def _agent_per_share(self) -> bool:
+        """Whether the agent loop runs on every rank over its share of the prompts: hf engines on every rank of a
+        world of several (vLLM's replicas span ranks, so its loop stays turn-batched over the whole batch)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return self.engine_everywhere and not self.engine_is_vllm and self.rollout_pool is None and world > 1
+
     def _row_streams(self):
-        """The static engine's continuous rows for the agent loop where this process samples the whole batch
-        (rank 0, or one rank), else None (turn-batched; RLJOB_AGENT_STREAM=0 forces that)."""
+        """The static engine's continuous rows for the agent loop where this process runs the loop over what its
+        engine samples (one process, rank 0, or its share on every rank), else None (turn-batched;
+        RLJOB_AGENT_STREAM=0 forces that)."""
         from rljob_worker.rollout.hf_static_engine import HFStaticEngine
         from rljob_worker.rollout.static_stream import RowStreams
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         if (os.environ.get("RLJOB_AGENT_STREAM", "1") == "0" or self.rollout_pool is not None
-                or not isinstance(self.engine, HFStaticEngine) or (self.engine_everywhere and world > 1)):
+                or not isinstance(self.engine, HFStaticEngine)
+                or (self.engine_everywhere and world > 1 and not self._agent_per_share())):
             return None
         return RowStreams(self.engine)
 
