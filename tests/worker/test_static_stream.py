@@ -140,7 +140,8 @@ def test_a_next_turn_that_cannot_fit_the_cache_is_refused_and_the_row_stays_stop
 # --------------------------------------------------------------------------- the agent loop over streams
 
 
-def _loop(model_dir, stop_token, engine, streamed: bool, max_turns=4, budget=96, n=2, check_every=None):
+def _loop(model_dir, stop_token, engine, streamed: bool, max_turns=4, budget=96, n=2, check_every=None,
+          length_budget=None):
     tools = ToolBox([ToolConfig(name="secret", function="rljob_worker.data.synthetic:secret_tool")])
     try:
         return run_agent_loop(
@@ -149,7 +150,7 @@ def _loop(model_dir, stop_token, engine, streamed: bool, max_turns=4, budget=96,
             decode=lambda ids, skip: TOK.decode(ids, skip_special_tokens=skip), call_end_id=stop_token,
             eos_id=NO_EOS, config=AgentConfig(max_turns=max_turns, max_response_length=budget),
             contexts=[{"ground_truth": str(i % 4)} for i in range(len(PROMPTS))],
-            open_stream=RowStreams(engine, check_every) if streamed else None)
+            open_stream=RowStreams(engine, check_every, length_budget) if streamed else None)
     finally:
         tools.close()
 
@@ -186,6 +187,26 @@ def test_an_agent_stream_larger_than_the_engine_batch_runs_in_groups(model_dir, 
     batched, _ = _loop(model_dir, stop_token, HFEngine(str(model_dir), **_kw()), streamed=False, n=3)
     streamed, _ = _loop(model_dir, stop_token, engine, streamed=True, n=3)
     assert [t.response_ids for t in streamed] == [t.response_ids for t in batched]
+
+
+def test_trajectories_a_short_stream_refuses_are_finished_turn_batched(model_dir, stop_token, monkeypatch):
+    """A session with little room for waiting (polled every 8 steps, so a row waits up to 8 steps a turn, and only
+    the length's rounding beyond the budget) refuses late resumes; the loop finishes those trajectories with
+    engine calls of its own, and they are the ones a turn-batched loop builds."""
+    refused = []
+    real_place = RowStream._place
+
+    def place(self, items):
+        real_place(self, items)
+        refused.extend(self.refused)
+
+    monkeypatch.setattr(RowStream, "_place", place)
+    engine = HFStaticEngine(str(model_dir), **_kw())
+    batched, _ = _loop(model_dir, stop_token, HFEngine(str(model_dir), **_kw()), False)
+    streamed, _ = _loop(model_dir, stop_token, engine, True, check_every=8, length_budget=96)
+    assert refused, "the short session refused no resume"
+    assert [t.response_ids for t in streamed] == [t.response_ids for t in batched]
+    assert [t.loss_mask for t in streamed] == [t.loss_mask for t in batched]
 
 
 @pytest.mark.gpu

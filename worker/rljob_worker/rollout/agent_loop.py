@@ -248,12 +248,14 @@ class _Loop:
     def continuous(self, open_stream: StreamFactory, rows: range) -> None:
         """Trajectories ``rows`` in one engine stream: a turn that ends at a call hands its calls to a tool thread
         and the engine decodes the others on; the trajectory resumes at the first poll after its tools answer.
-        A trajectory the stream cannot hold to its end is left live for `turn_batched`."""
+        The session holds maxResponseLength tokens plus a quarter (>= 64) for the steps rows spend waiting for
+        tools, so its KV cache is ~1.25x a single turn's; a trajectory whose waits outgrow that is left live for
+        `turn_batched`."""
         budget = self.config.max_response_length
         stream = open_stream([self.prompts[i] for i in rows], dataclasses.replace(
             self.params, n=1, max_new_tokens=budget, stop_token_ids=self.stops,
             seed=None if self.params.seed is None else self.params.seed + rows.start),
-            [budget] * len(rows), 2 * budget)
+            [budget] * len(rows), budget + max(64, budget // 4))  # waits beyond the slack: finished turn-batched
         futures: dict[Future, None] = {}
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="rljob-agent") as tool_threads:
             while stream.busy or futures:

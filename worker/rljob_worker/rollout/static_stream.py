@@ -54,6 +54,8 @@ class RowStream:
             raise ValueError("RowStream takes one row per sample (expand the prompts)")
         if not 0 < len(prompts) <= engine.max_batch:
             raise ValueError(f"RowStream takes 1..{engine.max_batch} rows, got {len(prompts)}")
+        if max(budgets) > length_budget:
+            raise ValueError(f"RowStream: a first turn of {max(budgets)} tokens does not fit {length_budget}")
         engine._check_stops(params)
         self.engine, self.params = engine, params
         self.check_every = check_every or (2 if engine.device.type == "cuda" else 1)  # a poll costs one sync
@@ -175,9 +177,12 @@ class RowStream:
 class RowStreams:
     """The agent loop's way to open streams on a static engine (agent_loop.StreamFactory)."""
 
-    def __init__(self, engine: HFStaticEngine, check_every: int | None = None):
-        self.engine, self.max_rows, self.check_every = engine, engine.max_batch, check_every
+    def __init__(self, engine: HFStaticEngine, check_every: int | None = None, length_budget: int | None = None):
+        """``length_budget``: the sessions' tokens beyond the prompt, instead of the loop's (tests)."""
+        self.engine, self.max_rows, self.check_every, self.length_budget = (
+            engine, engine.max_batch, check_every, length_budget)
 
     def __call__(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
                  length_budget: int) -> RowStream:
-        return RowStream(self.engine, prompts, params, budgets, length_budget, self.check_every)
+        return RowStream(self.engine, prompts, params, budgets, self.length_budget or length_budget,
+                         self.check_every)
