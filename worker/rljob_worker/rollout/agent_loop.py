@@ -150,7 +150,7 @@ class _Loop:
         self.trajs = [Trajectory() for _ in range(len(prompt_ids) * params.n)]
         self.prompts = [p for p in prompt_ids for _ in range(params.n)]
         self.stops = tuple(dict.fromkeys((*params.stop_token_ids, call_end_id)))
-        self.start, self.generated, self.calls_made = time.perf_counter(), 0, 0
+        self.start, self.generated = time.perf_counter(), 0
         self.tool_spans: list[tuple[float, float]] = []
         self.outcomes: Counter = Counter()
 

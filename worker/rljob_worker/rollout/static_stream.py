@@ -66,14 +66,18 @@ class RowStream:
         self.session = s = engine._session_for(len(prompts), length)
         self.buckets = kv_buckets(s.length, engine.max_graphs)
         self.gen = None if params.seed is None else torch.Generator(device=engine.device).manual_seed(params.seed)
-        self.slot, self.count = width, 1  # the next decode step writes `slot` and records token number `count`
-        self.step_slot: list[int] = [-1]  # step_slot[c]: the slot written by the step that recorded token c
+        self.width, self.count = width, 1  # the next decode step records token number `count`
         self.rows = [_Row(len(p), 0, b) for p, b in zip(prompts, budgets)]
         self.queued: list[tuple[int, list[int], int]] = []  # resumes to place at the next poll
         self.refused: list[int] = []  # rows whose next turn could not fit: the caller finishes them
         with torch.no_grad():
             engine._capture_buckets(s, self.sampler, {bucket_for(t, self.buckets) for t in range(width, s.length)})
             engine._start(s, prompts, width, params, self.gen)
+
+    @property
+    def slot(self) -> int:
+        """The cache slot the next decode step writes: the step that records token c writes slot width + c - 1."""
+        return self.width + self.count - 1
 
     @property
     def live(self) -> bool:
@@ -105,14 +109,12 @@ class RowStream:
             if not self.live or self.slot >= s.length:  # the cache's end: _place keeps turns short of it
                 break
             e._advance(s, bucket_for(self.slot, self.buckets), self.sampler, self.params, self.gen)
-            self.step_slot.append(self.slot)
-            self.slot += 1
             self.count += 1
         live = [i for i, r in enumerate(self.rows) if r.live]
         if not live:
             return []
-        done = s.done[live].cpu().tolist()
-        ended = [i for i, d in zip(live, done) if d or self.count - self.rows[i].turn_start >= self.rows[i].budget
+        done = s.done.cpu().tolist()
+        ended = [i for i in live if done[i] or self.count - self.rows[i].turn_start >= self.rows[i].budget
                  or self.slot >= s.length]
         if not ended:
             return []
@@ -151,7 +153,8 @@ class RowStream:
             given_rows += [i] * len(at)
             given_at += list(at)
             given += feed[1:]
-            waited = self.step_slot[last + 2:self.count] if fed else []  # slots its steps wrote after the turn
+            # the slots its steps wrote after feeding the turn's last token (that one was fed at width + last)
+            waited = range(self.width + last + 1, self.slot) if fed else range(0)
             junk_rows += [i] * len(waited)
             junk_at += waited
             r.length += len(r.turn_ids) + len(new)

@@ -609,10 +609,8 @@ class GRPOTrainer(RunLoop):
         from rljob_worker.rollout.hf_static_engine import HFStaticEngine
         from rljob_worker.rollout.static_stream import RowStreams
 
-        world = dist.get_world_size() if dist.is_initialized() else 1
         if (os.environ.get("RLJOB_AGENT_STREAM", "1") == "0" or self.rollout_pool is not None
-                or not isinstance(self.engine, HFStaticEngine)
-                or (self.engine_everywhere and world > 1 and not self._agent_per_share())):
+                or not isinstance(self.engine, HFStaticEngine)):
             return None
         return RowStreams(self.engine)
 
