@@ -16,6 +16,8 @@
 #             and without vLLM's routed experts, Qwen3-30B-A3B shape at 4 layers: bench/moe_routing_replay.py)
 #             | tool15 (issue 31: the same pair on a 1.5B-shaped model over the tool vocabulary, static engine; the agent
 #             run twice: turns streamed (default) and batched) | streamtests (the continuous rows' tests, GPU ones included)
+#             | longtail (issue 32: rollout alone on log-normal lengths up to 4k, batch at a time vs refilling rows:
+#             bench/long_tail_rollout.py) | refilltests (the refilling rows' tests, the GPU one included)
 #             | agentprofile (the same engine's rollout alone: single turn, turns batched, turns streamed; bench/agent_stream_profile.py)
 #             | toolvllm (issue 31, vLLM installed: the tool task and its single-turn twin with vLLM as the engine)
 #             | sft [jobs] | gputests | tool (issue 31: examples/secret-tool.yaml on the GPU's static engine, and the
@@ -145,6 +147,8 @@ for s in $SECTIONS; do
       section tool15 ${TOOL15_LIMIT:-480} bash -c "for v in stream:gpu_secret_tool_15b:1 batched:gpu_secret_tool_15b:0 single:gpu_secret_single_15b:1; do IFS=: read tag c s <<< \$v; RLJOB_AGENT_STREAM=\$s python3 -m rljob_cli.main run bench/\$c.yaml --workdir /tmp/tool15_\$tag --fresh | grep -E 'step (1|10|30)/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/tool15_\$tag/work/metrics.jsonl tool15-\$tag; done; python3 bench/agent_overhead.py /tmp/tool15_stream/work/metrics.jsonl /tmp/tool15_single/work/metrics.jsonl 'hf static engine (CUDA graphs, compile off), 1.5B shape bf16, agent turns streamed (continuous rows)'; python3 bench/agent_overhead.py /tmp/tool15_batched/work/metrics.jsonl /tmp/tool15_single/work/metrics.jsonl 'hf static engine (CUDA graphs, compile off), 1.5B shape bf16, agent turns batched (RLJOB_AGENT_STREAM=0)'" ;;
     agentprofile) [ -d /tmp/tools1.5b ] || section tool15prep 120 python3 bench/gpu_1_5b_char_prepare.py --tools --output-scale 0.02 --out /tmp/tools1.5b
       section agentprofile ${AGENTPROFILE_LIMIT:-300} python3 bench/agent_stream_profile.py --model /tmp/tools1.5b ;;
+    longtail) section longtail ${LONGTAIL_LIMIT:-420} python3 bench/long_tail_rollout.py ${LONGTAIL_ARGS:-} ;;
+    refilltests) section refilltests 300 python3 -m pytest tests/worker/test_static_refill.py -v -p no:cacheprovider -rs ;;
     streamtests) section streamtests 300 python3 -m pytest tests/worker/test_static_stream.py -v -p no:cacheprovider -rs ;;
     warmstart) section warmstart ${WARMSTART_LIMIT:-540} python3 bench/warm_start.py --pods ${WARMSTART_PODS:-cold,restored,restarted,nocompile} ;;
     offload15) section offload15 ${OFFLOAD_LIMIT:-240} python3 bench/offload.py --model 1.5b ;;

@@ -1,0 +1,130 @@
+"""Rollout alone on long-tailed response lengths: batch at a time against continuous refilling (issue 32).
+
+    python bench/long_tail_rollout.py [--model 1.5b --batches 4 --prompts 16 --n 8 --median 300 --sigma 1.0 --cap 4096]
+
+A random-init model never ends a response on its own (EOS is outside its vocabulary here), so each response gets
+its length from a log-normal law (median ``--median``, log-std ``--sigma``, capped at ``--cap``: heavy-tailed,
+the shape of reasoning lengths) and is ended there, as if by EOS. The same responses (same prompts, same drawn
+lengths) are generated two ways on one static engine (CUDA graphs, compile off, bf16, rows = prompts x n):
+
+- **batch at a time** (colocated sync, or a pool answering one request after another): each batch is one engine
+  call that decodes until its longest response's length. A static-cache step costs the same whatever number of
+  its rows are still live, so this is the cost of ending each response at its own length inside the call;
+- **refilling** (rollout/static_refill.py, what a separate pool with ``rollout.partial`` runs): every response
+  queued on a session of the same rows, each row refilled with the next response as soon as its own ends, in
+  runs of ``--chunk`` steps (the pool's weight-loading boundaries).
+
+Reports useful tokens (the drawn lengths) per second for each, the ratio, the mean row occupancy and the decode
+steps, and writes results.jsonl lines with the batch-at-a-time run of the same process as the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+
+def draw_lengths(count: int, median: float, sigma: float, cap: int, seed: int) -> list[int]:
+    """``count`` lengths from LogNormal(ln median, sigma), rounded, within [1, cap]."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(count, generator=g, dtype=torch.float64)
+    return [max(1, min(cap, round(median * math.exp(sigma * float(x))))) for x in z]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="1.5b")
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--median", type=float, default=300)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--cap", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--workdir", default="/tmp/long_tail_rollout")
+    a = ap.parse_args()
+
+    import torch
+    import transformers
+    from results import record
+    from rljob_worker.rollout.base import SamplingParams
+    from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+    from rljob_worker.rollout.static_refill import RefillingRows
+    from rollout_scale import SHAPES, _random_weights_from_config, write_config
+
+    transformers.AutoModelForCausalLM.from_pretrained = _random_weights_from_config
+    on_cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if on_cuda else "cpu")
+    vocab = SHAPES[a.model]["vocab_size"]
+    rows = a.prompts * a.n
+    engine = HFStaticEngine(str(write_config(Path(a.workdir), a.model)), dtype=torch.bfloat16 if on_cuda else torch.float32,
+                            device=dev, eos_token_id=vocab, pad_token_id=0, compile_decode=False, max_batch=rows)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(1, vocab, (a.prompts, a.prompt_len), generator=g).tolist() for _ in range(a.batches)]
+    lengths = [draw_lengths(rows, a.median, a.sigma, a.cap, seed=b) for b in range(a.batches)]
+    useful = sum(map(sum, lengths))
+    params = SamplingParams(temperature=1.0, seed=0)
+
+    def sync() -> float:
+        torch.cuda.synchronize() if on_cuda else None
+        start = time.perf_counter()
+        for prompts, lens in zip(batches, lengths):
+            out = engine.generate(prompts, SamplingParams(n=a.n, temperature=1.0, max_new_tokens=max(lens), seed=0))
+            assert len(out.response_ids[0]) == max(lens), "a row stopped early"
+        torch.cuda.synchronize() if on_cuda else None
+        return time.perf_counter() - start
+
+    def refill() -> tuple[float, int]:
+        torch.cuda.synchronize() if on_cuda else None
+        start = time.perf_counter()
+        session = RefillingRows(engine, params, prompt_budget=a.prompt_len, response_budget=a.cap)
+        for b, (prompts, lens) in enumerate(zip(batches, lengths)):
+            for i, prompt in enumerate(prompts):
+                for j in range(a.n):
+                    session.add((b, i, j), prompt, lens[i * a.n + j])
+        got, version = 0, 0
+        while session.busy:
+            for f in session.run(a.chunk, version):
+                assert len(f.ids) == lengths[f.key[0]][f.key[1] * a.n + f.key[2]]
+                got += 1
+            version += 1
+        assert got == rows * a.batches
+        torch.cuda.synchronize() if on_cuda else None
+        return time.perf_counter() - start, session.count
+
+    # warm-ups: graph capture of every key bucket for both session lengths
+    engine.generate(batches[0][:1], SamplingParams(n=a.n, temperature=1.0, max_new_tokens=a.cap, seed=0))
+    w = RefillingRows(engine, params, prompt_budget=a.prompt_len, response_budget=a.cap)
+    w.add(0, batches[0][0], 8)
+    w.run(64, 0)
+    engine.release_cache()
+
+    sync_s = sync()
+    engine.release_cache()
+    refill_s, steps = refill()
+    sync_steps = sum(max(lens) for lens in lengths)
+    shape = (f"{a.model} shape random init, {engine.dtype}, {a.batches} batches x {a.prompts} prompts x {a.n}, prompt "
+             f"{a.prompt_len}, lengths LogNormal(median {a.median:g}, sigma {a.sigma:g}) capped {a.cap} "
+             f"(mean {useful / rows / a.batches:.0f}, batch maxima {[max(x) for x in lengths]}), static engine, "
+             f"CUDA graphs {engine.use_cuda_graph}, compile off, {rows} rows")
+    print(f"useful tokens {useful}; batch at a time {sync_s:.2f} s ({useful / sync_s:,.0f} tok/s, {sync_steps} steps, "
+          f"occupancy {useful / (sync_steps * rows):.1%}); refilling {refill_s:.2f} s ({useful / refill_s:,.0f} tok/s, "
+          f"{steps} steps, occupancy {useful / (steps * rows):.1%}); ratio {sync_s / refill_s:.2f}x", flush=True)
+    record("long_tail_rollout", shape, "useful tokens/s, refilling rows (rollout.partial on a separate pool)",
+           useful / refill_s, "tok/s", baseline="batch at a time (colocated sync's rollout)",
+           baseline_value=useful / sync_s, same_run=True)
+    record("long_tail_rollout", shape, "row occupancy, refilling rows", useful / (steps * rows), "fraction",
+           baseline="batch at a time", baseline_value=useful / (sync_steps * rows), same_run=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
