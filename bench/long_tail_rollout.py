@@ -10,9 +10,10 @@ lengths) are generated two ways on one static engine (CUDA graphs, compile off, 
 - **batch at a time** (colocated sync, or a pool answering one request after another): each batch is one engine
   call that decodes until its longest response's length. A static-cache step costs the same whatever number of
   its rows are still live, so this is the cost of ending each response at its own length inside the call;
-- **refilling** (rollout/static_refill.py, what a separate pool with ``rollout.partial`` runs): every response
-  queued on a session of the same rows, each row refilled with the next response as soon as its own ends, in
-  runs of ``--chunk`` steps (the pool's weight-loading boundaries).
+- **refilling** (rollout/static_refill.py, what a separate pool with ``rollout.partial`` runs): the responses of
+  up to ``--in-flight`` batches queued on a session of the same rows, each row refilled with the next response as
+  soon as its own ends, the next batch queued when one has fully ended (a rollout-bound trainer with maxStaleness
+  = in-flight), in runs of ``--chunk`` steps (the pool's weight-loading rounds).
 
 Reports useful tokens (the drawn lengths) per second for each, the ratio, the mean row occupancy and the decode
 steps, and writes results.jsonl lines with the batch-at-a-time run of the same process as the baseline.
@@ -48,7 +49,8 @@ def main() -> int:
     ap.add_argument("--median", type=float, default=300)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--cap", type=int, default=4096)
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=64)  # the pool's rounds (rollout/refill_serve.py: RUN_STEPS)
+    ap.add_argument("--in-flight", default="2,4", help="batches queued at once, one refilling run each")
     ap.add_argument("--workdir", default="/tmp/long_tail_rollout")
     a = ap.parse_args()
 
@@ -82,47 +84,64 @@ def main() -> int:
         torch.cuda.synchronize() if on_cuda else None
         return time.perf_counter() - start
 
-    def refill() -> tuple[float, int]:
+    def refill(in_flight: int) -> tuple[float, int]:
+        """The batches through one refilling session, at most ``in_flight`` of them queued or decoding at once (the
+        pool holds maxStaleness requests while a rollout-bound trainer waits for the oldest: the next is asked for
+        only when one is answered)."""
         torch.cuda.synchronize() if on_cuda else None
         start = time.perf_counter()
         session = RefillingRows(engine, params, prompt_budget=a.prompt_len, response_budget=a.cap)
-        for b, (prompts, lens) in enumerate(zip(batches, lengths)):
-            for i, prompt in enumerate(prompts):
+        left = [rows] * a.batches  # responses of each batch not yet ended
+        submitted = 0
+
+        def submit() -> None:
+            nonlocal submitted
+            b = submitted
+            for i, prompt in enumerate(batches[b]):
                 for j in range(a.n):
-                    session.add((b, i, j), prompt, lens[i * a.n + j])
-        got, version = 0, 0
+                    session.add((b, i, j), prompt, lengths[b][i * a.n + j])
+            submitted += 1
+
+        while submitted < min(in_flight, a.batches):
+            submit()
+        version = 0
         while session.busy:
             for f in session.run(a.chunk, version):
                 assert len(f.ids) == lengths[f.key[0]][f.key[1] * a.n + f.key[2]]
-                got += 1
+                left[f.key[0]] -= 1
+                if left[f.key[0]] == 0 and submitted < a.batches:
+                    submit()
             version += 1
-        assert got == rows * a.batches
+        assert not any(left)
         torch.cuda.synchronize() if on_cuda else None
         return time.perf_counter() - start, session.count
 
-    # warm-ups: graph capture of every key bucket for both session lengths
-    engine.generate(batches[0][:1], SamplingParams(n=a.n, temperature=1.0, max_new_tokens=a.cap, seed=0))
+    # warm-up: the refilling session is the longest either way needs, so the batch-at-a-time calls reuse it and its
+    # CUDA graphs (the engine keeps a longer session); every key bucket is captured here, outside the timings
     w = RefillingRows(engine, params, prompt_budget=a.prompt_len, response_budget=a.cap)
     w.add(0, batches[0][0], 8)
     w.run(64, 0)
-    engine.release_cache()
+    engine.generate(batches[0], SamplingParams(n=a.n, temperature=1.0, max_new_tokens=8, seed=0))
+    assert engine._session is w.session, "the batch-at-a-time calls would not reuse the warmed-up session"
 
     sync_s = sync()
-    engine.release_cache()
-    refill_s, steps = refill()
     sync_steps = sum(max(lens) for lens in lengths)
+    print(f"useful tokens {useful}; batch at a time {sync_s:.2f} s ({useful / sync_s:,.0f} tok/s, {sync_steps} steps, "
+          f"occupancy {useful / (sync_steps * rows):.1%})", flush=True)
     shape = (f"{a.model} shape random init, {engine.dtype}, {a.batches} batches x {a.prompts} prompts x {a.n}, prompt "
              f"{a.prompt_len}, lengths LogNormal(median {a.median:g}, sigma {a.sigma:g}) capped {a.cap} "
              f"(mean {useful / rows / a.batches:.0f}, batch maxima {[max(x) for x in lengths]}), static engine, "
              f"CUDA graphs {engine.use_cuda_graph}, compile off, {rows} rows")
-    print(f"useful tokens {useful}; batch at a time {sync_s:.2f} s ({useful / sync_s:,.0f} tok/s, {sync_steps} steps, "
-          f"occupancy {useful / (sync_steps * rows):.1%}); refilling {refill_s:.2f} s ({useful / refill_s:,.0f} tok/s, "
-          f"{steps} steps, occupancy {useful / (steps * rows):.1%}); ratio {sync_s / refill_s:.2f}x", flush=True)
-    record("long_tail_rollout", shape, "useful tokens/s, refilling rows (rollout.partial on a separate pool)",
-           useful / refill_s, "tok/s", baseline="batch at a time (colocated sync's rollout)",
-           baseline_value=useful / sync_s, same_run=True)
-    record("long_tail_rollout", shape, "row occupancy, refilling rows", useful / (steps * rows), "fraction",
-           baseline="batch at a time", baseline_value=useful / (sync_steps * rows), same_run=True)
+    for in_flight in [int(x) for x in a.in_flight.split(",")]:
+        refill_s, steps = refill(in_flight)
+        print(f"refilling, {in_flight} batch(es) in flight: {refill_s:.2f} s ({useful / refill_s:,.0f} tok/s, {steps} "
+              f"steps, occupancy {useful / (steps * rows):.1%}); {sync_s / refill_s:.2f}x batch at a time", flush=True)
+        record("long_tail_rollout", shape, f"useful tokens/s, refilling rows, {in_flight} batch(es) in flight "
+               f"(rollout.partial on a separate pool, maxStaleness {in_flight})", useful / refill_s, "tok/s",
+               baseline="batch at a time (colocated sync's rollout)", baseline_value=useful / sync_s, same_run=True)
+        record("long_tail_rollout", shape, f"row occupancy, refilling rows, {in_flight} batch(es) in flight",
+               useful / (steps * rows), "fraction", baseline="batch at a time",
+               baseline_value=useful / (sync_steps * rows), same_run=True)
     return 0
 
 

@@ -432,12 +432,15 @@ class RolloutSpec(ApiModel):
         1, "With mode async: batches the rollout pool may generate ahead of the trainer, so the most policy "
         "versions any trained sample lags behind (one-step is async with 1).", ge=1, le=16)
     partial: bool = _f(
-        False, "Partial rollouts (with mode one-step or async): the rollout pool generates each batch in 4 chunks of "
-        "data.maxResponseLength / 4 tokens and, between chunks, loads any newer weights the trainer pushed; unfinished "
-        "responses continue from their tokens so far under the new weights, each token tagged with the version that "
-        "sampled it. A batch's staleness is that of its oldest token, and truncated importance sampling weighs each "
-        "token against the log-prob of the version that sampled it. Costs a re-prefill of the prompt and the tokens so "
-        "far per chunk (the hf engines keep no KV cache between calls).")
+        False, "Partial rollouts (with mode one-step or async): a weight update does not wait for long responses. "
+        "Every data.maxResponseLength / 4 decode steps (64 at most) the rollout pool loads any newer weights the "
+        "trainer pushed; unfinished responses continue from their tokens so far under the new weights, each token "
+        "tagged with the version that sampled it. A batch's staleness is that of its oldest token, and truncated "
+        "importance sampling weighs each token against the log-prob of the version that sampled it. On the static hf "
+        "engine (the GPU default) the pool also refills: a row whose response ended takes the next queued response at "
+        "once, also of the next batches the trainer asked for (up to maxStaleness ahead), so a batch's longest "
+        "response no longer idles the other rows; responses keep their KV cache across a weight load. Other engines "
+        "generate one batch at a time in 4 chunks, re-reading the prompt and the tokens so far at each.")
     agent: AgentSpec | None = _f(
         None, "Multi-turn rollouts with spec.tools: the model calls tools and reads their output over several turns; "
         "data.maxResponseLength bounds all turns and tool outputs together, and a trajectory that reaches it is cut "

@@ -220,17 +220,23 @@ def test_a_separate_rollout_pool_learns_and_no_sample_is_older_than_the_mode_all
     assert first < 0.3 and last > 0.6, (first, last)
 
 
-def test_partial_rollouts_continue_responses_under_newer_weights_and_bound_the_oldest_token(tmp_path, monkeypatch):
-    """rollout.partial with async: the pool loads each pushed version between chunks, so responses of one batch
-    carry tokens of several versions (rollout/partial_resumed_frac > 0 on some steps); staleness counts a response's
-    oldest token and stays within maxStaleness; the run learns as the unchunked one does."""
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_partial_rollouts_continue_responses_under_newer_weights_and_bound_the_oldest_token(tmp_path, monkeypatch,
+                                                                                          engine):
+    """rollout.partial with async: the pool loads each pushed version between chunks (hf: the chunked
+    batch-at-a-time loop) or between runs of its refilling rows (static: later batches decode in the rows an
+    earlier batch's tail leaves free), so responses of one batch carry tokens of several versions
+    (rollout/partial_resumed_frac > 0 on some steps); staleness counts a response's oldest token and stays within
+    maxStaleness; the run learns as the unchunked one does."""
     from test_ppo_split import by_step, finish, launch
 
     monkeypatch.setenv("RLJOB_CHECK_WEIGHT_PUSH", "1")
-    doc = pool_job("pool-partial", "async")
+    monkeypatch.setenv("RLJOB_HF_STATIC", "1" if engine == "static" else "0")
+    doc = pool_job(f"pool-partial-{engine}", "async")
     doc["spec"]["rollout"]["partial"] = True
     proc, work = launch(doc, tmp_path)
-    finish(proc, work)
+    out = finish(proc, work)
+    assert ("refilling rows" in out) == (engine == "static"), out[-3000:]
     steps = by_step(work)
     resumed = [round(steps[k]["rollout/partial_resumed_frac"], 2) for k in sorted(steps)]
     print(f"\nshare of each step's responses continued under a newer version: {resumed}")
@@ -265,19 +271,22 @@ def test_a_killed_async_run_resumes_from_its_last_commit_with_the_staleness_boun
     assert all(s["rollout/staleness_max"] <= 2 for s in steps.values())
 
 
-def test_two_nodes_two_trainer_ranks_and_two_rollout_replicas(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_two_nodes_two_trainer_ranks_and_two_rollout_replicas(tmp_path, monkeypatch, engine):
     """nnodes 2: the actor at DP2 (its second rank joins every weight export) and a rollout replica per node
     (the rollout leader hands each version to the other replica, and both sample a share of the prompts), with
-    partial rollouts (the replicas load weights between chunks in lockstep): the run finishes with every push
-    checked on both replicas and the bound held."""
+    partial rollouts (the replicas load weights between chunks, or between runs of their refilling rows, in
+    lockstep): the run finishes with every push checked on both replicas and the bound held."""
     from test_ppo_split import by_step, finish, launch
 
     monkeypatch.setenv("RLJOB_CHECK_WEIGHT_PUSH", "1")
-    doc = pool_job("pool-two-nodes", "async", steps=6)
+    monkeypatch.setenv("RLJOB_HF_STATIC", "1" if engine == "static" else "0")
+    doc = pool_job(f"pool-two-nodes-{engine}", "async", steps=6)
     doc["spec"]["nnodes"] = 2
     doc["spec"]["rollout"]["partial"] = True
     proc, work = launch(doc, tmp_path)
-    assert "2 pod(s) x 2 process(es)" in finish(proc, work)
+    out = finish(proc, work)
+    assert "2 pod(s) x 2 process(es)" in out and ("refilling rows" in out) == (engine == "static"), out[-3000:]
     steps = by_step(work)
     assert sorted(steps) == list(range(1, 7)) and all(s["rollout/staleness_max"] <= 2 for s in steps.values())
     assert all(steps[k].get("rollout/weights_verified") == 1.0 for k in range(4, 7))

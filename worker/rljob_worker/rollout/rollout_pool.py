@@ -101,13 +101,16 @@ class RolloutPoolClient:
         self._sends: dict[int, Any] = {}
         self._stopped = False
 
-    def build(self, **engine_args: Any) -> None:
-        """The rollout ranks build their engines (``make_engine`` arguments); returns when they are ready."""
-        if self.is_leader:
-            self.link.send_object({"op": "build", "engine_args": engine_args}, self.leader).wait()
-            reply = self.link.recv_object(self.leader)
-            if reply["error"]:
-                raise RolloutPoolError(f"rollout pool: {reply['error']}")
+    def build(self, **engine_args: Any) -> str:
+        """The rollout ranks build their engines (``make_engine`` arguments); returns when they are ready, with what
+        they run in words (the actor leader's; "" elsewhere)."""
+        if not self.is_leader:
+            return ""
+        self.link.send_object({"op": "build", "engine_args": engine_args}, self.leader).wait()
+        reply = self.link.recv_object(self.leader)
+        if reply["error"]:
+            raise RolloutPoolError(f"rollout pool: {reply['error']}")
+        return reply.get("engine", "")
 
     def submit(self, prompt_ids: list[list[int]], params: SamplingParams, min_version: int) -> int:
         """Queue a request (actor leader); returns its id at once."""
@@ -192,10 +195,21 @@ class RolloutPool:
                 return 0
             if command["op"] == "build":
                 self._build(command)
+                if self._refills():
+                    from rljob_worker.rollout.refill_serve import RefillServe
+
+                    return RefillServe(self).run()
             else:
                 idle_s = time.perf_counter() - idle_since
                 self._generate(command, idle_s)
             idle_since = time.perf_counter()
+
+    def _refills(self) -> bool:
+        """Partial rollouts on the static engine run the refilling loop (rollout/refill_serve.py); other engines
+        keep the chunked batch-at-a-time loop (rollout/partial.py)."""
+        from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+
+        return bool(self.spec.rollout.partial) and isinstance(self.engine, HFStaticEngine)
 
     def _note_stop_signal(self, signum, _frame) -> None:
         log.warning("rollout pool: signal %d noted; the actor side decides when to save and stop", signum)
@@ -227,7 +241,9 @@ class RolloutPool:
             raise
         log.info("rollout pool: %s ready on %s (pool rank %d of %d)", type(self.engine).__name__, self.device,
                  self.pools.env.rank, self.pools.env.world_size)
-        self._reply({"error": None}, wait=True)
+        loop = ("refilling rows (rows freed by a batch's short responses decode the next batches)" if self._refills()
+                else "chunked batches" if self.spec.rollout.partial else "one batch at a time")
+        self._reply({"error": None, "engine": f"{type(self.engine).__name__}, {loop}"}, wait=True)
 
     def _install(self, min_version: int) -> None:
         """The newest weights (at least ``min_version``) on every rollout rank; with RLJOB_CHECK_WEIGHT_PUSH each

@@ -194,12 +194,12 @@ class GRPOTrainer(RunLoop):
             from rljob_worker.rollout.rollout_pool import RolloutPoolClient
 
             self.rollout_pool = RolloutPoolClient(self.pools, self.device)
-            self.rollout_pool.build(name=RolloutEngineName.HF, model_dir=str(self.model_dir), dtype=self.dtype,
-                                    eos_token_id=self.eos_id, pad_token_id=self.pad_id, seed=t.seed, compile=r.compile,
-                                    record_routing=a.routing_replay)
+            engine = self.rollout_pool.build(name=RolloutEngineName.HF, model_dir=str(self.model_dir),
+                                             dtype=self.dtype, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                                             seed=t.seed, compile=r.compile, record_routing=a.routing_replay)
             if self.is_main:
-                log.info("rollout engines: the rollout pool's (%d GPU(s) per node, mode %s%s)", r.gpus, r.mode.value,
-                         f", up to {self.lookahead} batch(es) ahead" if self.lookahead else "")
+                log.info("rollout engines: the rollout pool's (%d GPU(s) per node, %s, mode %s%s)", r.gpus, engine,
+                         r.mode.value, f", up to {self.lookahead} batch(es) ahead" if self.lookahead else "")
         elif self.is_main or self.engine_everywhere:
             self.engine = make_engine(self.engine_name, str(self.model_dir), dtype=self.dtype, device=self.device,
                                       eos_token_id=self.eos_id, pad_token_id=self.pad_id,
