@@ -187,14 +187,15 @@ def test_a_queue_longer_than_the_rows_waits_and_what_does_not_fit_is_refused(mod
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (real CUDA graphs)")
-def test_gpu_refilling_through_real_cuda_graphs_equals_eager_decoding(model_dir):
-    """On a GPU in fp32: the graphed session (one graph per key bucket, replayed after the counters wrap) gives the
-    eager session's greedy responses."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_refilling_through_real_cuda_graphs_equals_eager_decoding(model_dir, compiled):
+    """On a GPU in fp32: the graphed session (one graph per key bucket, replayed after the counters wrap; the decode
+    step compiled or not, compiled being the GPU default) gives the eager session's greedy responses."""
     cuda = torch.device("cuda")
     results = []
     for graphs in (True, False):
         engine = HFStaticEngine(str(model_dir), max_batch=3, length_multiple=16, use_cuda_graph=graphs,
-                                sample_in_step=True, compile_decode=False, **{**_kw(), "device": cuda})
+                                sample_in_step=True, compile_decode=compiled and graphs, **{**_kw(), "device": cuda})
         rows = RefillingRows(engine, SamplingParams(temperature=0), prompt_budget=8, response_budget=20)
         for key, prompt, budget in _queue(5):
             rows.add(key, prompt, budget)
