@@ -231,7 +231,7 @@ def test_partial_rollouts_continue_responses_under_newer_weights_and_bound_the_o
     from test_ppo_split import by_step, finish, launch
 
     monkeypatch.setenv("RLJOB_CHECK_WEIGHT_PUSH", "1")
-    monkeypatch.setenv("RLJOB_HF_STATIC", "1" if engine == "static" else "0")
+    monkeypatch.setenv("RLJOB_HF_STATIC", "force" if engine == "static" else "0")
     doc = pool_job(f"pool-partial-{engine}", "async")
     doc["spec"]["rollout"]["partial"] = True
     proc, work = launch(doc, tmp_path)
@@ -247,19 +247,23 @@ def test_partial_rollouts_continue_responses_under_newer_weights_and_bound_the_o
     assert first < 0.3 and last > 0.6, (first, last)
 
 
-def test_a_killed_async_run_resumes_from_its_last_commit_with_the_staleness_bound_held(tmp_path):
-    """SIGKILL mid-run (the batches generated ahead are lost with it): `rljob run` again resumes from the last
-    committed step, the rollout pool starts from the checkpoint's weights (the first resumed step is on-policy),
-    and the rest of the run keeps the bound."""
+@pytest.mark.parametrize("refilling", [False, True])
+def test_a_killed_async_run_resumes_from_its_last_commit_with_the_staleness_bound_held(tmp_path, monkeypatch,
+                                                                                       refilling):
+    """SIGKILL mid-run (the batches generated ahead are lost with it, also the responses in a refilling session):
+    `rljob run` again resumes from the last committed step, the rollout pool starts from the checkpoint's weights
+    (the first resumed step is on-policy), and the rest of the run keeps the bound."""
     from test_ppo_split import by_step, finish, launch, wait_for_step
 
-    doc = pool_job("pool-killed", "async", steps=10)
+    monkeypatch.setenv("RLJOB_HF_STATIC", "force" if refilling else "0")
+    doc = pool_job(f"pool-killed-{int(refilling)}", "async", steps=10)
+    doc["spec"]["rollout"]["partial"] = refilling
     doc["spec"]["checkpoint"]["saveFreq"] = 4
     proc, work = launch(doc, tmp_path)
     wait_for_step(proc, work, 6)
     proc.kill()
     proc.communicate()
-    assert (tmp_path / "ckpt" / "default" / "pool-killed" / "step_000004" / "COMMIT").exists()
+    assert (tmp_path / "ckpt" / "default" / f"pool-killed-{int(refilling)}" / "step_000004" / "COMMIT").exists()
     proc, work = launch(doc, tmp_path)
     out = finish(proc, work)
     assert "resumed from step" in out, out[-3000:]
@@ -280,7 +284,7 @@ def test_two_nodes_two_trainer_ranks_and_two_rollout_replicas(tmp_path, monkeypa
     from test_ppo_split import by_step, finish, launch
 
     monkeypatch.setenv("RLJOB_CHECK_WEIGHT_PUSH", "1")
-    monkeypatch.setenv("RLJOB_HF_STATIC", "1" if engine == "static" else "0")
+    monkeypatch.setenv("RLJOB_HF_STATIC", "force" if engine == "static" else "0")
     doc = pool_job(f"pool-two-nodes-{engine}", "async", steps=6)
     doc["spec"]["nnodes"] = 2
     doc["spec"]["rollout"]["partial"] = True

@@ -122,6 +122,10 @@ def test_make_engine_picks_static_only_on_cuda_with_the_env(monkeypatch, sharp_m
     eng = make_engine(EngineName.HF, str(sharp_model_dir), dtype=torch.float32, device=CPU,
                       eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     assert type(eng) is HFEngine  # CPU keeps the plain engine
+    monkeypatch.setenv("RLJOB_HF_STATIC", "force")  # unless forced (tests of the pool's refilling rows)
+    eng = make_engine(EngineName.HF, str(sharp_model_dir), dtype=torch.float32, device=CPU,
+                      eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    assert type(eng) is HFStaticEngine and not eng.use_cuda_graph
 
 
 def test_sliding_window_models_are_refused(sharp_model_dir, monkeypatch):

@@ -63,12 +63,12 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
                           eos_token_id=eos_token_id, seed=seed, record_routing=record_routing)
     from rljob_worker.rollout.hf_engine import HFEngine
 
-    static = os.environ.get("RLJOB_HF_STATIC", "1" if device.type == "cuda" else "0") != "0"
-    if static and not record_routing:
+    choice = os.environ.get("RLJOB_HF_STATIC", "1")
+    if (choice == "force" or (device.type == "cuda" and choice != "0")) and not record_routing:
         # On a GPU the HF engine runs with a static KV cache and a CUDA-graphed decode step
         # (3.3x the dynamic-cache engine per GRPO step on an H200, bench/NOTES.md); RLJOB_HF_STATIC=0
         # falls back to the plain engine, as do models the static engine does not support. On a CPU it runs
-        # eagerly and only with RLJOB_HF_STATIC=1 (tests of what only it does, e.g. refilling rows).
+        # eagerly and only with RLJOB_HF_STATIC=force (tests of what only it does, e.g. refilling rows).
         from rljob_worker.rollout.compile_config import compile_enabled
         from rljob_worker.rollout.hf_static_engine import HFStaticEngine
 

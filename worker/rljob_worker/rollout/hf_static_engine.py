@@ -430,14 +430,7 @@ class HFStaticEngine(HFEngine):
         real, batch = len(prompts), s.batch
         prompts = prompts + [[self.pad]] * (batch - real)
         mode, top_k, top_p = self._mode(params, self.vocab)
-        input_ids = torch.full((batch, width), self.pad, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, ids in enumerate(prompts):  # left padding, as HFEngine
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention[i, width - len(ids):] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        valid = attention.bool()
+        input_ids, position_ids, valid = self._left_padded(prompts, width)
         s.key_valid.zero_()
         s.key_valid[:, :width] = valid
         s.tokens.fill_(self.pad)
@@ -451,10 +444,7 @@ class HFStaticEngine(HFEngine):
         s.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
         if self.sample_in_step and mode != "greedy":
             s.gen.manual_seed(self._chunk_seed(gen))
-        # prefill: query i sees real prompt keys j <= i (and itself, so padded rows stay finite)
-        ar = torch.arange(width, device=self.device)
-        causal = ar[None, :] <= ar[:, None]
-        key_mask = (valid[:, None, :] & causal[None]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        key_mask = self._prefill_mask(valid)
         rows = self.prefill_rows(width)
         logits = torch.cat([self._forward(input_ids[lo:lo + rows], position_ids[lo:lo + rows], s.rows(lo, lo + rows),
                                           s.slots[:width], key_mask[lo:lo + rows], width)
@@ -468,6 +458,24 @@ class HFStaticEngine(HFEngine):
         else:
             tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
         self._record(s, tok, lp)
+
+    def _left_padded(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prompts left-padded to ``width`` (as HFEngine) -> ids, position ids, real-token mask, each (B, width)."""
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            attention[i, width - len(prompt):] = 1
+        ids, attention = ids.to(self.device), attention.to(self.device)
+        return ids, (attention.cumsum(-1) - 1).clamp(min=0), attention.bool()
+
+    def _prefill_mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """valid (B, W) -> the prefill's key mask (B, W, W): query i sees real prompt keys j <= i, and itself (so a
+        padded query's softmax stays finite)."""
+        width = valid.shape[1]
+        ar = torch.arange(width, device=self.device)
+        causal = ar[None, :] <= ar[:, None]
+        return (valid[:, None, :] & causal[None]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
 
     def _advance(self, s: _Session, keys: int, sampler: tuple[str, int, float], params: SamplingParams, gen) -> None:
         """One decode step over ``keys`` cache slots: a graph replay where one was captured, else eagerly."""

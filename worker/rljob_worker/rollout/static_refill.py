@@ -193,17 +193,9 @@ class RefillingRows:
         rows = torch.tensor(free[:take], device=dev)
         width = _round_up(max(len(p) for _, p, _ in new), 16)
         slots = (torch.arange(width, device=dev) + self.slot_abs - width) % self.ring
-        ids = torch.full((take, width), e.pad, dtype=torch.long)
-        attention = torch.zeros((take, width), dtype=torch.long)
-        for k, (_, prompt, _) in enumerate(new):  # left padding, as a fresh call
-            ids[k, width - len(prompt):] = torch.tensor(prompt)
-            attention[k, width - len(prompt):] = 1
-        ids, attention = ids.to(dev), attention.to(dev)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        valid = attention.bool()
+        ids, positions, valid = e._left_padded([p for _, p, _ in new], width)  # as a fresh call
+        key_mask = e._prefill_mask(valid)
         ar = torch.arange(width, device=dev)
-        key_mask = (valid[:, None, :] & (ar[None, :] <= ar[:, None])[None]) | torch.eye(width, dtype=torch.bool,
-                                                                                         device=dev)[None]
         scratch = object.__new__(_Session)  # the new rows' prompt keys, then scattered into their ring slots
         scratch.k = [torch.empty((take, e.kv_heads, width, e.head_dim), dtype=e.dtype, device=dev) for _ in s.k]
         scratch.v = [torch.empty_like(t) for t in scratch.k]
