@@ -203,3 +203,19 @@ def test_gpu_refilling_through_real_cuda_graphs_equals_eager_decoding(model_dir,
         assert rows.count > 2 * rows.ring
         assert (engine.graph_captures > 0) == graphs
     assert results[0] == results[1]
+
+
+def test_the_session_takes_only_the_rows_the_free_memory_holds(model_dir):
+    """A session of 5k slots takes the rows the free memory holds beyond a prefill's room (max_batch at most; a 7B
+    model's rows at 1k + 4k tokens take 0.3 GB each); a device with no room for one row is refused naming the
+    fields to change."""
+    from rljob_worker.rollout.static_refill import rows_that_fit, session_bytes_per_row
+
+    engine = _engine(model_dir, max_batch=256)
+    per_row = session_bytes_per_row(engine, 5120)
+    room = engine.prefill_bytes + 2**30
+    assert rows_that_fit(engine, 5120, free_bytes=room + 100 * per_row) == 100
+    assert rows_that_fit(engine, 5120, free_bytes=room + 10_000 * per_row) == 256
+    with pytest.raises(RuntimeError, match="data.maxPromptLength"):
+        rows_that_fit(engine, 5120, free_bytes=room + per_row // 2)
+    assert rows_that_fit(engine, 5120) == 256  # a CPU: max_batch

@@ -61,8 +61,8 @@ def sampler_of(params: SamplingParams) -> tuple:
 
 
 class RefillingRows:
-    """Prompts queued with `add` decode in the rows of one session (the engine's max_batch, or a larger session it
-    kept) as rows free up; `run` decodes and returns the responses that ended. Prompts up to ``prompt_budget``
+    """Prompts queued with `add` decode in the rows of one session (the engine's max_batch, fewer where the GPU's free
+    memory holds fewer, or a larger session it kept) as rows free up; `run` decodes and returns the responses that ended. Prompts up to ``prompt_budget``
     tokens and responses up to ``response_budget`` fit."""
 
     def __init__(self, engine: HFStaticEngine, params: SamplingParams, prompt_budget: int, response_budget: int,
@@ -75,7 +75,7 @@ class RefillingRows:
         self.width = _round_up(max(1, prompt_budget), 16)
         self.response_budget = response_budget
         length = _round_up(self.width + response_budget + self.check_every, engine.length_multiple)
-        self.session = s = engine._session_for(engine.max_batch, length)
+        self.session = s = engine._session_for(rows_that_fit(engine, length), length)
         self.ring = s.length
         self.buckets = kv_buckets(s.length, engine.max_graphs)
         self.gen = None if params.seed is None else torch.Generator(device=engine.device).manual_seed(params.seed)
@@ -228,6 +228,29 @@ class RefillingRows:
             return sample_next(logits, p.temperature, p.top_k, p.top_p, self.gen)
         uniform = torch.rand(logits.shape, generator=s.gen, device=logits.device)
         return race_sample(logits, s.temperature, uniform, top_k, top_p)
+
+
+def session_bytes_per_row(engine: HFStaticEngine, length: int) -> int:
+    """Device bytes one row of a session of ``length`` slots holds: its K and V in every layer, its recorded tokens,
+    log-probs and masks, its sampler noise."""
+    kv = 2 * engine.cfg.num_hidden_layers * engine.kv_heads * engine.head_dim * engine.dtype.itemsize
+    return length * (kv + 8 + 4 + 3) + (engine.vocab * 4 if engine.sample_in_step else 0)
+
+
+def rows_that_fit(engine: HFStaticEngine, length: int, free_bytes: int | None = None) -> int:
+    """The session's rows: the engine's max_batch, fewer where the device's free memory (less room for a prefill
+    and 1 GiB) cannot hold that many rows of ``length`` slots (a 7B model at 1k + 4k tokens takes 0.3 GB a row).
+    A CPU is not limited here."""
+    if free_bytes is None:
+        if engine.device.type != "cuda":
+            return engine.max_batch
+        free_bytes = torch.cuda.mem_get_info(engine.device)[0]
+    room = free_bytes - engine.prefill_bytes - 2**30
+    fit = room // session_bytes_per_row(engine, length)
+    if fit < 1:
+        raise RuntimeError(f"refilling rows: not one row of {length} slots fits the {free_bytes / 2**30:.1f} GiB free "
+                           "on the rollout GPU; lower data.maxPromptLength + data.maxResponseLength")
+    return int(min(engine.max_batch, fit))
 
 
 def _version_at(segments: list[tuple[int, int]], index: int) -> int:
