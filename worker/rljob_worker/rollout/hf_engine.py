@@ -6,6 +6,7 @@ defaults. Weights arrive as HF-named tensors from the megatron actor.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Iterable
@@ -14,6 +15,7 @@ import torch
 
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams, first_stop
 from rljob_worker.rollout.sampling import sample_next
+from rljob_worker.rollout.synthetic_lengths import cut_to_budgets, law_from_env
 
 # a Qwen-MoE checkpoint's per-expert weights; transformers 5 holds each layer's experts as fused tensors
 _EXPERT_WEIGHT = re.compile(r"(?P<prefix>.*\.experts\.)(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
@@ -90,9 +92,17 @@ class HFEngine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        law = law_from_env()  # benchmarks only: long-tailed lengths for a model that never ends a response
+        budgets = None if law is None else [law.budget(ids, j, params.seed, params.max_new_tokens)
+                                            for ids in prompt_ids for j in range(params.n)]
         out = RolloutOutput([], [], [])
         for start in range(0, len(expanded), self.max_batch):
-            chunk = self._generate_chunk(expanded[start : start + self.max_batch], params, gen)
+            chunk_params = params
+            if budgets is not None:
+                chunk_params = dataclasses.replace(params, max_new_tokens=max(budgets[start : start + self.max_batch]))
+            chunk = self._generate_chunk(expanded[start : start + self.max_batch], chunk_params, gen)
+            if budgets is not None:
+                chunk = cut_to_budgets(chunk, budgets[start : start + self.max_batch], params.max_new_tokens)
             out.extend(chunk)
         return out
 

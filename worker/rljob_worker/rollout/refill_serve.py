@@ -26,6 +26,7 @@ import torch.distributed as dist
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
 from rljob_worker.rollout.partial import chunk_tokens
 from rljob_worker.rollout.static_refill import RefillingRows, sampler_of
+from rljob_worker.rollout.synthetic_lengths import law_from_env
 from rljob_worker.runtime.distributed import broadcast_object
 
 log = logging.getLogger("rljob.rollout_pool")
@@ -95,6 +96,7 @@ class RefillServe:
         self.shares: dict[int, dict[int, Any]] = {}  # leader: request id -> replica -> its finished share
         self.meta: dict[int, tuple] = {}  # leader: request id -> (params, prompt count, start time, idle_s)
         self.inbox = _Inbox(pool.link) if pool.is_leader else None
+        self.law = law_from_env()  # benchmarks only (rollout/synthetic_lengths.py)
 
     def run(self) -> int:
         if self.inbox is not None:
@@ -152,9 +154,11 @@ class RefillServe:
             self.waiting.pop(0)
             request.start = time.perf_counter()
             self.active[request.id] = request
+            cap = request.params.max_new_tokens
             for i, prompt in enumerate(request.prompts):
                 for j in range(request.params.n):
-                    self.rows.add((request.id, i * request.params.n + j), prompt, request.params.max_new_tokens)
+                    budget = cap if self.law is None else self.law.budget(prompt, j, request.params.seed, cap)
+                    self.rows.add((request.id, i * request.params.n + j), prompt, budget)
 
     def _fits(self, request: _Request) -> bool:
         rows = self.rows
@@ -174,11 +178,12 @@ class RefillServe:
             response_budget=max(self.response_budget, params.max_new_tokens))
         log.info("rollout pool: refilling rows, %d rows, a ring of %d slots", self.rows.capacity, self.rows.ring)
 
-    @staticmethod
-    def _share(request: _Request) -> dict[str, Any]:
+    def _share(self, request: _Request) -> dict[str, Any]:
         ordered = [request.results[k] for k in range(request.rows)]
-        return {"out": RolloutOutput([f.ids for f in ordered], [f.logprobs for f in ordered],
-                                     [f.finished for f in ordered]),
+        cap = request.params.max_new_tokens
+        # a response ended by the synthetic law ended "as if by EOS" (rollout/synthetic_lengths.py)
+        finished = [f.finished or (self.law is not None and len(f.ids) < cap) for f in ordered]
+        return {"out": RolloutOutput([f.ids for f in ordered], [f.logprobs for f in ordered], finished),
                 "versions": [f.versions for f in ordered], "seconds": time.perf_counter() - request.start}
 
     def _exchange(self, mine: dict[int, Any], busy: bool) -> bool:
