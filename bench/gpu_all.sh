@@ -18,7 +18,8 @@
 #             run twice: turns streamed (default) and batched) | streamtests (the continuous rows' tests, GPU ones included)
 #             | longtail (issue 32: rollout alone on log-normal lengths up to 4k, batch at a time vs refilling rows:
 #             bench/long_tail_rollout.py) | longtailjob (issue 32, 2 GPUs: the whole GRPO job on those lengths, colocated
-#             sync vs a separate pool with refilling rows, tok/s/GPU: bench/long_tail_job.py) | refilltests (the refilling rows' tests, the GPU one included)
+#             sync vs a separate pool with refilling rows, tok/s/GPU: bench/long_tail_job.py) | longtail1 (its colocated
+#             run on 1 GPU, a few steps: the lengths' knob on a GPU job) | refilltests (the refilling rows' tests, the GPU one included)
 #             | agentprofile (the same engine's rollout alone: single turn, turns batched, turns streamed; bench/agent_stream_profile.py)
 #             | toolvllm (issue 31, vLLM installed: the tool task and its single-turn twin with vLLM as the engine)
 #             | sft [jobs] | gputests | tool (issue 31: examples/secret-tool.yaml on the GPU's static engine, and the
@@ -151,6 +152,8 @@ for s in $SECTIONS; do
     longtail) section longtail ${LONGTAIL_LIMIT:-420} python3 bench/long_tail_rollout.py ${LONGTAIL_ARGS:-} ;;
     longtailjob) [ -d /tmp/char1.5b ] || section longtailprep 120 python3 bench/gpu_1_5b_char_prepare.py
       section longtailjob ${LONGTAILJOB_LIMIT:-560} bash -c "export RLJOB_SYNTHETIC_LENGTHS=${LONGTAIL_LAW:-lognormal:300:1.0}; for v in sync sep; do python3 -m rljob_cli.main run bench/gpu_longtail_\$v.yaml --workdir /tmp/longtail_\$v --fresh --steps ${LONGTAIL_STEPS:-12} | grep -E 'step [0-9]+/|rollout engine|rror|Traceback|finished'; done; python3 bench/long_tail_job.py /tmp/longtail_sync/work/metrics.jsonl /tmp/longtail_sep/work/metrics.jsonl --responses 128 --gpus 2 --shape 'Qwen2.5-1.5B shape over the char vocabulary, random init, bf16, GRPO 16 prompts x 8, lengths LogNormal(300, 1) capped 4096 (RLJOB_SYNTHETIC_LENGTHS), static engine uncompiled; sync: DP2 colocated; separate: 1 trainer + 1 rollout GPU, async maxStaleness 4, partial'" ;;
+    longtail1) [ -d /tmp/char1.5b ] || section longtailprep 120 python3 bench/gpu_1_5b_char_prepare.py
+      section longtail1 ${LONGTAIL1_LIMIT:-300} bash -c "sed -e 's/gpusPerNode: 2/gpusPerNode: 1/' -e 's/gpu-longtail-sync/gpu-longtail-sync1/' bench/gpu_longtail_sync.yaml > /tmp/longtail1.yaml; RLJOB_SYNTHETIC_LENGTHS=${LONGTAIL_LAW:-lognormal:300:1.0} python3 -m rljob_cli.main run /tmp/longtail1.yaml --workdir /tmp/longtail1 --fresh --steps ${LONGTAIL_STEPS:-4} | grep -E 'step [0-9]+/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/longtail1/work/metrics.jsonl longtail1; cp /tmp/longtail1/work/metrics.jsonl \$OUT/longtail1_metrics.jsonl" ;;
     refilltests) section refilltests 300 python3 -m pytest tests/worker/test_static_refill.py -v -p no:cacheprovider -rs ;;
     streamtests) section streamtests 300 python3 -m pytest tests/worker/test_static_stream.py -v -p no:cacheprovider -rs ;;
     warmstart) section warmstart ${WARMSTART_LIMIT:-540} python3 bench/warm_start.py --pods ${WARMSTART_PODS:-cold,restored,restarted,nocompile} ;;
