@@ -12,7 +12,8 @@ bound what a frozen output layer lets LoRA reach (bench/NOTES.md, issue 34).
 ``--tools``: builtin://tiny-qwen2-tools' 20 symbols and tokenizer instead. ``--output-scale F``: the output layer
 untied and scaled by F; at 0.02 the random model samples nearly uniformly, so the call-end tag comes ~5% of tokens
 and about half the trajectories end a turn at a tool call (with full-scale logits it repeats one token and never
-calls). Idempotent.
+calls). ``--no-eos``: EOS's output row zeroed (tied: its embedding too, never fed), so a 16-symbol random model
+stops ending responses every ~15 tokens. Idempotent.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/char1.5b")
     ap.add_argument("--tools", action="store_true", help="the tool vocabulary and tokenizer")
     ap.add_argument("--output-scale", type=float, default=None, help="untie the output layer and scale it")
+    ap.add_argument("--no-eos", action="store_true", help="zero EOS's output row: logit 0 against the others' ~+-30, "
+                    "so responses run to their budget (the long-tail benches cut them by RLJOB_SYNTHETIC_LENGTHS)")
     a = ap.parse_args()
     out = Path(a.out)
     if (out / "model.safetensors").exists():
@@ -54,6 +57,9 @@ def main() -> int:
     if a.output_scale is not None:
         with torch.no_grad():
             model.lm_head.weight.mul_(a.output_scale)
+    if a.no_eos:
+        with torch.no_grad():
+            model.get_output_embeddings().weight[config.eos_token_id].zero_()
     model.save_pretrained(out)
     build_char_tokenizer(tools=a.tools).save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
