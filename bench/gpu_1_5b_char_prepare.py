@@ -12,8 +12,10 @@ bound what a frozen output layer lets LoRA reach (bench/NOTES.md, issue 34).
 ``--tools``: builtin://tiny-qwen2-tools' 20 symbols and tokenizer instead. ``--output-scale F``: the output layer
 untied and scaled by F; at 0.02 the random model samples nearly uniformly, so the call-end tag comes ~5% of tokens
 and about half the trajectories end a turn at a tool call (with full-scale logits it repeats one token and never
-calls). ``--no-eos``: EOS's output row zeroed (tied: its embedding too, never fed), so a 16-symbol random model
-stops ending responses every ~15 tokens. Idempotent.
+calls). ``--vocab-size 151936``: Qwen2.5's vocabulary size with the char tokenizer kept (the tokenizer decodes the
+ids it does not know as nothing): a random model's logits are ~N(0, 0.8), so over 16 symbols it samples EOS every
+~16 tokens, over 151,936 about once in 150k (the long-tail benches then cut responses by RLJOB_SYNTHETIC_LENGTHS).
+Idempotent.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/char1.5b")
     ap.add_argument("--tools", action="store_true", help="the tool vocabulary and tokenizer")
     ap.add_argument("--output-scale", type=float, default=None, help="untie the output layer and scale it")
-    ap.add_argument("--no-eos", action="store_true", help="zero EOS's output row: logit 0 against the others' ~+-30, "
-                    "so responses run to their budget (the long-tail benches cut them by RLJOB_SYNTHETIC_LENGTHS)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="the model's vocabulary (the tokenizer's stays): "
+                    "151936 makes sampling EOS ~1 in 150k a token, so responses run to their budget")
     a = ap.parse_args()
     out = Path(a.out)
     if (out / "model.safetensors").exists():
@@ -48,7 +50,8 @@ def main() -> int:
     t0 = time.perf_counter()
     base = TINY_QWEN2_TOOLS_CONFIG if a.tools else TINY_QWEN2_CONFIG
     cfg = {**base, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-           "num_key_value_heads": 2, "torch_dtype": "bfloat16", "tie_word_embeddings": a.output_scale is None}
+           "num_key_value_heads": 2, "torch_dtype": "bfloat16", "tie_word_embeddings": a.output_scale is None,
+           **({"vocab_size": a.vocab_size} if a.vocab_size else {})}
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     config.architectures = cfg["architectures"]
     torch.manual_seed(0)
@@ -57,9 +60,6 @@ def main() -> int:
     if a.output_scale is not None:
         with torch.no_grad():
             model.lm_head.weight.mul_(a.output_scale)
-    if a.no_eos:
-        with torch.no_grad():
-            model.get_output_embeddings().weight[config.eos_token_id].zero_()
     model.save_pretrained(out)
     build_char_tokenizer(tools=a.tools).save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
