@@ -11,6 +11,8 @@ responses have ended, with the version of every token (a request's ``version`` i
 Every pool rank runs this loop in lockstep (commands and weights are broadcast, finished shares gathered each
 round); each replica decodes its share of every request's prompt groups, as the batch-at-a-time loop does. The
 sampler's seed is drawn once per session from the first request's seed (offset per replica), not per request.
+A reply's ``seconds`` run from the request's arrival to its answer: requests overlap, so their seconds do too
+(the trainer's rollout throughput metric is then per batch in flight, not per rollout GPU).
 """
 from __future__ import annotations
 
