@@ -106,17 +106,23 @@ class HFEngine:
             out.extend(chunk)
         return out
 
+    def _left_padded(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prompts left-padded to ``width`` (every row's next token at the end) -> ids, position ids, real-token
+        mask, each (B, width) on the device."""
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            valid[i, width - len(prompt):] = True
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        return ids, (valid.long().cumsum(-1) - 1).clamp(min=0), valid
+
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, gen) -> RolloutOutput:
         batch, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, ids in enumerate(prompts):  # left padding keeps every sequence's next token at the end
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention[i, width - len(ids):] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        input_ids, position_ids, valid = self._left_padded(prompts, width)
+        attention = valid.long()
         if self.recorder is not None:
             self.recorder.reset()
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         tokens = torch.empty((batch, 0), dtype=torch.long, device=self.device)
         logprobs = torch.empty((batch, 0), dtype=torch.float32, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)

@@ -459,16 +459,6 @@ class HFStaticEngine(HFEngine):
             tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
         self._record(s, tok, lp)
 
-    def _left_padded(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prompts left-padded to ``width`` (as HFEngine) -> ids, position ids, real-token mask, each (B, width)."""
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt):] = torch.tensor(prompt)
-            attention[i, width - len(prompt):] = 1
-        ids, attention = ids.to(self.device), attention.to(self.device)
-        return ids, (attention.cumsum(-1) - 1).clamp(min=0), attention.bool()
-
     def _prefill_mask(self, valid: torch.Tensor) -> torch.Tensor:
         """valid (B, W) -> the prefill's key mask (B, W, W): query i sees real prompt keys j <= i, and itself (so a
         padded query's softmax stays finite)."""

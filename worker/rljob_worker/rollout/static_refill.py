@@ -62,8 +62,8 @@ def sampler_of(params: SamplingParams) -> tuple:
 
 class RefillingRows:
     """Prompts queued with `add` decode in the rows of one session (the engine's max_batch, fewer where the GPU's free
-    memory holds fewer, or a larger session it kept) as rows free up; `run` decodes and returns the responses that ended. Prompts up to ``prompt_budget``
-    tokens and responses up to ``response_budget`` fit."""
+    memory holds fewer, or a larger session it kept) as rows free up; `run` decodes and returns the responses that
+    ended. Prompts up to ``prompt_budget`` tokens and responses up to ``response_budget`` fit."""
 
     def __init__(self, engine: HFStaticEngine, params: SamplingParams, prompt_budget: int, response_budget: int,
                  check_every: int | None = None):
@@ -81,12 +81,17 @@ class RefillingRows:
         self.gen = None if params.seed is None else torch.Generator(device=engine.device).manual_seed(params.seed)
         self.rows: list[_Live | None] = [None] * s.batch
         self.waiting: collections.deque[tuple[Any, list[int], int]] = collections.deque()
-        self.slot_abs = self.width  # the slot the next step writes, before wrapping (prompts fill the slots below)
         self.count = 1  # tokens recorded per row so far, before wrapping: the next step records index count
         self.version = 0
         with torch.no_grad():
             engine._capture_buckets(s, self.sampler, set(self.buckets))
             self._reset()
+
+    @property
+    def slot_abs(self) -> int:
+        """The slot the next step writes, before wrapping: the step recording token c writes width + c - 1 (the
+        first prompts fill the slots below width)."""
+        return self.width + self.count - 1
 
     @property
     def capacity(self) -> int:
@@ -130,7 +135,6 @@ class RefillingRows:
                     s.count.zero_()
                 keys = self.ring if self.slot_abs >= self.ring else bucket_for(self.slot_abs, self.buckets)
                 e._advance(s, keys, self.sampler, self.params, self.gen)
-                self.slot_abs += 1
                 self.count += 1
             steps += self.check_every
             out += self._harvest()
@@ -171,13 +175,11 @@ class RefillingRows:
         out = []
         for k, i in enumerate(ended):
             r = self.rows[i]
-            n = min(self.count - r.start, r.budget)
-            at = [(r.start + j) % self.ring for j in range(n)]
+            at = [(r.start + j) % self.ring for j in range(min(self.count - r.start, r.budget))]
             row = tokens[k, at].tolist()
             n = first_stop(row, self.stops)
-            versions = [v for j in range(n) for v in [_version_at(r.versions, r.start + j)]]
-            out.append(Finished(r.key, row[:n], logprobs[k, at[:n]].tolist(),
-                                n > 0 and row[n - 1] in self.stops, versions))
+            out.append(Finished(r.key, row[:n], logprobs[k, at[:n]].tolist(), n > 0 and row[n - 1] in self.stops,
+                                _token_versions(r.versions, r.start, n)))
             self.rows[i] = None
         return out
 
@@ -253,9 +255,7 @@ def rows_that_fit(engine: HFStaticEngine, length: int, free_bytes: int | None = 
     return int(min(engine.max_batch, fit))
 
 
-def _version_at(segments: list[tuple[int, int]], index: int) -> int:
-    version = segments[0][1]
-    for start, v in segments:
-        if start <= index:
-            version = v
-    return version
+def _token_versions(segments: list[tuple[int, int]], start: int, n: int) -> list[int]:
+    """The versions of tokens start..start+n-1 from (first token index, version) segments in order."""
+    ends = [first for first, _ in segments[1:]] + [start + n]
+    return [v for (first, v), end in zip(segments, ends) for _ in range(max(0, min(end, start + n) - max(first, start)))]
