@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from megatron_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,7 +20,7 @@ def job(name: str, **changes) -> dict:
     spec = doc["spec"]
     spec["training"].update(totalTrainingSteps=12, testFreq=-1, valBeforeTrain=False)
     spec["checkpoint"].update(saveFreq=6, exportHf=False)
-    spec["metrics"]["port"] = 19400 + hash(name) % 500
+    spec["metrics"]["port"] = free_port()  # one the kernel has free now (a hashed port collided with a live one in CI)
     for path, value in changes.items():
         section, _, field = path.rpartition(".")
         target = spec
