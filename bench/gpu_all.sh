@@ -66,6 +66,9 @@ WHEELS=$(ls .whl/megatron_actor_gpu/*.whl .whl/trl/*.whl 2>/dev/null)
   $WHEELS 2>&1 | grep -v -i "warning" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/operator:$PWD/worker:$PWD/bench
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# throughput sections time warm steps of a compiled engine: compile before the first rollout, as before the
+# background compile existed (warmstart sets it per pod; the worker's default is to compile beside the rollouts)
+export RLJOB_COMPILE_IN_BACKGROUND=${RLJOB_COMPILE_IN_BACKGROUND:-0}
 # vLLM (when installed): engine core in this process (the engine sets it too), no FlashInfer sampler JIT
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -5,15 +5,19 @@ Each "pod" is a real `rljob run` of the same job (GRPO at the grpo_step workload
 x 8, 128 + 256 tokens, the static engine with its decode step compiled) with its own, initially empty, cache
 folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one shared checkpoint store:
 
-- ``cold``: nothing stored yet: the first step compiles; its caches are uploaded after it.
-- ``restored``: a new pod: start-up restores the archive, the first step loads kernels.
+- ``cold``: nothing stored yet: the decode step compiles beside the first steps (the worker's default); its
+  caches are uploaded once it is ready.
+- ``restored``: a new pod: start-up restores the archive; the compile (now mostly a load) runs beside the steps.
+- ``restoredwait``: the same with ``RLJOB_COMPILE_IN_BACKGROUND=0``: the first rollout waits for the compile
+  (the behaviour before the background compile; the baseline of the restored pod).
 - ``restarted``: the same pod's folders again (a container restart: the emptyDir kept them).
 - ``nocompile``: compile off, cold (what a first step costs without any compile: CUDA graph capture,
   allocator and library warm-up).
 
-First-step / warm-step ratios (warm = median of the later steps of the same run) go to results.jsonl.
+First-step / warm-step ratios go to results.jsonl; warm = the median of the later steps that ran the compiled
+decode step (``rollout/decode_compiled``), so a pod still compiling is compared with what it will run at.
 
-    python bench/warm_start.py [--model 0.5b] [--steps 4]
+    python bench/warm_start.py [--model 0.5b] [--steps 16] [--steps-cold 48]
 """
 from __future__ import annotations
 
@@ -37,8 +41,9 @@ sys.path.insert(0, str(BENCH))
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="0.5b")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--pods", default="cold,restored,restarted,nocompile")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps-cold", type=int, default=48, help="the cold pod's steps: its compile takes minutes")
+    ap.add_argument("--pods", default="cold,restored,restoredwait,nocompile")
     ap.add_argument("--timeout-each", type=float, default=420)
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: 2 prompts x 2, 8 tokens")
     a = ap.parse_args()
@@ -54,7 +59,8 @@ def main() -> int:
     if a.smoke:
         gargs.prompts, gargs.n, gargs.prompt_len, gargs.new_tokens, gargs.mbs, vocab = 2, 2, 8, 8, 2, 64
         grpo_step.EOS_ID = vocab
-    paths = grpo_step.prepare(root / "data", a.model, gargs.prompts * a.steps, gargs.prompt_len, vocab)
+    paths = grpo_step.prepare(root / "data", a.model, gargs.prompts * max(a.steps, a.steps_cold), gargs.prompt_len,
+                              vocab)
     spec = grpo_step.rljob_spec(gargs, paths, root)
     if a.smoke:
         spec["device"] = "cpu"
@@ -69,35 +75,47 @@ def main() -> int:
     import results as bench_results
 
     shape = (f"{a.model} random init, GRPO 32 prompts x 8, 128 + 256 tokens, bf16, static engine with the decode "
-             f"step compiled, one `rljob run` per pod, {a.steps} steps; warm = median of steps 2-{a.steps}")
+             f"step compiled, one `rljob run` per pod, {a.steps} steps ({a.steps_cold} cold); warm = median of the "
+             "later steps with the compiled decode step")
     rows = {}
     for pod in a.pods.split(","):
         cache = root / ("pod-restored" if pod in ("restored", "restarted") else f"pod-{pod}")
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
-                   "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1"}
+                   "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
+                   "RLJOB_COMPILE_IN_BACKGROUND": "0" if pod == "restoredwait" else "1"}
+        steps = a.steps_cold if pod == "cold" else a.steps
         workdir = root / f"run-{pod}"
         shutil.rmtree(workdir, ignore_errors=True)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, "-m", "rljob_cli.main", "run", str(job), "--workdir",
-                                   str(workdir), "--steps", str(a.steps)], env=pod_env, capture_output=True,
+                                   str(workdir), "--steps", str(steps)], env=pod_env, capture_output=True,
                                   text=True, timeout=a.timeout_each, check=False)
         except subprocess.TimeoutExpired as exc:
             print(f"== {pod}: no result within {a.timeout_each:.0f}s\n{(exc.stdout or b'')[-3000:]!r}", flush=True)
             continue
         wall = time.perf_counter() - t0
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("compile cache:", "first step", "start-up:"))]
+        lines += [ln for ln in proc.stderr.splitlines() if "compil" in ln and "decode step" in ln]
         print(f"== {pod}: rc {proc.returncode}, {wall:.1f}s\n  " + "\n  ".join(lines), flush=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
             continue
         steps = [json.loads(ln) for ln in (workdir / "work" / "metrics.jsonl").read_text().splitlines()]
+        compiled = [s.get("rollout/decode_compiled", 1.0) for s in steps]  # absent: compile off
         times = [s["timing/step_s"] for s in steps]
         rollout = [s.get("timing/rollout_s") for s in steps]
-        warm = statistics.median(times[1:])
+        later = [i for i in range(1, len(steps)) if compiled[i]]
+        if pod != "nocompile" and not later:
+            print(f"== {pod}: the compile did not finish within {len(steps)} steps", flush=True)
+            continue
+        later = later or list(range(1, len(steps)))
+        warm = statistics.median(times[i] for i in later)
         rows[pod] = {"first_s": times[0], "warm_s": warm, "ratio": times[0] / warm, "wall_s": wall,
-                     "first_rollout_s": rollout[0], "warm_rollout_s": statistics.median(r for r in rollout[1:] if r),
-                     "lines": lines}
+                     "first_rollout_s": rollout[0], "warm_rollout_s": statistics.median(rollout[i] for i in later),
+                     "uncompiled_steps": compiled.count(0.0), "step2_s": times[1] if len(times) > 1 else None,
+                     "uncompiled_median_s": statistics.median(t for t, c in zip(times, compiled) if not c)
+                     if compiled.count(0.0) > 1 else None, "lines": lines}
         print(json.dumps({k: v for k, v in rows[pod].items() if k != "lines"}), flush=True)
         bench_results.record(f"first step of a new pod ({pod})", shape, "first_step_s", rows[pod]["first_s"], "s",
                              card=card, baseline=f"warm step of the same run ({pod})",
@@ -112,6 +130,11 @@ def main() -> int:
         bench_results.record("first step, compile cache restored from storage", shape, "first_step_s",
                              rows["restored"]["first_s"], "s", card=card, baseline="first step, cold pod",
                              baseline_value=rows["cold"]["first_s"], same_run=True)
+    if "restoredwait" in rows and "restored" in rows:
+        bench_results.record("first step, restored pod, decode step compiled beside the steps", shape,
+                             "first_step_s", rows["restored"]["first_s"], "s", card=card,
+                             baseline="first step, restored pod, first rollout waiting for the compile",
+                             baseline_value=rows["restoredwait"]["first_s"], same_run=True)
     return 0
 
 

@@ -236,6 +236,29 @@ class RunLoop:
             print(f"compile cache: {words}", flush=True)
         return sync
 
+    def _background_compiles(self):
+        """The rollout engine's compiles that run beside the steps (rollout/background_compile), if any."""
+        return getattr(getattr(self, "engine", None), "compiles", None)
+
+    def _background_compiles_grew(self) -> bool:
+        compiles = self._background_compiles()
+        done = compiles.done if compiles is not None else 0
+        grew, self._compiles_seen = done > getattr(self, "_compiles_seen", 0), done
+        return grew
+
+    def _finish_background_compiles(self) -> None:
+        """A run that ends before its engine's compile: wait for it (a thread left inside a compile at exit may
+        hang the interpreter's shutdown) and keep what it built for the next run."""
+        compiles = self._background_compiles()
+        if compiles is None or not compiles.running:
+            return
+        if self.is_main:
+            print("waiting for the decode step's compile, which runs beside the steps, to finish before exiting",
+                  flush=True)
+        compiles.wait()
+        if self._background_compiles_grew():
+            self._save_compile_cache()
+
     def _save_compile_cache(self) -> None:
         sync = getattr(self, "compile_cache", None)
         if sync is not None and sync.save_if_grown():
@@ -325,11 +348,15 @@ class RunLoop:
             self.step += 1
             metrics = self.train_step()
             metrics["timing/step_s"] = time.perf_counter() - step_start
+            if getattr(getattr(self, "engine", None), "compile_decode", False):  # 0 while it compiles beside the steps
+                metrics["rollout/decode_compiled"] = 1.0 if self._background_compiles().done else 0.0
             metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
             metrics.update(stage_peaks_over_ranks(self.telemetry.pending_stage_peak_bytes(), self.device))
             self.history.append(StepResult(self.step, metrics))
             if len(self.history) == 1:  # this process's first step: what it compiled, kept for the next pod
                 self._log_first_step_compiles(metrics["timing/step_s"])
+                self._save_compile_cache()
+            elif self._background_compiles_grew():  # the decode step compiled beside the steps: keep it too
                 self._save_compile_cache()
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
             self.telemetry.record_gpu_memory()
@@ -354,6 +381,7 @@ class RunLoop:
                 raise Preempted(f"stopped by SIGTERM after step {self.step}")
         if bar is not None:
             bar.close()
+        self._finish_background_compiles()
         self.checkpoints.wait()
         if getattr(self, "compile_cache", None) is not None:
             self.compile_cache.wait()

@@ -217,18 +217,18 @@ class CompileCacheSync:
                 self.store.get_file(self.object_key, local)
             except Exception as exc:  # noqa: BLE001 - an unreachable store costs a compile, not the run
                 if isinstance(exc, (ObjectNotFoundError, FileNotFoundError)):
-                    return (f"none yet for this model, engine and GPU ({self.key}); the first rollout compiles "
-                            "(minutes at 0.5B-7B), then the cache is saved for the next pod"), []
+                    return (f"none yet for this model, engine and GPU ({self.key}); the first rollouts compile "
+                            "(minutes at 0.5B-7B, beside the steps), then the cache is saved for the next pod"), []
                 log.warning("compile cache: could not download %s (%s); compiling as a new pod would",
                             self.store.uri_for(self.object_key), exc)
-                return f"not restored ({type(exc).__name__}); the first rollout compiles", []
+                return f"not restored ({type(exc).__name__}); the first rollouts compile", []
             size = local.stat().st_size
             try:
                 n, members = unpack(local, self.roots)
             except (tarfile.TarError, OSError, EOFError) as exc:
                 log.warning("compile cache: %s is not a readable archive (%s); ignored, compiling instead",
                             self.store.uri_for(self.object_key), exc)
-                return f"not restored (unreadable archive: {exc}); the first rollout compiles", []
+                return f"not restored (unreadable archive: {exc}); the first rollouts compile", []
         return (f"restored {n} files ({size / 2**20:.1f} MiB) from {self.store.uri_for(self.object_key)} "
                 f"in {time.monotonic() - start:.1f}s"), members
 

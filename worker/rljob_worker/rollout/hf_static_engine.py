@@ -41,11 +41,13 @@ Selected by ``make_engine`` for ``rollout.engine: hf`` on CUDA (``RLJOB_HF_STATI
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
 import torch
 
+from rljob_worker.rollout.background_compile import BackgroundCompiles, background_default
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
 from rljob_worker.rollout.hf_engine import HFEngine, rows_to_output
 from rljob_worker.rollout.sampling import greedy_pick, race_sample, sample_next
@@ -118,6 +120,7 @@ class _Session:
         self.noise = torch.zeros((batch, engine.vocab), dtype=torch.float32, device=dev) if engine.sample_in_step else None
         self.gen = torch.Generator(device=dev) if engine.sample_in_step else None  # the in-step sampler's noise
         self.graphs: dict[tuple, object] = {}  # (mode, top_k, top_p, keys) -> CUDA graph of one decode step
+        self.graph_compiled: dict[tuple, bool] = {}  # whether that graph replays the compiled step
         self.pool = torch.cuda.graph_pool_handle() if engine.use_cuda_graph else None  # shared by those graphs
         if engine.compile_decode:  # batch and cache length compile as symbols from the start: one compile per sampler
             for t in (*self.k, *self.v):
@@ -141,7 +144,8 @@ class HFStaticEngine(HFEngine):
                  pad_token_id: int, max_batch: int = 256, use_cuda_graph: bool | None = None,
                  length_multiple: int = 64, check_every: int | None = None,
                  compile_decode: bool | None = None, prefill_bytes: int = 4 * 2**30,
-                 sample_in_step: bool | None = None, max_graphs: int = 8, compile_backend: str = "inductor"):
+                 sample_in_step: bool | None = None, max_graphs: int = 8, compile_backend: str = "inductor",
+                 compile_in_background: bool | None = None):
         super().__init__(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, max_batch=max_batch)
         cfg = self.model.config
@@ -193,10 +197,15 @@ class HFStaticEngine(HFEngine):
         # One compiled entry per sampler mode (each its own dynamo cache and recompile budget). Batch, cache length
         # and key bucket are marked dynamic (_Session, _run_step), so each mode compiles once with symbolic sizes;
         # the prompt width is not part of any shape the step sees, so new widths never recompile.
-        steps = {"greedy": self._step_greedy, "sample": self._step_sample, "filtered": self._step_filtered}
-        self._steps = ({m: torch.compile(f, fullgraph=True, backend=compile_backend) for m, f in steps.items()}
-                       if self.compile_decode else steps)
-        self._compiled_modes: set[str] = set()  # sampler modes whose compile has been announced
+        self._eager_steps = {"greedy": self._step_greedy, "sample": self._step_sample, "filtered": self._step_filtered}
+        self._compiled_steps = ({m: torch.compile(f, fullgraph=True, backend=compile_backend)
+                                 for m, f in self._eager_steps.items()} if self.compile_decode else {})
+        # each sampler's compile (mode, top_k, top_p: the values a filtered step is specialised on) runs on scratch
+        # buffers, beside the rollouts by default (background_compile); until it is ready the step runs uncompiled
+        if compile_in_background is None:
+            compile_in_background = background_default()
+        self.compiles = BackgroundCompiles(background=compile_in_background,
+                                           announce=os.environ.get("RANK", "0") == "0")
 
     # -- memory
     def release_cache(self) -> None:
@@ -207,8 +216,49 @@ class HFStaticEngine(HFEngine):
             torch.cuda.empty_cache()
 
     def sleep(self) -> None:
+        self.compiles.wait()  # a compile running on these weights must not see them move
         self._session = None  # the graphs and the cache point at device memory that is about to move
         super().sleep()
+
+    # -- compiling the decode step
+    def compiled_ready(self, sampler: tuple[str, int, float]) -> bool:
+        return self.compile_decode and self.compiles.ready(sampler)
+
+    def _ensure_compile(self, sampler: tuple[str, int, float], batch: int, keys: int) -> bool:
+        """Start this sampler's compile unless started; True when the compiled step can be used now."""
+        if not self.compile_decode:
+            return False
+        return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, batch, keys),
+                                    f"the decode step ({sampler[0]} sampler)",
+                                    expect="about 2-5 min with a cold compile cache (0.5B on an H200: 123 s; 7B on an "
+                                           "H100: ~270 s), ~20 s with one restored from the job's storage; "
+                                           "rollout.compile: disabled skips it")
+
+    def wait_compiled(self, sampler: tuple[str, int, float], batch: int, keys: int) -> None:
+        """This sampler's compiled step, ready before returning (a session that lives long, e.g. the pool's
+        refilling rows, captures its graphs once and would otherwise keep the uncompiled step)."""
+        if self.compile_decode and not self._ensure_compile(sampler, batch, keys):
+            self.compiles.wait(sampler)
+
+    def _compile_step(self, sampler: tuple[str, int, float], batch: int, keys: int) -> None:
+        """Run the compiled step twice on a scratch session of its own (the compile, then one warm call), with the
+        real batch (up to 128) and first key bucket as the size hints inductor tunes for. Sizes kept distinct:
+        dynamo gives equal sizes one symbol, and a guard that they are equal would fail for the real sessions."""
+        mode, top_k, top_p = sampler
+        length = 2 * keys
+        batch = max(2, min(batch, 128))
+        while batch in (keys, length):
+            batch += 1
+        s = _Session(self, batch, length)
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(device=self.device) if cuda else None
+        with torch.no_grad(), (torch.cuda.stream(stream) if cuda else contextlib.nullcontext()):
+            for _ in range(2):
+                s.slot.zero_()
+                s.count.zero_()
+                self._run_step(s, keys, mode, top_k, top_p, draw=True, compiled=True)
+        if cuda:
+            stream.synchronize()
 
     def prefill_rows(self, width: int) -> int:
         """Rows per prefill chunk: one row's float32 attention scores (~3.5 live copies of heads x width^2)
@@ -303,35 +353,34 @@ class HFStaticEngine(HFEngine):
     def _step_filtered(self, s: _Session, key_slots: torch.Tensor, top_k: int, top_p: float) -> None:
         self._step(s, key_slots, "sample", top_k, top_p)
 
-    def _run_step(self, s: _Session, keys: int, mode: str, top_k: int, top_p: float, draw: bool) -> None:
-        """The decode step (compiled or not), with its noise drawn first when ``draw``."""
+    def _run_step(self, s: _Session, keys: int, mode: str, top_k: int, top_p: float, draw: bool,
+                  compiled: bool | None = None) -> None:
+        """The decode step, with its noise drawn first when ``draw``: compiled when ``compiled`` (None: when this
+        sampler's compile is ready), else the same code eagerly."""
         if draw and mode != "greedy":
             s.noise.uniform_(0.0, 1.0, generator=s.gen)
         key_slots = s.slots[:keys]
-        if self.compile_decode:
+        if compiled is None:
+            compiled = self.compiled_ready((mode, top_k, top_p))
+        if compiled:
             torch._dynamo.maybe_mark_dynamic(key_slots, 0)  # the key bucket changes within every rollout
+        step = (self._compiled_steps if compiled else self._eager_steps)[mode]
         if mode == "filtered":
-            self._steps[mode](s, key_slots, top_k, top_p)
+            step(s, key_slots, top_k, top_p)
         else:
-            self._steps[mode](s, key_slots)
+            step(s, key_slots)
 
-    def _capture(self, s: _Session, mode: str, top_k: int, top_p: float, keys: int) -> None:
-        """Capture one decode step (noise draw, forward over `keys` slots, pick, record) as a CUDA graph. Runs
-        before the chunk's prefill: the warm-ups and the capture write wherever the counters point, and the
-        chunk resets every buffer they touch."""
-        if self.compile_decode and mode not in self._compiled_modes:  # the first call of this sampler compiles
-            self._compiled_modes.add(mode)
-            if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
-                log.warning("compiling the decode step (%s sampler): about 2-5 min with a cold compile cache (0.5B on an "
-                            "H200: 123 s; 7B on an H100: ~270 s), ~20 s with one restored from the job's storage; "
-                            "rollout.compile: disabled skips it", mode)
+    def _capture(self, s: _Session, mode: str, top_k: int, top_p: float, keys: int, compiled: bool) -> None:
+        """Capture one decode step (noise draw, forward over `keys` slots, pick, record), compiled or not, as a
+        CUDA graph. Runs before the chunk's prefill: the warm-ups and the capture write wherever the counters
+        point, and the chunk resets every buffer they touch."""
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside capture (workspace allocation, lazy init, compile)
+            for _ in range(2):  # warm-up outside capture (workspace allocation, lazy init)
                 s.slot.zero_()
                 s.count.zero_()
-                self._run_step(s, keys, mode, top_k, top_p, draw=True)
+                self._run_step(s, keys, mode, top_k, top_p, draw=True, compiled=compiled)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         s.slot.zero_()
         s.count.zero_()
@@ -340,8 +389,9 @@ class HFStaticEngine(HFEngine):
             graph.register_generator_state(s.gen)  # each replay draws fresh noise from s.gen's current state
         # thread_local: a separate rollout pool receives weights in a thread of its own meanwhile (weight_push)
         with torch.cuda.graph(graph, pool=s.pool, capture_error_mode="thread_local"):
-            self._run_step(s, keys, mode, top_k, top_p, draw=self.noise_in_graph)
+            self._run_step(s, keys, mode, top_k, top_p, draw=self.noise_in_graph, compiled=compiled)
         s.graphs[(mode, top_k, top_p, keys)] = graph
+        s.graph_compiled[(mode, top_k, top_p, keys)] = compiled
         self.graph_captures += 1
 
     def _session_for(self, batch: int, length: int) -> _Session:
@@ -409,14 +459,17 @@ class HFStaticEngine(HFEngine):
 
     def _capture_buckets(self, s: _Session, sampler: tuple[str, int, float], keys_needed: set[int]) -> None:
         """Capture the decode step's graph for each key bucket a call will read (before its prefill: a capture
-        writes wherever the counters point). A failed capture turns graphs off and decoding goes on eagerly."""
+        writes wherever the counters point). A failed capture turns graphs off and decoding goes on eagerly. Starts
+        the sampler's compile (in the background by default); graphs captured before it was ready are captured
+        again, compiled, by the first call after."""
+        compiled = self._ensure_compile(sampler, s.batch, min(keys_needed, default=64))
         if not self.use_cuda_graph:
             return
         for keys in sorted(keys_needed):
-            if (*sampler, keys) in s.graphs:
+            if (*sampler, keys) in s.graphs and s.graph_compiled[(*sampler, keys)] == compiled:
                 continue
             try:
-                self._capture(s, *sampler, keys)
+                self._capture(s, *sampler, keys, compiled)
             except Exception as exc:  # noqa: BLE001 - keep generating without the graphs
                 log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(exc).__name__, exc)
                 self.use_cuda_graph = False

@@ -1,0 +1,104 @@
+"""Compiles that run beside the work instead of in front of it.
+
+The static engine's compiled decode step costs minutes to build with a cold cache (0.5B on an H200: ~120 s; 7B on
+an H100: ~270 s) and ~20 s with one restored from the job's storage (dynamo re-traces the step; inductor's caches
+keep only the compiled graphs). Every new pod pays it before its first rollout. Rollouts need not wait: the step
+runs uncompiled (still CUDA-graphed) while a thread of its own compiles it, and the engine switches to it at the
+next capture once it is ready. A failed compile costs nothing but the speed: the step stays uncompiled.
+
+`BackgroundCompiles` is the bookkeeping (one compile per key, started once, ready / failed / running), free of
+torch, so its threading is tested on its own; the engine supplies what a compile runs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable
+
+log = logging.getLogger(__name__)
+
+BACKGROUND_ENV = "RLJOB_COMPILE_IN_BACKGROUND"  # 0: compile before the first rollout that needs it (benchmarks)
+
+
+def background_default(environ=None) -> bool:
+    """Compile in the background unless ``RLJOB_COMPILE_IN_BACKGROUND=0`` (1 or unset: background)."""
+    value = (os.environ if environ is None else environ).get(BACKGROUND_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{BACKGROUND_ENV}={value!r}: set 1 (compile beside the rollouts, the default) or 0 "
+                         "(compile before the first rollout that needs it)")
+    return value != "0"
+
+
+class BackgroundCompiles:
+    """One compile per key (e.g. a sampler mode), each run once: on a daemon thread when ``background``, else in
+    the caller. ``ready(key)`` is True once the compile returned; a compile that raised is logged and never
+    retried (the caller keeps its uncompiled path)."""
+
+    def __init__(self, background: bool = True, announce: bool = True):
+        self.background = background
+        self.announce = announce  # log start and end (rank 0 only: one line per job, not per rank)
+        self._lock = threading.Lock()
+        self._threads: dict[Hashable, threading.Thread] = {}
+        self._ready: set[Hashable] = set()
+        self._failed: dict[Hashable, str] = {}
+
+    def ready(self, key: Hashable) -> bool:
+        return key in self._ready
+
+    def failed(self, key: Hashable) -> str | None:
+        """Why the compile of ``key`` failed, or None."""
+        return self._failed.get(key)
+
+    @property
+    def done(self) -> int:
+        """Compiles that finished (the caller saves the compile cache when this grows)."""
+        return len(self._ready)
+
+    @property
+    def running(self) -> list[Hashable]:
+        with self._lock:
+            return [k for k, t in self._threads.items() if t.is_alive()]
+
+    def ensure(self, key: Hashable, compile_fn: Callable[[], None], what: str, expect: str = "") -> bool:
+        """Start compiling ``key`` unless started before; True when it is ready now (always after a foreground
+        compile that succeeded). ``what`` names it in the log lines, ``expect`` says how long it may take."""
+        with self._lock:
+            if key in self._ready or key in self._failed or key in self._threads:
+                return key in self._ready
+            thread = threading.Thread(target=self._run, args=(key, compile_fn, what), daemon=True,
+                                      name=f"compile {what}")
+            self._threads[key] = thread
+        if self.announce:
+            where = "beside the rollouts (they run uncompiled until it is ready)" if self.background else "now"
+            log.warning("compiling %s %s%s", what, where, f": {expect}" if expect else "")
+        if self.background:
+            thread.start()
+        else:
+            thread.run()  # same bookkeeping, in the caller
+        return key in self._ready
+
+    def _run(self, key: Hashable, compile_fn: Callable[[], None], what: str) -> None:
+        start = time.perf_counter()
+        try:
+            compile_fn()
+        except Exception as exc:  # noqa: BLE001 - a failed compile leaves the uncompiled path, which works
+            self._failed[key] = f"{type(exc).__name__}: {exc}"
+            log.warning("compiling %s failed after %.0f s (%s); it keeps running uncompiled", what,
+                        time.perf_counter() - start, self._failed[key].splitlines()[0][:300])
+            return
+        self._ready.add(key)
+        if self.announce:
+            log.warning("compiled %s in %.0f s%s", what, time.perf_counter() - start,
+                        "; used from the next rollout" if self.background else "")
+
+    def wait(self, key: Hashable | None = None, timeout: float | None = None) -> bool:
+        """Wait for the compile of ``key`` (every running compile when None); True when none is still running."""
+        with self._lock:
+            threads = [t for k, t in self._threads.items() if key is None or k == key]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
