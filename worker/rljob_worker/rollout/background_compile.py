@@ -84,9 +84,10 @@ class BackgroundCompiles:
         try:
             compile_fn()
         except Exception as exc:  # noqa: BLE001 - a failed compile leaves the uncompiled path, which works
-            self._failed[key] = f"{type(exc).__name__}: {exc}"
+            root = _root_cause(exc)
+            self._failed[key] = f"{type(root).__name__}: {root}"
             log.warning("compiling %s failed after %.0f s (%s); it keeps running uncompiled", what,
-                        time.perf_counter() - start, self._failed[key].splitlines()[0][:300])
+                        time.perf_counter() - start, (self._failed[key].splitlines() or [""])[0][:300])
             return
         self._ready.add(key)
         if self.announce:
@@ -102,3 +103,15 @@ class BackgroundCompiles:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in threads)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The error under a compiler's wrapping (dynamo's BackendCompilerFailed keeps it as ``inner_exception``)."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    return exc
