@@ -5,19 +5,20 @@ Each "pod" is a real `rljob run` of the same job (GRPO at the grpo_step workload
 x 8, 128 + 256 tokens, the static engine with its decode step compiled) with its own, initially empty, cache
 folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one shared checkpoint store:
 
-- ``cold``: nothing stored yet: the decode step compiles beside the first steps (the worker's default); its
-  caches are uploaded once it is ready.
-- ``restored``: a new pod: start-up restores the archive; the compile (now mostly a load) runs beside the steps.
-- ``restoredwait``: the same with ``RLJOB_COMPILE_IN_BACKGROUND=0``: the first rollout waits for the compile
-  (the behaviour before the background compile; the baseline of the restored pod).
+- ``cold``: nothing stored yet: the first rollout compiles the decode step (by layer, the default); its caches
+  are uploaded after it.
+- ``restored``: a new pod: start-up restores the archive, the first step loads kernels.
 - ``restarted``: the same pod's folders again (a container restart: the emptyDir kept them).
 - ``nocompile``: compile off, cold (what a first step costs without any compile: CUDA graph capture,
   allocator and library warm-up).
+- ``coldstep``: cold, the whole decode step compiled as one graph (``RLJOB_COMPILE_SCOPE=step``, the default
+  before session 11): the baseline of the by-layer compile, first step and warm step.
+- ``coldbg`` / ``restoredbg``: cold / restored with the compile beside the steps (``RLJOB_COMPILE_IN_BACKGROUND=1``).
 
 First-step / warm-step ratios go to results.jsonl; warm = the median of the later steps that ran the compiled
 decode step (``rollout/decode_compiled``), so a pod still compiling is compared with what it will run at.
 
-    python bench/warm_start.py [--model 0.5b] [--steps 16] [--steps-cold 48]
+    python bench/warm_start.py [--model 0.5b] [--steps 12] [--pods cold,restored,nocompile,coldstep]
 """
 from __future__ import annotations
 
@@ -41,9 +42,8 @@ sys.path.insert(0, str(BENCH))
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="0.5b")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--steps-cold", type=int, default=48, help="the cold pod's steps: its compile takes minutes")
-    ap.add_argument("--pods", default="cold,restored,restoredwait,nocompile")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--pods", default="cold,restored,nocompile,coldstep")
     ap.add_argument("--timeout-each", type=float, default=420)
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: 2 prompts x 2, 8 tokens")
     a = ap.parse_args()
@@ -59,7 +59,7 @@ def main() -> int:
     if a.smoke:
         gargs.prompts, gargs.n, gargs.prompt_len, gargs.new_tokens, gargs.mbs, vocab = 2, 2, 8, 8, 2, 64
         grpo_step.EOS_ID = vocab
-    paths = grpo_step.prepare(root / "data", a.model, gargs.prompts * max(a.steps, a.steps_cold), gargs.prompt_len,
+    paths = grpo_step.prepare(root / "data", a.model, gargs.prompts * a.steps, gargs.prompt_len,
                               vocab)
     spec = grpo_step.rljob_spec(gargs, paths, root)
     if a.smoke:
@@ -75,15 +75,21 @@ def main() -> int:
     import results as bench_results
 
     shape = (f"{a.model} random init, GRPO 32 prompts x 8, 128 + 256 tokens, bf16, static engine with the decode "
-             f"step compiled, one `rljob run` per pod, {a.steps} steps ({a.steps_cold} cold); warm = median of the "
+             f"step compiled, one `rljob run` per pod, {a.steps} steps; warm = median of the "
              "later steps with the compiled decode step")
     rows = {}
     for pod in a.pods.split(","):
         cache = root / ("pod-restored" if pod in ("restored", "restarted") else f"pod-{pod}")
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
-                   "RLJOB_COMPILE_IN_BACKGROUND": "0" if pod == "restoredwait" else "1"}
-        steps = a.steps_cold if pod == "cold" else a.steps
+                   "RLJOB_COMPILE_IN_BACKGROUND": "1" if pod.endswith("bg") else "0",
+                   "RLJOB_COMPILE_SCOPE": "step" if pod == "coldstep" else "layer"}
+        if pod == "coldstep":  # its own store: the by-layer pods' archive is not its cache
+            job_doc = yaml.safe_load(job.read_text())
+            job_doc["spec"]["checkpoint"]["uri"] = f"file://{root}/store-step"
+            job = root / "job-step.yaml"
+            job.write_text(yaml.safe_dump(job_doc))
+        steps = a.steps
         workdir = root / f"run-{pod}"
         shutil.rmtree(workdir, ignore_errors=True)
         t0 = time.perf_counter()

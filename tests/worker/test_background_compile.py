@@ -51,7 +51,7 @@ def test_a_failed_compile_is_recorded_and_never_retried(caplog):
 
 
 def test_the_env_switch_reads_0_and_1_and_refuses_the_rest():
-    assert background_default({}) and background_default({"RLJOB_COMPILE_IN_BACKGROUND": "1"})
+    assert not background_default({}) and background_default({"RLJOB_COMPILE_IN_BACKGROUND": "1"})
     assert not background_default({"RLJOB_COMPILE_IN_BACKGROUND": "0"})
     with pytest.raises(ValueError, match="RLJOB_COMPILE_IN_BACKGROUND='yes': set 1"):
         background_default({"RLJOB_COMPILE_IN_BACKGROUND": "yes"})

@@ -207,14 +207,18 @@ def test_in_step_top_p_sampling_draws_from_the_nucleus(sharp_model_dir, lp_tol):
     assert len({tuple(r) for r in out.response_ids}) > 1  # it samples
 
 
-def test_new_prompt_widths_do_not_recompile(sharp_model_dir):
+@pytest.mark.parametrize("scope", ["layer", "step"])
+def test_new_prompt_widths_do_not_recompile(sharp_model_dir, scope):
     """The prompt width is state, not a shape the compiled step sees: after the first call (and at most one
     recompile with symbolic sizes when a later key bucket is reached), 8 more prompt widths compile nothing.
-    Counted with dynamo's own counter; backend "eager" traces exactly as inductor would, without codegen."""
+    By layer: one graph serves both layers (and one the tail), the same count as the whole step's one graph plus
+    its recompile. Counted with dynamo's own counter; backend "eager" traces exactly as inductor would, without
+    codegen."""
     torch._dynamo.reset()
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": len(VOCAB) + 5, "pad_token_id": PAD_ID}
     eng = HFStaticEngine(str(sharp_model_dir), compile_decode=True, compile_backend="eager", max_graphs=4,
-                         length_multiple=256, compile_in_background=False, **kw)
+                         length_multiple=256, compile_in_background=False, compile_scope=scope, **kw)
+    assert len(eng.layers) == 2 and eng.compile_scope == scope
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=0)
     base = dynamo_compiles()
     eng.generate([[5] * 3, [6] * 20], params)  # width 32, cache 256: buckets 64, 128, ...; steps reach slot 71
@@ -432,7 +436,8 @@ def test_decode_step_compiles_beside_the_rollouts(sharp_model_dir, lp_tol):
     backend = _GatedBackend()
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     ref = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, **kw)
-    eng = HFStaticEngine(str(sharp_model_dir), compile_decode=True, compile_backend=backend, **kw)
+    eng = HFStaticEngine(str(sharp_model_dir), compile_decode=True, compile_backend=backend,
+                         compile_in_background=True, **kw)
     greedy = SamplingParams(n=2, temperature=0, max_new_tokens=70)  # crosses the 64-slot key bucket
     want = ref.generate(PROMPTS, greedy)
     sampler = ("greedy", -1, 1.0)
@@ -449,8 +454,9 @@ def test_decode_step_compiles_beside_the_rollouts(sharp_model_dir, lp_tol):
     assert backend.threads == {"compile the decode step (greedy sampler)"}
     compiles, calls = dynamo_compiles(), backend.calls
     after = eng.generate([p[:3] for p in PROMPTS] + PROMPTS[:2], greedy)  # another batch and widths
-    assert backend.calls - calls == max(len(r) for r in after.response_ids) - 1  # every decode step, compiled
-    assert dynamo_compiles() == compiles and backend.compiles == 1
+    # every decode step compiled: one call of the layer graph per layer, one of the tail
+    assert backend.calls - calls == (max(len(r) for r in after.response_ids) - 1) * (len(eng.layers) + 1)
+    assert dynamo_compiles() == compiles and backend.compiles == 2  # the layer graph (all layers) and the tail
     assert after.response_ids == ref.generate([p[:3] for p in PROMPTS] + PROMPTS[:2], greedy).response_ids
 
 
@@ -461,7 +467,8 @@ def test_a_failed_compile_keeps_the_uncompiled_step(sharp_model_dir, caplog):
     backend.release.set()
     kw = {"dtype": torch.float32, "device": CPU, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     ref = HFStaticEngine(str(sharp_model_dir), sample_in_step=True, **kw)
-    eng = HFStaticEngine(str(sharp_model_dir), compile_decode=True, compile_backend=backend, **kw)
+    eng = HFStaticEngine(str(sharp_model_dir), compile_decode=True, compile_backend=backend,
+                         compile_in_background=True, **kw)
     greedy = SamplingParams(n=1, temperature=0, max_new_tokens=12)
     with caplog.at_level("WARNING"):
         first = eng.generate(PROMPTS, greedy)
@@ -481,7 +488,8 @@ def test_graphs_captured_before_the_compile_are_captured_again_compiled(sharp_mo
     and seeded sampling through either equals an engine stepping eagerly."""
     torch._dynamo.reset()
     backend = _GatedBackend()
-    graphed, eager = _graphed_and_eager(sharp_model_dir, monkeypatch, compile_decode=True, compile_backend=backend)
+    graphed, eager = _graphed_and_eager(sharp_model_dir, monkeypatch, compile_decode=True, compile_backend=backend,
+                                        compile_in_background=True)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=100, seed=4)
     want = eager.generate(PROMPTS, params)
     try:

@@ -1,10 +1,9 @@
 """Compiles that run beside the work instead of in front of it.
 
-The static engine's compiled decode step costs minutes to build with a cold cache (0.5B on an H200: ~120 s; 7B on
-an H100: ~270 s) and ~20 s with one restored from the job's storage (dynamo re-traces the step; inductor's caches
-keep only the compiled graphs). Every new pod pays it before its first rollout. Rollouts need not wait: the step
-runs uncompiled (still CUDA-graphed) while a thread of its own compiles it, and the engine switches to it at the
-next capture once it is ready. A failed compile costs nothing but the speed: the step stays uncompiled.
+A compile can run on a thread of its own while the work goes on uncompiled (the static engine's decode step: still
+CUDA-graphed; the engine switches at the next capture once it is ready), or in the caller, first (the default:
+measured, the background thread cost more than it hid; see `background_default`). Either way a failed compile costs
+nothing but the speed: the step stays uncompiled.
 
 `BackgroundCompiles` is the bookkeeping (one compile per key, started once, ready / failed / running), free of
 torch, so its threading is tested on its own; the engine supplies what a compile runs.
@@ -19,16 +18,19 @@ from collections.abc import Callable, Hashable
 
 log = logging.getLogger(__name__)
 
-BACKGROUND_ENV = "RLJOB_COMPILE_IN_BACKGROUND"  # 0: compile before the first rollout that needs it (benchmarks)
+BACKGROUND_ENV = "RLJOB_COMPILE_IN_BACKGROUND"  # 1: compile beside the rollouts (off by default: see below)
 
 
 def background_default(environ=None) -> bool:
-    """Compile in the background unless ``RLJOB_COMPILE_IN_BACKGROUND=0`` (1 or unset: background)."""
+    """Compile beside the rollouts only with ``RLJOB_COMPILE_IN_BACKGROUND=1``. Measured on an H200 (bench/NOTES.md,
+    session 11): a thread tracing in Python starves the main thread of the GIL (every torch op releases and
+    re-takes it) and holds dynamo's compile lock, which the trainer's own compiled regions need, so the first
+    steps took longer in all than compiling first."""
     value = (os.environ if environ is None else environ).get(BACKGROUND_ENV, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{BACKGROUND_ENV}={value!r}: set 1 (compile beside the rollouts, the default) or 0 "
-                         "(compile before the first rollout that needs it)")
-    return value != "0"
+        raise ValueError(f"{BACKGROUND_ENV}={value!r}: set 1 (compile beside the rollouts) or 0 (compile before "
+                         "the first rollout that needs it, the default)")
+    return value == "1"
 
 
 class BackgroundCompiles:

@@ -42,6 +42,7 @@ Selected by ``make_engine`` for ``rollout.engine: hf`` on CUDA (``RLJOB_HF_STATI
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 
@@ -55,6 +56,9 @@ from rljob_worker.rollout.sampling import greedy_pick, race_sample, sample_next
 log = logging.getLogger(__name__)
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
+# what the decode step compiles as (benchmarks): "layer" (default: one layer graph + the tail, a compile ~1/layers
+# of the whole step's) or "step" (the whole step, one graph)
+SCOPE_ENV = "RLJOB_COMPILE_SCOPE"
 MAX_STOP_TOKENS = 8  # SamplingParams.stop_token_ids the decode step checks (a fixed-size buffer)
 
 
@@ -82,6 +86,13 @@ def bucket_for(slot: int, buckets: list[int]) -> int:
         if keys > slot:
             return keys
     raise ValueError(f"cache slot {slot} is beyond the cache ({buckets[-1]} slots)")
+
+
+def _dynamic(t: torch.Tensor, *dims: int) -> torch.Tensor:
+    """t, with ``dims`` marked as sizes a compiled region should not specialise on (batch, key count)."""
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(t, d)
+    return t
 
 
 def dynamo_compiles() -> int:
@@ -145,7 +156,7 @@ class HFStaticEngine(HFEngine):
                  length_multiple: int = 64, check_every: int | None = None,
                  compile_decode: bool | None = None, prefill_bytes: int = 4 * 2**30,
                  sample_in_step: bool | None = None, max_graphs: int = 8, compile_backend: str = "inductor",
-                 compile_in_background: bool | None = None):
+                 compile_in_background: bool | None = None, compile_scope: str | None = None):
         super().__init__(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, max_batch=max_batch)
         cfg = self.model.config
@@ -198,8 +209,21 @@ class HFStaticEngine(HFEngine):
         # and key bucket are marked dynamic (_Session, _run_step), so each mode compiles once with symbolic sizes;
         # the prompt width is not part of any shape the step sees, so new widths never recompile.
         self._eager_steps = {"greedy": self._step_greedy, "sample": self._step_sample, "filtered": self._step_filtered}
-        self._compiled_steps = ({m: torch.compile(f, fullgraph=True, backend=compile_backend)
-                                 for m, f in self._eager_steps.items()} if self.compile_decode else {})
+        compile_scope = compile_scope or os.environ.get(SCOPE_ENV, "").strip() or "layer"
+        if compile_scope not in ("layer", "step"):
+            raise ValueError(f"compile scope {compile_scope!r} ({SCOPE_ENV}): 'layer' (one graph for every layer, "
+                             "and the tail; the default) or 'step' (the whole decode step as one graph)")
+        self.compile_scope = compile_scope
+        self._compiled_steps: dict = {}
+        if self.compile_decode and compile_scope == "step":
+            self._compiled_steps = {m: torch.compile(f, fullgraph=True, backend=compile_backend)
+                                    for m, f in self._eager_steps.items()}
+        elif self.compile_decode:
+            self._compiled_layer = torch.compile(self._layer, fullgraph=True, backend=compile_backend)
+            tails = {"greedy": self._tail_greedy, "sample": self._tail_sample, "filtered": self._tail_filtered}
+            self._compiled_tails = {m: torch.compile(f, fullgraph=True, backend=compile_backend)
+                                    for m, f in tails.items()}
+            self._compiled_steps = {m: functools.partial(self._step_in_regions, mode=m) for m in tails}
         # each sampler's compile (mode, top_k, top_p: the values a filtered step is specialised on) runs on scratch
         # buffers, beside the rollouts by default (background_compile); until it is ready the step runs uncompiled
         if compile_in_background is None:
@@ -271,12 +295,13 @@ class HFStaticEngine(HFEngine):
         self._params = dict(self.model.named_parameters())
 
     # -- the forward
-    def _attention(self, layer, x: torch.Tensor, cos, sin, s: _Session, write: torch.Tensor,
-                   key_mask: torch.Tensor, keys: int) -> torch.Tensor:
-        """x (B, T, hidden) -> attention output (B, T, hidden); writes K/V at cache slots `write` (T,) and
-        attends over cache slots 0..keys-1 under key_mask (B, T, keys)."""
+    def _attention(self, layer, x: torch.Tensor, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   write: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """x (B, T, hidden) -> attention output (B, T, hidden); writes K/V into this layer's cache (B, Hkv, L, D) at
+        slots `write` (T,) and attends over its slots 0..keys-1 under key_mask (B, T, keys)."""
         attn = layer.self_attn
         b, t, _ = x.shape
+        keys = key_mask.shape[-1]
         q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
         v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
@@ -285,10 +310,9 @@ class HFStaticEngine(HFEngine):
         c, sn = cos[:, :, None, :], sin[:, :, None, :]
         q = q * c + _rotate_half(q) * sn
         k = k * c + _rotate_half(k) * sn
-        i = layer.self_attn.layer_idx if hasattr(layer.self_attn, "layer_idx") else self.layers.index(layer)
-        s.k[i].index_copy_(2, write, k.transpose(1, 2))
-        s.v[i].index_copy_(2, write, v.transpose(1, 2))
-        kc, vc = s.k[i][:, :, :keys], s.v[i][:, :, :keys]  # (B, Hkv, keys, D)
+        k_cache.index_copy_(2, write, k.transpose(1, 2))
+        v_cache.index_copy_(2, write, v.transpose(1, 2))
+        kc, vc = k_cache[:, :, :keys], v_cache[:, :, :keys]  # (B, Hkv, keys, D)
         # query head h reads kv head h // groups (as transformers' repeat_kv): (B, Hkv, groups*T, D)
         qg = q.permute(0, 2, 1, 3).reshape(b, self.kv_heads, self.groups * t, self.head_dim)
         scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale  # (B, Hkv, groups*T, keys)
@@ -299,14 +323,27 @@ class HFStaticEngine(HFEngine):
         out = out.view(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return attn.o_proj(out)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, s: _Session, write: torch.Tensor,
-                 key_mask: torch.Tensor, keys: int) -> torch.Tensor:
-        """ids, pos (B, T) -> logits of the last position (B, V)."""
+    def _layer(self, layer, h: torch.Tensor, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               write: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """One decoder layer: h (B, T, hidden) -> h. The unit the decode step compiles (one graph serves every
+        layer: the layer's weights and cache are inputs), so a compile traces one layer, not the whole model."""
+        h = h + self._attention(layer, layer.input_layernorm(h), cos, sin, k_cache, v_cache, write, key_mask)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, s: _Session, write: torch.Tensor,
+                key_mask: torch.Tensor, layer_fn=None) -> torch.Tensor:
+        """ids, pos (B, T) -> the last layer's hidden states (B, T, hidden), each layer run by ``layer_fn``."""
+        layer_fn = layer_fn or self._layer
         h = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(h, pos)
-        for layer in self.layers:
-            h = h + self._attention(layer, layer.input_layernorm(h), cos, sin, s, write, key_mask, keys)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for i, layer in enumerate(self.layers):
+            h = layer_fn(layer, h, cos, sin, s.k[i], s.v[i], write, key_mask)
+        return h
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, s: _Session, write: torch.Tensor,
+                 key_mask: torch.Tensor) -> torch.Tensor:
+        """ids, pos (B, T) -> logits of the last position (B, V)."""
+        h = self._hidden(ids, pos, s, write, key_mask)
         return self.model.lm_head(self.decoder.norm(h[:, -1]))
 
     def _decode_logits(self, s: _Session, key_slots: torch.Tensor) -> torch.Tensor:
@@ -315,7 +352,7 @@ class HFStaticEngine(HFEngine):
         keys = key_slots.shape[0]
         slot = s.slot.view(1)
         s.key_valid.index_fill_(1, slot, True)
-        return self._forward(s.tok, s.pos, s, slot, s.key_valid[:, None, :keys], keys)
+        return self._forward(s.tok, s.pos, s, slot, s.key_valid[:, None, :keys])
 
     def _record(self, s: _Session, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Store the picks tok, lp (B,) as token number s.count (pad / 0 for finished rows; the given token where
@@ -339,10 +376,45 @@ class HFStaticEngine(HFEngine):
     def _step(self, s: _Session, key_slots: torch.Tensor, mode: str, top_k: int, top_p: float) -> None:
         """One whole decode step: forward, pick the next token, record it (graph-capturable)."""
         logits = self._decode_logits(s, key_slots)
+        self._pick_and_record(s, logits, mode, top_k, top_p)
+
+    def _pick_and_record(self, s: _Session, logits: torch.Tensor, mode: str, top_k: int, top_p: float) -> None:
         s.pos.add_(1)
         s.slot.add_(1)
         tok, lp = self._pick(logits, s, mode, top_k, top_p)
         self._record(s, tok, lp)
+
+    def _tail(self, s: _Session, h: torch.Tensor, mode: str, top_k: int, top_p: float) -> None:
+        """The decode step after the layers: h (B, 1, hidden) -> logits -> the next token, recorded."""
+        self._pick_and_record(s, self.model.lm_head(self.decoder.norm(h[:, -1])), mode, top_k, top_p)
+
+    def _tail_greedy(self, s: _Session, h: torch.Tensor) -> None:
+        self._tail(s, h, "greedy", -1, 1.0)
+
+    def _tail_sample(self, s: _Session, h: torch.Tensor) -> None:
+        self._tail(s, h, "sample", -1, 1.0)
+
+    def _tail_filtered(self, s: _Session, h: torch.Tensor, top_k: int, top_p: float) -> None:
+        self._tail(s, h, "sample", top_k, top_p)
+
+    def _step_in_regions(self, s: _Session, key_slots: torch.Tensor, top_k: int = -1, top_p: float = 1.0, *,
+                         mode: str) -> None:
+        """The decode step compiled by regions (compile_scope "layer"): the embedding eagerly, every layer through
+        one compiled layer graph, then the compiled tail (norm, head, pick, record). The same kernels as the whole
+        step compiled but for the fusions across a layer boundary, at a compile that traces one layer, not all
+        of them. Sizes that change between calls are marked dynamic on each region's inputs."""
+        keys = key_slots.shape[0]
+        slot = s.slot.view(1)
+        s.key_valid.index_fill_(1, slot, True)
+        key_mask = _dynamic(s.key_valid[:, None, :keys], 0, 2)
+        h = _dynamic(self.decoder.embed_tokens(s.tok), 0)
+        cos, sin = (_dynamic(t, 0) for t in self.decoder.rotary_emb(h, s.pos))
+        for i, layer in enumerate(self.layers):
+            h = _dynamic(self._compiled_layer(layer, h, cos, sin, s.k[i], s.v[i], slot, key_mask), 0)
+        if mode == "filtered":
+            self._compiled_tails[mode](s, h, top_k, top_p)
+        else:
+            self._compiled_tails[mode](s, h)
 
     def _step_greedy(self, s: _Session, key_slots: torch.Tensor) -> None:
         self._step(s, key_slots, "greedy", -1, 1.0)
@@ -500,7 +572,7 @@ class HFStaticEngine(HFEngine):
         key_mask = self._prefill_mask(valid)
         rows = self.prefill_rows(width)
         logits = torch.cat([self._forward(input_ids[lo:lo + rows], position_ids[lo:lo + rows], s.rows(lo, lo + rows),
-                                          s.slots[:width], key_mask[lo:lo + rows], width)
+                                          s.slots[:width], key_mask[lo:lo + rows])
                             for lo in range(0, batch, rows)])
         s.slot.fill_(width)
         s.pos.copy_(position_ids[:, -1:] + 1)

@@ -204,7 +204,7 @@ class RefillingRows:
         scratch.v = [torch.empty_like(t) for t in scratch.k]
         step = e.prefill_rows(width)
         logits = torch.cat([e._forward(ids[lo:lo + step], positions[lo:lo + step], scratch.rows(lo, lo + step),
-                                       ar, key_mask[lo:lo + step], width) for lo in range(0, take, step)])
+                                       ar, key_mask[lo:lo + step]) for lo in range(0, take, step)])
         for cache, fresh in ((s.k, scratch.k), (s.v, scratch.v)):
             for layer, t in zip(cache, fresh):
                 layer[rows[:, None], :, slots[None, :]] = t.permute(0, 2, 1, 3)
