@@ -1,7 +1,7 @@
 """Compiled kernels that outlive the pod: the compile caches kept in the job's object storage.
 
-A pod's first rollout compiles: the static engine's decode step (torch.compile + inductor, 2-5 minutes cold
-at 0.5B-7B), vLLM's torch.compile of the model, Triton kernels. The local caches (compile_config) make a
+A pod's first rollout compiles: the static engine's decode step (torch.compile + inductor by layer: ~30 s cold
+at 0.5B on an H200, minutes as one whole-step graph), vLLM's torch.compile of the model, Triton kernels. The local caches (compile_config) make a
 restarted *container* cheap; a new *pod* (a preemption, a resume on another node) starts with them empty.
 So after the first step that compiled, rank 0 packs the caches into one tar and puts it under
 ``<job prefix>/compile-cache/<key>.tar``; before the model is built, every pod unpacks the archive of its key.
@@ -218,7 +218,7 @@ class CompileCacheSync:
             except Exception as exc:  # noqa: BLE001 - an unreachable store costs a compile, not the run
                 if isinstance(exc, (ObjectNotFoundError, FileNotFoundError)):
                     return (f"none yet for this model, engine and GPU ({self.key}); the first rollouts compile "
-                            "(minutes at 0.5B-7B, beside the steps), then the cache is saved for the next pod"), []
+                            "(~30 s at 0.5B on an H200), then the cache is saved for the next pod"), []
                 log.warning("compile cache: could not download %s (%s); compiling as a new pod would",
                             self.store.uri_for(self.object_key), exc)
                 return f"not restored ({type(exc).__name__}); the first rollouts compile", []
