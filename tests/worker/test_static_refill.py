@@ -84,11 +84,16 @@ def _assert_like_fresh_calls(model_dir, queue, got, lp_tol, stops=()):
         assert max((abs(a - b) for a, b in zip(f.logprobs, rescored)), default=0.0) <= lp_tol
 
 
-def test_refilled_rows_sample_what_a_fresh_call_samples_across_ring_wraps(model_dir, lp_tol):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_refilled_rows_sample_what_a_fresh_call_samples_across_ring_wraps(model_dir, lp_tol, compiled):
     """30 responses of budgets 1-20 through 2 rows of a 48-slot ring (it wraps 3 times): each equals the HF
-    engine's greedy response to its prompt alone, and its log-probs a teacher-forced forward's."""
-    engine = _engine(model_dir, max_batch=2)
+    engine's greedy response to its prompt alone, and its log-probs a teacher-forced forward's. Compiled (by
+    layer; backend "eager": dynamo's graphs without codegen): the compile runs on the session before its first
+    prompts and leaves no trace in them, and every step runs the compiled step."""
+    engine = _engine(model_dir, max_batch=2, **({"compile_decode": True, "compile_backend": "eager",
+                                                 "compile_in_background": False} if compiled else {}))
     rows = RefillingRows(engine, SamplingParams(temperature=0), prompt_budget=8, response_budget=20)
+    assert engine.compiled_ready(rows.sampler) == compiled
     assert rows.ring == 48 and rows.capacity == 2
     queue = _queue(5)
     for key, prompt, budget in queue:

@@ -251,11 +251,14 @@ class HFStaticEngine(HFEngine):
     def compiled_ready(self, sampler: tuple[str, int, float]) -> bool:
         return self.compile_decode and self.compiles.ready(sampler)
 
-    def _ensure_compile(self, sampler: tuple[str, int, float], batch: int, keys: int) -> bool:
-        """Start this sampler's compile unless started; True when the compiled step can be used now."""
+    def _ensure_compile(self, sampler: tuple[str, int, float], s: _Session, keys: int) -> bool:
+        """Start this sampler's compile unless started; True when the compiled step can be used now. Compiled
+        first (the default) it runs on the call's own session before its prefill; beside the rollouts, on scratch
+        buffers of its own."""
         if not self.compile_decode:
             return False
-        return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, batch, keys),
+        on = None if self.compiles.background else s
+        return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, s.batch, keys, on),
                                     f"the decode step ({sampler[0]} sampler)",
                                     expect=("by layer: ~25 s with a cold compile cache at 0.5B on an H200, a few s "
                                             "with one restored from the job's storage" if self.compile_scope == "layer"
@@ -263,24 +266,29 @@ class HFStaticEngine(HFEngine):
                                             "an H200: 123 s; 7B on an H100: ~270 s), ~20 s restored")
                                     + "; rollout.compile: disabled skips it")
 
-    def wait_compiled(self, sampler: tuple[str, int, float], batch: int, keys: int) -> None:
+    def wait_compiled(self, sampler: tuple[str, int, float], s: _Session, keys: int) -> None:
         """This sampler's compiled step, ready before returning (a session that lives long, e.g. the pool's
-        refilling rows, captures its graphs once and would otherwise keep the uncompiled step)."""
-        if self.compile_decode and not self._ensure_compile(sampler, batch, keys):
+        refilling rows, captures its graphs once and would otherwise keep the uncompiled step). Before the
+        session's first prompts: a compile on it writes wherever its counters point."""
+        if self.compile_decode and not self._ensure_compile(sampler, s, keys):
             self.compiles.wait(sampler)
 
-    def _compile_step(self, sampler: tuple[str, int, float], batch: int, keys: int) -> None:
-        """Run the compiled step twice on a scratch session of its own (the compile, then one warm call), with the
-        real batch (up to 128) and first key bucket as the size hints inductor tunes for. Sizes kept distinct:
-        dynamo gives equal sizes one symbol, and a guard that they are equal would fail for the real sessions."""
+    def _compile_step(self, sampler: tuple[str, int, float], batch: int, keys: int, s: _Session | None) -> None:
+        """Run the compiled step twice (the compile, then one warm call) on session ``s`` (its buffers are reset
+        by the prefill that follows), or on a scratch session of its own with the real batch (up to 128) and first
+        key bucket as the size hints inductor tunes for. Scratch sizes kept distinct: dynamo gives equal sizes one
+        symbol, and a guard that they are equal would fail for the real sessions."""
         mode, top_k, top_p = sampler
-        length = 2 * keys
-        batch = max(2, min(batch, 128))
-        while batch in (keys, length):
-            batch += 1
-        s = _Session(self, batch, length)
+        if s is None:
+            length = 2 * keys
+            batch = max(2, min(batch, 128))
+            while batch in (keys, length):
+                batch += 1
+            s = _Session(self, batch, length)
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(device=self.device) if cuda else None
+        if cuda:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), (torch.cuda.stream(stream) if cuda else contextlib.nullcontext()):
             for _ in range(2):
                 s.slot.zero_()
@@ -539,7 +547,7 @@ class HFStaticEngine(HFEngine):
         writes wherever the counters point). A failed capture turns graphs off and decoding goes on eagerly. Starts
         the sampler's compile (in the background by default); graphs captured before it was ready are captured
         again, compiled, by the first call after."""
-        compiled = self._ensure_compile(sampler, s.batch, min(keys_needed, default=64))
+        compiled = self._ensure_compile(sampler, s, min(keys_needed, default=64))
         if not self.use_cuda_graph:
             return
         for keys in sorted(keys_needed):
