@@ -227,8 +227,9 @@ class HFStaticEngine(HFEngine):
             self._compiled_tails = {m: torch.compile(f, fullgraph=True, backend=compile_backend)
                                     for m, f in tails.items()}
             self._compiled_steps = {m: functools.partial(self._step_in_regions, mode=m) for m in tails}
-        # each sampler's compile (mode, top_k, top_p: the values a filtered step is specialised on) runs on scratch
-        # buffers, beside the rollouts by default (background_compile); until it is ready the step runs uncompiled
+        # each sampler's compile (mode, top_k, top_p: the values a filtered step is specialised on) runs once, before
+        # the first rollout that needs it (or beside the rollouts, opt-in: background_compile); a failed one, or one
+        # still running, leaves the step uncompiled
         if compile_in_background is None:
             compile_in_background = background_default()
         self.compiles = BackgroundCompiles(background=compile_in_background,
@@ -343,20 +344,13 @@ class HFStaticEngine(HFEngine):
         h = h + self._attention(layer, layer.input_layernorm(h), cos, sin, k_cache, v_cache, write, key_mask)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, s: _Session, write: torch.Tensor,
-                key_mask: torch.Tensor, layer_fn=None) -> torch.Tensor:
-        """ids, pos (B, T) -> the last layer's hidden states (B, T, hidden), each layer run by ``layer_fn``."""
-        layer_fn = layer_fn or self._layer
-        h = self.decoder.embed_tokens(ids)
-        cos, sin = self.decoder.rotary_emb(h, pos)
-        for i, layer in enumerate(self.layers):
-            h = layer_fn(layer, h, cos, sin, s.k[i], s.v[i], write, key_mask)
-        return h
-
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, s: _Session, write: torch.Tensor,
                  key_mask: torch.Tensor) -> torch.Tensor:
         """ids, pos (B, T) -> logits of the last position (B, V)."""
-        h = self._hidden(ids, pos, s, write, key_mask)
+        h = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(h, pos)
+        for i, layer in enumerate(self.layers):
+            h = self._layer(layer, h, cos, sin, s.k[i], s.v[i], write, key_mask)
         return self.model.lm_head(self.decoder.norm(h[:, -1]))
 
     def _decode_logits(self, s: _Session, key_slots: torch.Tensor) -> torch.Tensor:
