@@ -1,4 +1,4 @@
-"""Compiles that run beside the work instead of in front of it.
+"""Compiles run once each, in front of the work (the default) or beside it, and never fatal.
 
 A compile can run on a thread of its own while the work goes on uncompiled (the static engine's decode step: still
 CUDA-graphed; the engine switches at the next capture once it is ready), or in the caller, first (the default:
