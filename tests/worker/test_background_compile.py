@@ -1,10 +1,12 @@
-"""The bookkeeping of compiles that run beside the work (rollout/background_compile.py), without torch."""
+"""The bookkeeping of compiles run once each, in front of the work or beside it (rollout/background_compile.py), and
+the run loop's part: saving the compile cache when one finishes, waiting for one at the end."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 from rljob_worker.rollout.background_compile import BackgroundCompiles, background_default
+from rljob_worker.run_loop import RunLoop
 
 
 def test_a_background_compile_runs_once_on_its_own_thread_and_reports_ready():
@@ -55,3 +57,45 @@ def test_the_env_switch_reads_0_and_1_and_refuses_the_rest():
     assert not background_default({"RLJOB_COMPILE_IN_BACKGROUND": "0"})
     with pytest.raises(ValueError, match="RLJOB_COMPILE_IN_BACKGROUND='yes': set 1"):
         background_default({"RLJOB_COMPILE_IN_BACKGROUND": "yes"})
+
+
+class _Loop:
+    """The run loop's compile bookkeeping (RunLoop's methods) over an engine stand-in and a cache-save counter."""
+
+    _background_compiles = RunLoop._background_compiles
+    _background_compiles_grew = RunLoop._background_compiles_grew
+    _finish_background_compiles = RunLoop._finish_background_compiles
+
+    def __init__(self, compiles):
+        self.engine = type("Engine", (), {"compiles": compiles, "compile_decode": True})()
+        self.is_main, self.saves = True, 0
+
+    def _save_compile_cache(self):
+        self.saves += 1
+
+
+def test_a_run_saves_the_compile_cache_when_a_compile_finishes_and_waits_for_one_at_its_end(capsys):
+    """After each step the loop uploads the compile cache once per finished compile (not on every step), and a
+    run that ends while a compile still runs waits for it, says so, and keeps what it built."""
+    gate = threading.Event()
+    jobs = BackgroundCompiles(background=True, announce=False)
+    loop = _Loop(jobs)
+    assert loop._background_compiles_grew() is False
+    jobs.ensure("greedy", lambda: None, "a")
+    assert jobs.wait(timeout=30)
+    assert loop._background_compiles_grew() is True and loop._background_compiles_grew() is False
+    jobs.ensure("sample", lambda: gate.wait(30), "b")
+    threading.Timer(0.2, gate.set).start()
+    loop._finish_background_compiles()  # waits for "b", then saves once
+    assert jobs.ready("sample") and loop.saves == 1 and jobs.running == []
+    assert "waiting for the decode step's compile" in capsys.readouterr().out
+    loop._finish_background_compiles()  # nothing running: no wait, no save
+    assert loop.saves == 1
+
+
+def test_a_run_without_an_engine_has_no_compiles_to_follow():
+    loop = _Loop(None)
+    loop.engine = None
+    assert loop._background_compiles() is None and loop._background_compiles_grew() is False
+    loop._finish_background_compiles()
+    assert loop.saves == 0
