@@ -309,9 +309,9 @@ def test_deleting_the_rljob_leaves_nothing_behind(kube: KubeClient, operator, ev
     kube.create(RLJOBS, ns, rljob("bystander"))
     eventually(lambda: kube.maybe_get(PYTORCHJOBS, ns, "bystander"), "the bystander's PyTorchJob")
     kube.delete(RLJOBS, ns, "eta")
-    for resource, pattern in CHILD_KINDS:
+    for resource, pattern in CHILD_KINDS:  # the controller-manager's collector is asynchronous: 8 s ran out once
         eventually(lambda r=resource, p=pattern: kube.maybe_get(r, ns, p.format("eta")) is None,
-                   f"{pattern.format('eta')} garbage-collected")
+                   f"{pattern.format('eta')} garbage-collected", timeout=30)
     for resource, pattern in CHILD_KINDS:
         assert kube.maybe_get(resource, ns, pattern.format("bystander")) is not None
     time.sleep(1.0)

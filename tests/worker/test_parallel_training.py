@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from megatron_helpers import free_port
+
+sys.path.insert(0, str(Path(__file__).parent))
+from megatron_helpers import free_port  # a helper module beside this file
 
 REPO = Path(__file__).resolve().parents[2]
 

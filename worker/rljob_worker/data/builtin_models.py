@@ -10,6 +10,7 @@ tool-call tags as four more tokens and a chat template that renders a tool messa
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
@@ -118,8 +119,8 @@ def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     config.architectures = cfg["architectures"]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    # a folder of this process's own: two pods of a job (or two local ranks) sharing the workdir write at once
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     # Written by hand: transformers' save_pretrained writes nothing on a process whose global
     # torch.distributed rank is not 0, and every node builds its own copy.
     from safetensors.torch import save_file
@@ -131,7 +132,8 @@ def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     build_char_tokenizer(tools=name == "tiny-qwen2-tools").save_pretrained(tmp)
     (tmp / "rljob_builtin.json").write_text(json.dumps({"name": name, "seed": seed}))
-    for child in tmp.iterdir():
+    # each file lands whole (a rename); the two files the reuse check above reads land last
+    for child in sorted(tmp.iterdir(), key=lambda c: c.name in ("config.json", "model.safetensors")):
         child.replace(out / child.name)
     tmp.rmdir()
     return out
