@@ -266,6 +266,9 @@ def main() -> int:
                          "--max-tokens)")
     ap.add_argument("--max-tokens", type=int, default=32768, help="megatron-budget: tokens per micro-batch")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true",
+                    help="after each megatron variant, one more step under torch.profiler: GPU time by kernel "
+                         "kind (matmul, attention, compiled, optimizer, ...) and idle time, and the top kernels")
     args = ap.parse_args()
     mbs_list = [int(x) for x in args.mbs.split(",")]
     systems = args.systems.split(",")
@@ -345,6 +348,8 @@ def main() -> int:
                         step = functools.partial(megatron_step, actor, mbs if not budget else 1, max_tokens=budget)
                         r = run_variant(system, step, batches, args.warmup, args.steps, cfg, matmul_tf, timer)
                         results.append({**r, "mbs": mbs})
+                        if args.profile:  # on a CPU: no kernels, only the wall time
+                            profile_step(f"{args.model} {system} mbs {mbs}", step, batches[-1], Path(args.out))
                     except Exception as exc:  # noqa: BLE001
                         traceback.print_exc()
                         results.append({"system": system, "mbs": mbs,
@@ -364,6 +369,52 @@ def main() -> int:
         {"card": card, "model": args.model, "matmul_tflops": matmul_tf, "rows": args.rows, "seq": args.seq,
          "results": results}, indent=1))
     return 0
+
+
+KERNEL_KINDS = (  # first match wins: attention kernels are also "sm90" and "cutlass"
+    ("attention", ("flash", "fmha", "attention", "efficient_attention")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "wgmma")),
+    ("compiled (triton)", ("triton",)),
+    ("optimizer", ("adam", "multi_tensor", "l2norm", "foreach")),
+    ("copies", ("memcpy", "memset")),
+    ("nccl", ("nccl",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other (eager)")
+
+
+def profile_step(label: str, step_fn, batch, out: Path) -> None:
+    """One step under torch.profiler: GPU time by kernel kind against the step's wall time (the rest is
+    the GPU idle: launches, host syncs, Python), and the 25 longest kernels; printed and written to
+    ``actor_profile_<label>.txt`` under ``out``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step_fn(batch)
+        sync()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e6
+    busy = sum(kinds.values())
+    lines = [f"## profile: {label}: step {wall:.3f} s under the profiler, GPU busy {busy:.3f} s "
+             f"({100 * busy / wall:.0f}%), idle {wall - busy:.3f} s"]
+    lines += [f"  {kind:<20} {sec:8.3f} s  {100 * sec / wall:5.1f}% of the step"
+              for kind, sec in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    lines.append("  longest kernels (total s, calls, kind, name):")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+        lines.append(f"  {e.self_device_time_total / 1e6:8.3f} {e.count:6d}  {kernel_kind(e.key):<18} {e.key[:110]}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"actor_profile_{label.replace(' ', '_')}.txt").write_text(text + "\n")
 
 
 def record_results(card: str, args, results: list[dict]) -> None:

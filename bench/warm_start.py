@@ -14,6 +14,8 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
 - ``coldstep``: cold, the whole decode step compiled as one graph (``RLJOB_COMPILE_SCOPE=step``, the default
   before session 11): the baseline of the by-layer compile, first step and warm step.
 - ``coldbg`` / ``restoredbg``: cold / restored with the compile beside the steps (``RLJOB_COMPILE_IN_BACKGROUND=1``).
+- ``restoredprof``: another new pod restored from storage, 2 steps, every process under cProfile
+  (bench/profile_site): the worker's profile and its top functions by cumulative time go to $OUT/cprofile/.
 
 First-step / warm-step ratios go to results.jsonl; warm = the median of the later steps that ran the compiled
 decode step (``rollout/decode_compiled``), so a pod still compiling is compared with what it will run at.
@@ -80,16 +82,21 @@ def main() -> int:
     rows = {}
     for pod in a.pods.split(","):
         cache = root / ("pod-restored" if pod in ("restored", "restarted") else f"pod-{pod}")
+        profile_dir = Path(os.environ.get("OUT", root)) / "cprofile"
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
                    "RLJOB_COMPILE_IN_BACKGROUND": "1" if pod.endswith("bg") else "0",
                    "RLJOB_COMPILE_SCOPE": "step" if pod == "coldstep" else "layer"}
+        if pod == "restoredprof":
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            pod_env["RLJOB_BENCH_CPROFILE_DIR"] = str(profile_dir)
+            pod_env["PYTHONPATH"] = os.pathsep.join([str(BENCH / "profile_site"), env.get("PYTHONPATH", "")])
         if pod == "coldstep":  # its own store: the by-layer pods' archive is not its cache
             job_doc = yaml.safe_load(job.read_text())
             job_doc["spec"]["checkpoint"]["uri"] = f"file://{root}/store-step"
             job = root / "job-step.yaml"
             job.write_text(yaml.safe_dump(job_doc))
-        steps = a.steps
+        steps = 2 if pod == "restoredprof" else a.steps
         workdir = root / f"run-{pod}"
         shutil.rmtree(workdir, ignore_errors=True)
         t0 = time.perf_counter()
@@ -107,11 +114,16 @@ def main() -> int:
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
             continue
+        if pod == "restoredprof":
+            summarize_profiles(profile_dir)
         steps = [json.loads(ln) for ln in (workdir / "work" / "metrics.jsonl").read_text().splitlines()]
         compiled = [s.get("rollout/decode_compiled", 1.0) for s in steps]  # absent: compile off
         times = [s["timing/step_s"] for s in steps]
         rollout = [s.get("timing/rollout_s") for s in steps]
         later = [i for i in range(1, len(steps)) if compiled[i]]
+        if pod == "restoredprof":  # profiled: its times are not the pod's
+            print(json.dumps({"first_s": times[0], "first_rollout_s": rollout[0]}), flush=True)
+            continue
         if pod != "nocompile" and not later:
             print(f"== {pod}: the compile did not finish within {len(steps)} steps", flush=True)
             continue
@@ -142,6 +154,26 @@ def main() -> int:
                              baseline="first step, restored pod, first rollout waiting for the compile",
                              baseline_value=rows["restoredwait"]["first_s"], same_run=True)
     return 0
+
+
+def summarize_profiles(profile_dir: Path) -> None:
+    """The largest profile is the worker's (the CLI and torchrun only wait): its top functions by cumulative
+    time into <dir>/worker_top.txt; the others are deleted."""
+    import io
+    import pstats
+
+    profiles = sorted(profile_dir.glob("*.prof"), key=lambda p: p.stat().st_size)
+    if not profiles:
+        print("== restoredprof: no profile written", flush=True)
+        return
+    for p in profiles[:-1]:
+        p.unlink()
+    text = io.StringIO()
+    stats = pstats.Stats(str(profiles[-1]), stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    (profile_dir / "worker_top.txt").write_text(text.getvalue())
+    print(text.getvalue()[:6000], flush=True)
 
 
 if __name__ == "__main__":

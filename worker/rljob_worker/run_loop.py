@@ -395,11 +395,15 @@ class RunLoop:
         """One line saying whether the first step compiled or loaded its kernels (rank 0)."""
         if not self.is_main:
             return
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import compilation_time_metrics, counters
 
         hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         if hits or misses:
-            print(f"first step {seconds:.1f}s: {misses} graph(s) compiled, {hits} loaded from the compile cache",
+            spent = {k: sum(compilation_time_metrics.get(k, ())) for k in
+                     ("_compile.compile_inner", "bytecode_tracing", "build_guards", "OutputGraph.call_user_compiler")}
+            print(f"first step {seconds:.1f}s: {misses} graph(s) compiled, {hits} loaded from the compile cache; "
+                  f"{spent['_compile.compile_inner']:.1f}s in torch.compile (tracing {spent['bytecode_tracing']:.1f}s, "
+                  f"guards {spent['build_guards']:.1f}s, backend {spent['OutputGraph.call_user_compiler']:.1f}s)",
                   flush=True)
 
     def export_final_models(self) -> None:
