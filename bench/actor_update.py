@@ -404,8 +404,9 @@ def profile_step(label: str, step_fn, batch, out: Path) -> None:
     for e in kernels:
         kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e6
     busy = sum(kinds.values())
-    lines = [f"## profile: {label}: step {wall:.3f} s under the profiler, GPU busy {busy:.3f} s "
-             f"({100 * busy / wall:.0f}%), idle {wall - busy:.3f} s"]
+    head = (f"## profile: {label}: step {wall:.3f} s under the profiler, GPU busy {busy:.3f} s "
+            f"({100 * busy / wall:.0f}%), idle {wall - busy:.3f} s")
+    lines = [head]
     lines += [f"  {kind:<20} {sec:8.3f} s  {100 * sec / wall:5.1f}% of the step"
               for kind, sec in sorted(kinds.items(), key=lambda kv: -kv[1])]
     lines.append("  longest kernels (total s, calls, kind, name):")
