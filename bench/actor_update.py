@@ -184,7 +184,12 @@ def hf_step(model, opt, mbs, packed, dev, timer, batch) -> None:
 # ------------------------------------------------------------------------------------------ megatron
 
 
-def megatron_step(actor, mbs, batch, max_tokens=None) -> None:
+def megatron_step(actor, mbs, batch, max_tokens=None, flash=False) -> None:
+    if flash:  # megatron-flash: SDPA limited to the flash kernel (no per-shape plan to build)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return megatron_step(actor, mbs, batch, max_tokens)
     if max_tokens:
         actor.update(batch, pg_loss, mbs, max_tokens_per_micro_batch=max_tokens)
     else:
@@ -225,20 +230,24 @@ def switch_to_fused_adamw(megatron_optimizer) -> None:
 def run_variant(name, step_fn, batches, warmup, steps, cfg, matmul_tf, timer) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    from torch._dynamo.utils import counters
+
     times, toks, flops = [], [], []
     for i in range(warmup + steps):
         batch = batches[i % len(batches)]
         lengths = batch["attention_mask"].sum(1).tolist()
+        graphs = counters["stats"]["unique_graphs"]
         sync()
         t0 = time.perf_counter()
         step_fn(batch)
         sync()
         dt = time.perf_counter() - t0
+        graphs = counters["stats"]["unique_graphs"] - graphs
         if i >= warmup:
             times.append(dt)
             toks.append(sum(lengths))
             flops.append(model_flops(cfg, lengths))
-        print(f"  {name} step {i}: {dt:.3f}s {sum(lengths) / dt:,.0f} tok/s", flush=True)
+        print(f"  {name} step {i}: {dt:.3f}s {sum(lengths) / dt:,.0f} tok/s, {graphs} graph(s) compiled", flush=True)
     total_t = sum(times)
     tflops = sum(flops) / total_t / 1e12
     opt = timer["opt_s"][warmup:] or timer["opt_s"]
@@ -263,7 +272,7 @@ def main() -> int:
     ap.add_argument("--systems", default="hf-padded,hf-packed,megatron,megatron+fusedadam",
                     help="also: megatron-noelem (eager RMSNorm/RoPE/SwiGLU), megatron-unfused (that and the "
                          "policy head over full-vocab logits), megatron-budget (token-budget micro-batches of "
-                         "--max-tokens)")
+                         "--max-tokens), megatron-flash (SDPA limited to the flash kernel)")
     ap.add_argument("--max-tokens", type=int, default=32768, help="megatron-budget: tokens per micro-batch")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true",
@@ -345,7 +354,8 @@ def main() -> int:
                 for mbs in mbs_list if not budget else [f"{budget // 1024}k tokens"]:
                     timer["opt_s"] = []
                     try:
-                        step = functools.partial(megatron_step, actor, mbs if not budget else 1, max_tokens=budget)
+                        step = functools.partial(megatron_step, actor, mbs if not budget else 1, max_tokens=budget,
+                                                 flash=system == "megatron-flash")
                         r = run_variant(system, step, batches, args.warmup, args.steps, cfg, matmul_tf, timer)
                         results.append({**r, "mbs": mbs})
                         if args.profile:  # on a CPU: no kernels, only the wall time

@@ -91,17 +91,18 @@ def main() -> int:
             profile_dir.mkdir(parents=True, exist_ok=True)
             pod_env["RLJOB_BENCH_CPROFILE_DIR"] = str(profile_dir)
             pod_env["PYTHONPATH"] = os.pathsep.join([str(BENCH / "profile_site"), env.get("PYTHONPATH", "")])
+        pod_job = job
         if pod == "coldstep":  # its own store: the by-layer pods' archive is not its cache
             job_doc = yaml.safe_load(job.read_text())
             job_doc["spec"]["checkpoint"]["uri"] = f"file://{root}/store-step"
-            job = root / "job-step.yaml"
-            job.write_text(yaml.safe_dump(job_doc))
+            pod_job = root / "job-step.yaml"
+            pod_job.write_text(yaml.safe_dump(job_doc))
         steps = 2 if pod == "restoredprof" else a.steps
         workdir = root / f"run-{pod}"
         shutil.rmtree(workdir, ignore_errors=True)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, "-m", "rljob_cli.main", "run", str(job), "--workdir",
+            proc = subprocess.run([sys.executable, "-m", "rljob_cli.main", "run", str(pod_job), "--workdir",
                                    str(workdir), "--steps", str(steps)], env=pod_env, capture_output=True,
                                   text=True, timeout=a.timeout_each, check=False)
         except subprocess.TimeoutExpired as exc:
