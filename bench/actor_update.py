@@ -184,12 +184,11 @@ def hf_step(model, opt, mbs, packed, dev, timer, batch) -> None:
 # ------------------------------------------------------------------------------------------ megatron
 
 
-def megatron_step(actor, mbs, batch, max_tokens=None, flash=False) -> None:
-    if flash:  # megatron-flash: SDPA limited to the flash kernel (no per-shape plan to build)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+def megatron_step(actor, mbs, batch, max_tokens=None, attention="flash") -> None:
+    from rljob_worker.megatron import sdpa_attention
 
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return megatron_step(actor, mbs, batch, max_tokens)
+    os.environ[sdpa_attention.ATTENTION_BACKEND_VAR] = attention  # -auto: torch's kernel order (cuDNN first)
+    sdpa_attention.flash_first.cache_clear()
     if max_tokens:
         actor.update(batch, pg_loss, mbs, max_tokens_per_micro_batch=max_tokens)
     else:
@@ -272,7 +271,8 @@ def main() -> int:
     ap.add_argument("--systems", default="hf-padded,hf-packed,megatron,megatron+fusedadam",
                     help="also: megatron-noelem (eager RMSNorm/RoPE/SwiGLU), megatron-unfused (that and the "
                          "policy head over full-vocab logits), megatron-budget (token-budget micro-batches of "
-                         "--max-tokens), megatron-flash (SDPA limited to the flash kernel)")
+                         "--max-tokens); a -auto suffix: torch's attention kernel order (RLJOB_ATTENTION_BACKEND=auto, "
+                         "cuDNN first on Hopper) instead of flash first")
     ap.add_argument("--max-tokens", type=int, default=32768, help="megatron-budget: tokens per micro-batch")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true",
@@ -350,12 +350,12 @@ def main() -> int:
                 # megatron-noelem / -unfused: eager RMSNorm, RoPE, SwiGLU (RLJOB_FUSED_ELEMENTWISE=0)
                 set_fused_elementwise(actor.chunks, elem_default and system not in ("megatron-noelem",
                                                                                     "megatron-unfused"))
-                budget = args.max_tokens if system == "megatron-budget" else None
+                budget = args.max_tokens if system.startswith("megatron-budget") else None
                 for mbs in mbs_list if not budget else [f"{budget // 1024}k tokens"]:
                     timer["opt_s"] = []
                     try:
                         step = functools.partial(megatron_step, actor, mbs if not budget else 1, max_tokens=budget,
-                                                 flash=system == "megatron-flash")
+                                                 attention="auto" if system.endswith("-auto") else "flash")
                         r = run_variant(system, step, batches, args.warmup, args.steps, cfg, matmul_tf, timer)
                         results.append({**r, "mbs": mbs})
                         if args.profile:  # on a CPU: no kernels, only the wall time
@@ -453,6 +453,9 @@ def record_results(card: str, args, results: list[dict]) -> None:
                 candidates += ["megatron-noelem", "megatron-unfused"]
             kws = [{"baseline": f"{b} mbs {r['mbs']}", "baseline_value": base[(b, r["mbs"])]}
                    for b in candidates if (b, r["mbs"]) in base]
+        if (r["system"] + "-auto", r["mbs"]) in base:  # flash first against torch's kernel order
+            kws.append({"baseline": f"{r['system']}-auto (torch's attention kernel order) mbs {r['mbs']}",
+                        "baseline_value": base[(r["system"] + "-auto", r["mbs"])]})
         if not kws:
             bench_results.record(work, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card)
         for kw in kws:

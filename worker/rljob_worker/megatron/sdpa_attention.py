@@ -11,6 +11,13 @@ broadcastable to ``[b, heads, sq, sk]``; ``None`` with a causal mask type means 
 actor always runs this way: it packs each row's real tokens to the front, so no padding mask is
 needed).
 
+Kernel choice on a GPU: flash first (``RLJOB_ATTENTION_BACKEND=flash``, the default), torch's order
+otherwise (``auto``). torch's own order puts cuDNN first on Hopper, and cuDNN builds an execution plan
+for every new sequence length: 115-270 ms for each new length at the 1.5B shape (bench/sdpa_shapes.py,
+H200), where the forward and backward take ~1 ms. A GRPO micro-batch is cut to its longest row, so its
+length is new most of the time; flash has no per-length cost and ran 4% slower at lengths it had seen
+(bench/NOTES.md, session 12). A GPU without flash for the dtype (fp32) falls through to the next kernel.
+
 Context parallelism (``context_parallel_size = cp > 1``): each CP rank holds chunks ``r`` and
 ``2 cp - 1 - r`` of the sequence (see :mod:`.context_parallel`). Keys and values are all-gathered
 over the CP group (the backward sums their gradients back to the owning rank) and each local query
@@ -21,7 +28,10 @@ the global positions by megatron (``get_pos_emb_on_this_cp_rank``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +43,29 @@ from megatron.core.utils import divide
 from torch.nn.attention.bias import causal_lower_right
 
 from .context_parallel import chunk_indices, gather_from_cp
+
+ATTENTION_BACKEND_VAR = "RLJOB_ATTENTION_BACKEND"
+
+
+@functools.cache
+def flash_first() -> bool:
+    """Whether GPU attention asks for the flash kernel first (the module docstring says why)."""
+    choice = os.environ.get(ATTENTION_BACKEND_VAR, "flash")
+    if choice not in ("flash", "auto"):
+        raise ValueError(f"{ATTENTION_BACKEND_VAR}={choice!r}: use flash (the default: no per-length plan "
+                         "to build) or auto (torch's own order, cuDNN first on Hopper)")
+    return choice == "flash"
+
+
+def _kernel_order(on_gpu: bool):
+    """A context choosing SDPA's kernel: flash, then cuDNN, memory-efficient, math (a GPU with flash_first);
+    torch's choice elsewhere (CPU kernels are left as they are)."""
+    if not (on_gpu and flash_first()):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH], set_priority=True)
 
 
 class SDPAttention(MegatronModule):
@@ -116,11 +149,12 @@ class SDPAttention(MegatronModule):
         }
         if self.num_heads != self.num_groups:
             kwargs["enable_gqa"] = True  # query head h reads kv group h // (heads / groups), as megatron
-        if dropout_p > 0.0:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
+        with _kernel_order(q.is_cuda):
+            if dropout_p > 0.0:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            else:
                 out = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         # [b, h, sq, d] -> [sq, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -150,11 +184,12 @@ class SDPAttention(MegatronModule):
                 "dropout_p": dropout_p,
                 "scale": self.softmax_scale,
             }
-            if dropout_p > 0.0:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
+            with _kernel_order(q.is_cuda):
+                if dropout_p > 0.0:
+                    with tensor_parallel.get_cuda_rng_tracker().fork():
+                        outs.append(F.scaled_dot_product_attention(*args, **kwargs))
+                else:
                     outs.append(F.scaled_dot_product_attention(*args, **kwargs))
-            else:
-                outs.append(F.scaled_dot_product_attention(*args, **kwargs))
         out = torch.cat(outs, dim=2)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
