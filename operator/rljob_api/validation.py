@@ -428,12 +428,12 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             errs.append(FieldError(
                 "spec.training.ppoMiniBatchSizePerNode",
                 f"mini-batch responses {mini} x samplesPerPrompt={r.samples_per_prompt} = {mini_responses} must divide evenly over {dp} data-parallel ranks"))
-        elif t.max_tokens_per_micro_batch is None and (mini_responses // dp) % t.micro_batch_size_per_gpu:
+        elif not t.max_tokens_per_micro_batch and (mini_responses // dp) % t.micro_batch_size_per_gpu:
             errs.append(FieldError(
                 "spec.training.microBatchSizePerGpu",
                 f"per-rank mini-batch of {mini_responses // dp} responses is not a multiple of microBatchSizePerGpu="
                 f"{t.micro_batch_size_per_gpu}; pick a divisor of {mini_responses // dp}"))
-    if t.max_tokens_per_micro_batch is not None:
+    if t.max_tokens_per_micro_batch:  # 0: row micro-batches
         row = spec.data.max_prompt_length + spec.data.max_response_length
         if sft:
             errs.append(FieldError("spec.training.maxTokensPerMicroBatch",

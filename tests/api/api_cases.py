@@ -110,6 +110,8 @@ CROSS_INVALID = [
      {T + "microBatchSizePerGpu": ["per-rank mini-batch of 64", "microBatchSizePerGpu=128"]}),
     ("token-budget-below-one-row", {T + "maxTokensPerMicroBatch": 1000},
      {T + "maxTokensPerMicroBatch": ["less than one full row", "at least 3072"]}),
+    ("token-budget-0-is-rows", {T + "maxTokensPerMicroBatch": 0, T + "microBatchSizePerGpu": 3},
+     {T + "microBatchSizePerGpu": ["16 responses", "pick a divisor of 16"]}),
     # data: exactly one of trainFiles and synthetic; URIs well-formed
     ("no-training-data", {"spec.data.trainFiles": DELETE}, {"spec.data.trainFiles": ["synthetic task"]}),
     ("empty-train-files", {"spec.data.trainFiles": []}, {"spec.data.trainFiles": ["give training parquet files"]}),

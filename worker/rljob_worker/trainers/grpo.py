@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -65,7 +66,7 @@ from rljob_worker.data.batching import (
     trim_padding,
 )
 from rljob_worker.data.prompts import EpochSampler, load_datasets
-from rljob_worker.data.token_budget import balanced_dp_order
+from rljob_worker.data.token_budget import actor_token_budget, balanced_dp_order
 from rljob_worker.rewards import RewardRouter
 from rljob_worker.rollout import RolloutOutput, SamplingParams
 from rljob_worker.rollout.every_rank import (
@@ -212,6 +213,17 @@ class GRPOTrainer(RunLoop):
             log.info("rollout engine: %s on %s (rollout.engine: %s; %s%s)", type(self.engine).__name__, self.device,
                      r.engine.value, "every rank samples a share" if self.engine_everywhere else "rank 0 samples",
                      "; decode step compiled" if getattr(self.engine, "compile_decode", False) else "")
+        if self.is_main and self.actor_token_budget and spec.training.max_tokens_per_micro_batch is None:
+            log.info("actor update: micro-batches of rows grouped by length, <= %d tokens each (on a GPU with "
+                     "training.maxTokensPerMicroBatch unset: microBatchSizePerGpu full rows; 0 keeps "
+                     "microBatchSizePerGpu rows)", self.actor_token_budget)
+
+    @functools.cached_property
+    def actor_token_budget(self) -> int | None:
+        """Token budget of the actor update's micro-batches; None: microBatchSizePerGpu rows each."""
+        t, d = self.spec.training, self.spec.data
+        return actor_token_budget(t.max_tokens_per_micro_batch, t.micro_batch_size_per_gpu,
+                                  d.max_prompt_length + d.max_response_length, self.device.type == "cuda")
 
     def _plan_rollout(self) -> None:
         """Which engine, which ranks sample (spec.rollout.ranks), and whether an hf engine can serve the
@@ -316,7 +328,7 @@ class GRPOTrainer(RunLoop):
         # 2. this data-parallel rank's slice (N / dp responses)
         mini_batches_per_step = self.prompts_per_step // (spec.training.ppo_mini_batch_size_per_node * spec.nnodes)
         kl_in_reward = self.use_ref and a.kl_placement == KLPlacement.REWARD
-        budget = spec.training.max_tokens_per_micro_batch
+        budget = self.actor_token_budget
         order = None
         if budget and self.dp_size > 1 and not kl_in_reward:
             # token budget: ranks get rows of equal token totals (each optimizer step keeps its rows;
