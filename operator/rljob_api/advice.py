@@ -26,8 +26,8 @@ def spec_warnings(spec: RLJobSpec) -> list[str]:
 
 def spec_notes(spec: RLJobSpec) -> list[str]:
     """What a valid spec does that its fields do not say outright (printed by `rljob validate`)."""
-    from rljob_api.enums import RolloutMode
-    from rljob_api.validation import rollout_lookahead, token_truncation_in_effect
+    from rljob_api.enums import AlgorithmName, RolloutMode
+    from rljob_api.validation import actor_token_budget_in_effect, rollout_lookahead, token_truncation_in_effect
 
     r, notes = spec.rollout, []
     if r.mode != RolloutMode.SYNC:
@@ -41,6 +41,12 @@ def spec_notes(spec: RLJobSpec) -> list[str]:
         else:
             notes.append("spec.algorithm.rolloutCorrection.tokenTruncation is off: the loss does not correct for "
                          "samples from older policies; set it to true (or unset) unless that is intended")
+    budget = actor_token_budget_in_effect(spec, on_gpu=spec.device == "gpu")
+    if spec.algorithm.name != AlgorithmName.SFT and budget and spec.training.max_tokens_per_micro_batch is None:
+        notes.append(f"spec.training.maxTokensPerMicroBatch unset on a GPU without pipeline stages: actor-update "
+                     f"micro-batches group rows by "
+                     f"length up to {budget} tokens (microBatchSizePerGpu full rows: the same memory bound, less "
+                     "padding); 0 keeps microBatchSizePerGpu rows")
     if spec.algorithm.routing_replay:
         notes.append("spec.algorithm.routingReplay: the rollout engine records each token's experts and the actor's "
                      "old-policy pass and updates route to them (the reference model routes on its own); the worker "

@@ -470,10 +470,11 @@ class TrainingSpec(ApiModel):
         "so that rows x longest row <= this (the packed tensor the model runs), and rows are assigned to "
         "data-parallel ranks balancing tokens (except with algorithm.klPlacement reward). Replaces "
         "microBatchSizePerGpu for the GRPO actor update; at least "
-        "data.maxPromptLength + data.maxResponseLength. Unset: on a GPU, microBatchSizePerGpu x "
-        "(data.maxPromptLength + data.maxResponseLength), the same memory bound as microBatchSizePerGpu rows "
-        "with less padding (1.20x the actor update's tokens/s at 1.5B on an H200); on a CPU, "
-        "microBatchSizePerGpu rows per micro-batch. 0: microBatchSizePerGpu rows per micro-batch everywhere. "
+        "data.maxPromptLength + data.maxResponseLength. Unset: on a GPU without pipeline stages, "
+        "microBatchSizePerGpu x (data.maxPromptLength + data.maxResponseLength), the same memory bound as "
+        "microBatchSizePerGpu rows with less padding (1.20x the actor update's tokens/s at 1.5B on an H200); "
+        "otherwise microBatchSizePerGpu rows per micro-batch (a pipeline pads every micro-batch of a step to "
+        "the most rows x the longest row among them). 0: microBatchSizePerGpu rows per micro-batch everywhere. "
         "(verl: actor.use_dynamic_bsz + actor.ppo_max_token_len_per_gpu)", ge=0
     )
     ppo_epochs: int = _f(1, "Passes over each rollout batch. (verl: actor.ppo_epochs)", ge=1, le=64)

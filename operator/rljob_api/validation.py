@@ -261,6 +261,20 @@ def token_truncation_in_effect(spec: RLJobSpec) -> bool:
     return chosen if chosen is not None else spec.rollout.mode != RolloutMode.SYNC
 
 
+def actor_token_budget_in_effect(spec: RLJobSpec, on_gpu: bool) -> int | None:
+    """The actor update's token budget (None: microBatchSizePerGpu rows per micro-batch): training.
+    maxTokensPerMicroBatch when set (0: rows); unset on a GPU without pipeline stages, microBatchSizePerGpu full
+    rows (the memory bound of row micro-batches, with less padding); unset elsewhere, rows. A pipeline pads
+    every micro-batch of a step to the most rows x the longest row among them, so there budget micro-batches
+    (many short rows in one, a few long ones in another) would run a larger tensor than rows do."""
+    t, d = spec.training, spec.data
+    if t.max_tokens_per_micro_batch is not None:
+        return t.max_tokens_per_micro_batch or None
+    if not on_gpu or spec.megatron.pipeline_model_parallel_size > 1:
+        return None
+    return t.micro_batch_size_per_gpu * (d.max_prompt_length + d.max_response_length)
+
+
 def rollout_pool_errors(spec: RLJobSpec) -> list[FieldError]:
     """Placement and mode of the rollout: a separate pool needs rollout.gpus and leaves the trainer a GPU;
     one-step and async need it. Pure."""

@@ -167,7 +167,7 @@ def test_validate_multi_document_file(tmp_path):
                                                       for n in ("a", "b")) + "---\n")
     code, out = rljob("validate", both_ok)
     assert code == 0, out
-    assert [ln for ln in out.strip().splitlines() if not ln.startswith("note: ")] == [f"OK {both_ok}#0: " + out.split(f"OK {both_ok}#0: ")[1].splitlines()[0],
+    assert [ln for ln in out.strip().splitlines() if not ln.lstrip().startswith("note: ")] == [f"OK {both_ok}#0: " + out.split(f"OK {both_ok}#0: ")[1].splitlines()[0],
                                         f"OK {both_ok}#1: " + out.split(f"OK {both_ok}#1: ")[1].splitlines()[0]]
 
 
@@ -218,7 +218,7 @@ def test_validate_says_what_an_off_policy_rollout_mode_does_to_the_loss():
     code, out = rljob("validate", "-", stdin=yaml.safe_dump(off))
     assert code == 0 and "up to 1 batch(es) ahead" in out and "tokenTruncation is off" in out, out
     code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), pool)))  # sync: nothing to note
-    assert code == 0 and ", rollout pool 4/node sync" in out and "  note:" not in out, out
+    assert code == 0 and ", rollout pool 4/node sync" in out and "  note: spec.rollout.mode" not in out, out
     code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), {"spec.rollout.mode": "async"})))
     assert code == 1 and "spec.rollout.mode:" in out and "set rollout.placement: separate" in out, out
 
@@ -516,6 +516,18 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
               + "  algorithm: {advantageEstimator: gae}\n  critic: {model: {<<: *policy}}\n")
     code, out = rljob("validate", write(tmp_path, "merge.yaml", merged))
     assert code == 0 and out.startswith("OK "), out
+
+
+def test_validate_says_how_a_gpu_actor_update_cuts_its_micro_batches():
+    """maxTokensPerMicroBatch unset on a GPU: a note gives the token budget the worker will use
+    (microBatchSizePerGpu 4 x (1024 + 2048) tokens); set, 0, on a CPU or with pipeline stages: no note."""
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(gpu_job()))
+    assert code == 0 and ("  note: spec.training.maxTokensPerMicroBatch unset on a GPU without pipeline stages: "
+                          "actor-update micro-batches group rows by length up to 12288 tokens") in out, out
+    for change in ({"spec.training.maxTokensPerMicroBatch": 0}, {"spec.training.maxTokensPerMicroBatch": 20000},
+                   {"spec.device": "cpu"}, {"spec.megatron.pipelineModelParallelSize": 2}):
+        code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), change)))
+        assert code == 0 and "maxTokensPerMicroBatch unset" not in out, (change, out)
 
 
 def test_validate_notes_routing_replay_and_refuses_it_on_a_dense_builtin():

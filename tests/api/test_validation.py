@@ -14,6 +14,7 @@ from api_support import DELETE, EXAMPLE_PATHS, changed, errors_of, gpu_job, load
 from rljob_api.models import RLJob
 from rljob_api.validation import (
     FieldError,
+    actor_token_budget_in_effect,
     RLJobValidationError,
     critic_data_parallel_size,
     critic_takes_turns,
@@ -288,3 +289,16 @@ def test_lambda_is_the_yaml_key_of_gae_lambda():
                                            "spec.critic": {}})).spec
     assert spec.algorithm.gae_lambda == 0.9
     assert spec.model_dump(mode="json", by_alias=True)["algorithm"]["lambda"] == 0.9
+
+
+@pytest.mark.parametrize(("change", "on_gpu", "want"), [
+    ({}, True, 4 * (1024 + 2048)),  # unset on a GPU: microBatchSizePerGpu full rows
+    ({}, False, None),  # unset on a CPU: rows
+    ({"spec.megatron.pipelineModelParallelSize": 2}, True, None),  # a pipeline pads to the step's largest
+    ({"spec.training.maxTokensPerMicroBatch": 0}, True, None),  # 0: rows everywhere
+    ({"spec.training.maxTokensPerMicroBatch": 20000}, False, 20000),  # set: that budget
+    ({"spec.training.maxTokensPerMicroBatch": 20000, "spec.megatron.pipelineModelParallelSize": 2}, True, 20000),
+])
+def test_actor_token_budget_in_effect(change, on_gpu, want):
+    spec = parse_rljob(changed(gpu_job(), change)).spec
+    assert actor_token_budget_in_effect(spec, on_gpu=on_gpu) == want

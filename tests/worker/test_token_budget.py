@@ -5,12 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from rljob_worker.data.token_budget import (
-    actor_token_budget,
-    balanced_dp_order,
-    micro_batch_cost,
-    token_budget_micro_batches,
-)
+from rljob_worker.data.token_budget import balanced_dp_order, micro_batch_cost, token_budget_micro_batches
 
 
 def test_hand_computed_grouping():
@@ -73,25 +68,15 @@ def test_balanced_dp_order_refuses_uneven_split():
         balanced_dp_order([1] * 10, 4)
 
 
-@pytest.mark.parametrize(("setting", "on_gpu", "want"), [
-    (None, True, 4 * 3072),   # unset on a GPU: microBatchSizePerGpu full rows, the row micro-batches' memory bound
-    (None, False, None),      # unset on a CPU: rows
-    (0, True, None),          # 0: rows everywhere
-    (0, False, None),
-    (20000, True, 20000),     # set: that budget on either
-    (20000, False, 20000),
-])
-def test_actor_token_budget_default(setting, on_gpu, want):
-    assert actor_token_budget(setting, micro_batch_size=4, row_tokens=3072, on_gpu=on_gpu) == want
-
 
 def test_the_gpu_default_never_runs_a_larger_tensor_than_row_micro_batches():
-    """Whatever the lengths, a budget micro-batch's (rows x longest) is at most what microBatchSizePerGpu rows
-    of the full row length would run, and it takes no more micro-batches than rows of microBatchSizePerGpu do."""
+    """The budget a GPU job gets with training.maxTokensPerMicroBatch unset (microBatchSizePerGpu full rows,
+    rljob_api.validation.actor_token_budget_in_effect): whatever the lengths, a micro-batch's rows x longest is
+    at most what microBatchSizePerGpu full rows run, in no more micro-batches than rows of microBatchSizePerGpu."""
     rng = random.Random(5)
     for _ in range(50):
         mbs, row = rng.randint(1, 8), 3072
         lengths = [rng.randint(1, row) for _ in range(rng.randint(1, 64))]
-        groups = token_budget_micro_batches(lengths, actor_token_budget(None, mbs, row, on_gpu=True))
+        groups = token_budget_micro_batches(lengths, mbs * row)
         assert all(micro_batch_cost(lengths, g) <= mbs * row for g in groups)
         assert len(groups) <= -(-len(lengths) // mbs)

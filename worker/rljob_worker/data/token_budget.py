@@ -15,20 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def actor_token_budget(max_tokens: int | None, micro_batch_size: int, row_tokens: int, on_gpu: bool) -> int | None:
-    """The actor update's token budget, or None for ``micro_batch_size`` rows per micro-batch.
-
-    ``max_tokens`` (``training.maxTokensPerMicroBatch``) when set; 0 asks for row micro-batches. Unset on a
-    GPU: ``micro_batch_size`` full rows (``row_tokens`` = maxPromptLength + maxResponseLength), the largest
-    tensor row micro-batches can run, so memory stays bounded as before, while rows grouped by length carry
-    less padding (1.20x the row micro-batches' tokens/s at 1.5B on an H200, bench/NOTES.md session 12).
-    Unset on a CPU: rows (nothing measured there).
-    """
-    if max_tokens is not None:
-        return max_tokens or None
-    return micro_batch_size * row_tokens if on_gpu else None
-
-
 def micro_batch_cost(lengths: Sequence[int], rows: Sequence[int]) -> int:
     """Tokens of the tensor the model runs for ``rows``: rows x the longest of them."""
     return len(rows) * max((lengths[i] for i in rows), default=0)

@@ -51,6 +51,7 @@ from rljob_api.enums import KLPlacement
 from rljob_api.enums import RolloutEngine as RolloutEngineName
 from rljob_api.validation import (
     actor_gpus_per_node,
+    actor_token_budget_in_effect,
     rollout_in_own_pool,
     rollout_lookahead,
     token_truncation_in_effect,
@@ -66,7 +67,7 @@ from rljob_worker.data.batching import (
     trim_padding,
 )
 from rljob_worker.data.prompts import EpochSampler, load_datasets
-from rljob_worker.data.token_budget import actor_token_budget, balanced_dp_order
+from rljob_worker.data.token_budget import balanced_dp_order
 from rljob_worker.rewards import RewardRouter
 from rljob_worker.rollout import RolloutOutput, SamplingParams
 from rljob_worker.rollout.every_rank import (
@@ -221,9 +222,7 @@ class GRPOTrainer(RunLoop):
     @functools.cached_property
     def actor_token_budget(self) -> int | None:
         """Token budget of the actor update's micro-batches; None: microBatchSizePerGpu rows each."""
-        t, d = self.spec.training, self.spec.data
-        return actor_token_budget(t.max_tokens_per_micro_batch, t.micro_batch_size_per_gpu,
-                                  d.max_prompt_length + d.max_response_length, self.device.type == "cuda")
+        return actor_token_budget_in_effect(self.spec, on_gpu=self.device.type == "cuda")
 
     def _plan_rollout(self) -> None:
         """Which engine, which ranks sample (spec.rollout.ranks), and whether an hf engine can serve the
