@@ -10,6 +10,7 @@ tool-call tags as four more tokens and a chat template that renders a tool messa
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -121,19 +122,21 @@ def materialize_builtin(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # a folder of this process's own: two pods of a job (or two local ranks) sharing the workdir write at once
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    # Written by hand: transformers' save_pretrained writes nothing on a process whose global
-    # torch.distributed rank is not 0, and every node builds its own copy.
-    from safetensors.torch import save_file
+    try:
+        # Written by hand: transformers' save_pretrained writes nothing on a process whose global
+        # torch.distributed rank is not 0, and every node builds its own copy.
+        from safetensors.torch import save_file
 
-    config.to_json_file(str(tmp / "config.json"))
-    state = per_expert_state({k: v.contiguous() for k, v in model.state_dict().items()})
-    if cfg.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)  # HF convention: tied output weights live in embed_tokens
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    build_char_tokenizer(tools=name == "tiny-qwen2-tools").save_pretrained(tmp)
-    (tmp / "rljob_builtin.json").write_text(json.dumps({"name": name, "seed": seed}))
-    # each file lands whole (a rename); the two files the reuse check above reads land last
-    for child in sorted(tmp.iterdir(), key=lambda c: c.name in ("config.json", "model.safetensors")):
-        child.replace(out / child.name)
-    tmp.rmdir()
+        config.to_json_file(str(tmp / "config.json"))
+        state = per_expert_state({k: v.contiguous() for k, v in model.state_dict().items()})
+        if cfg.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)  # HF convention: tied output weights live in embed_tokens
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        build_char_tokenizer(tools=name == "tiny-qwen2-tools").save_pretrained(tmp)
+        (tmp / "rljob_builtin.json").write_text(json.dumps({"name": name, "seed": seed}))
+        # each file lands whole (a rename); the two files the reuse check above reads land last
+        for child in sorted(tmp.iterdir(), key=lambda c: c.name in ("config.json", "model.safetensors")):
+            child.replace(out / child.name)
+    finally:  # a failed write leaves no half folder beside the model
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
