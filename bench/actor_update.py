@@ -19,6 +19,8 @@ row holds at most 2048 real tokens. The same batches go to every system:
   fused head and, on a GPU, the compiled RMSNorm / RoPE / SwiGLU of megatron/fused_elementwise.py);
 - ``megatron-budget``: token-budget micro-batches of ``--max-tokens`` packed tokens
   (``spec.training.maxTokensPerMicroBatch``) instead of ``--mbs`` rows;
+- a ``-rows`` suffix: micro-batches in the rows layout (each row's tokens packed to the front, cut to the
+  longest row; RLJOB_SEQUENCE_PACKING=off) where the GPU default concatenates them (megatron/packing.py);
 - ``hf-padded``: transformers eager (sdpa), pure bf16, fused AdamW, each micro-batch cut to its used
   columns and run with its padding mask (how TRL-style trainers feed it);
 - ``hf-packed``: the same model fed exactly what the actor's model sees (rows packed to the front,
@@ -338,6 +340,7 @@ def main() -> int:
             time_megatron_optimizer(actor, timer)
             fused_default = getattr(actor, "fused_head", None)
             elem_default = actor.mcfg.fused_elementwise  # on with a GPU unless RLJOB_FUSED_ELEMENTWISE=0
+            concat_default = actor.concatenate_sequences  # on with a GPU in bf16 unless RLJOB_SEQUENCE_PACKING=off
             print(f"megatron defaults: fused head {fused_default}, fused elementwise {elem_default}", flush=True)
             for system in meg:
                 if system == "megatron+fusedadam":
@@ -350,6 +353,7 @@ def main() -> int:
                 # megatron-noelem / -unfused: eager RMSNorm, RoPE, SwiGLU (RLJOB_FUSED_ELEMENTWISE=0)
                 set_fused_elementwise(actor.chunks, elem_default and system not in ("megatron-noelem",
                                                                                     "megatron-unfused"))
+                actor.concatenate_sequences = concat_default and "-rows" not in system
                 budget = args.max_tokens if system.startswith("megatron-budget") else None
                 for mbs in mbs_list if not budget else [f"{budget // 1024}k tokens"]:
                     timer["opt_s"] = []
@@ -456,6 +460,9 @@ def record_results(card: str, args, results: list[dict]) -> None:
         if (r["system"] + "-auto", r["mbs"]) in base:  # flash first against torch's kernel order
             kws.append({"baseline": f"{r['system']}-auto (torch's attention kernel order) mbs {r['mbs']}",
                         "baseline_value": base[(r["system"] + "-auto", r["mbs"])]})
+        if (r["system"] + "-rows", r["mbs"]) in base:  # concatenated against rows micro-batches
+            kws.append({"baseline": f"{r['system']}-rows (rows layout) mbs {r['mbs']}",
+                        "baseline_value": base[(r["system"] + "-rows", r["mbs"])]})
         if not kws:
             bench_results.record(work, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card)
         for kw in kws:

@@ -48,6 +48,8 @@
 #             lossmbs1 lossmbs4 (issue 18: digit-sum GRPO at microBatchSizePerGpu 1 vs 4, same reward curve)
 #             head (policy head alone: fused vs unfused log-probs + entropy, forward + backward)
 #             actor05f actor15f (actor update: fused head vs unfused vs HF packed rows, token budget) fusedtests
+#             packtests actor15pack grpopack (concatenated micro-batches: GPU tests; 1.5B update with a 16k budget,
+#             concatenated vs rows; GRPO step 0.5B concatenated vs rows vs TRL without checkpointing)
 #             actor05e (actor update: compiled RMSNorm/RoPE/SwiGLU on vs off vs HF packed rows; actor15f also
 #             compares them at 1.5B, with MFU) elemtests
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
@@ -105,6 +107,9 @@ for s in $SECTIONS; do
     grpokl) section grpokl 220 python3 bench/grpo_step.py --kl-coef 0.001 --variants rljob-static:32,trl --timeout-each 115 --tag _kl ;;
     actor05w) section actor05w 110 python3 bench/actor_update.py --model 0.5b --mbs 4,8 --warmup 2 --systems hf-padded,hf-packed,megatron ;;
     grpombs) section grpombs 200 python3 bench/grpo_step.py --variants rljob-static:32,rljob-static:64 --timeout-each 95 --tag _mbs ;;
+    packtests) section packtests ${PACKTESTS_LIMIT:-240} python3 -m pytest tests/worker/test_sequence_packing.py tests/worker/test_attention_backend.py -v -p no:cacheprovider -rs ;;
+    actor15pack) section actor15pack ${ACTOR15PACK_LIMIT:-300} python3 bench/actor_update.py --model 1.5b --mbs 8 --warmup 2 --max-tokens 16384 --systems megatron-budget-rows,megatron-budget ${ACTOR15PACK_ARGS:-} ;;
+    grpopack) section grpopack ${GRPOPACK_LIMIT:-420} python3 bench/grpo_step.py --variants ${GRPOPACK_VARIANTS:-rljob-compiled:32,rljob-compiled:32@rows,trl-nockpt} --timeout-each 130 --tag _pack ;;
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
     rolloutbase) section rolloutbase ${ROLLOUTBASE_LIMIT:-560} python3 bench/rollout.py --hf-generate-baseline --compiled --compile-probe --skip-plain-hf ${ROLLOUT_ARGS:-} ;;
     rolloutbuckets) section rolloutbuckets 300 python3 bench/rollout.py --compiled --whole-cache-row --skip-plain-hf --batches 256 ${ROLLOUT_ARGS:-} ;;

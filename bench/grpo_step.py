@@ -325,9 +325,14 @@ def main() -> int:
 
     if a.child:  # one variant, in its own process; "rljob-static:32" overrides the micro-batch
         paths = json.loads(a.paths)
-        if "@" in a.child:  # "rljob-compiled:16@auto": the actor's attention kernel order (flash | auto)
-            a.child, attention = a.child.split("@", 1)
-            os.environ["RLJOB_ATTENTION_BACKEND"] = attention
+        # "rljob-compiled:16@auto": the actor's attention kernel order (flash | auto); "@rows": micro-batches
+        # in the rows layout (RLJOB_SEQUENCE_PACKING=off) instead of concatenated
+        a.child, *options = a.child.split("@")
+        for option in options:
+            if option == "rows":
+                os.environ["RLJOB_SEQUENCE_PACKING"] = "off"
+            else:
+                os.environ["RLJOB_ATTENTION_BACKEND"] = option
         if ":" in a.child:
             a.child, mbs = a.child.split(":", 1)
             a.mbs = int(mbs)
@@ -387,11 +392,12 @@ def record_results(card: str, a, rows: list[dict]) -> None:
     trls = [r for r in ok if r["variant"].startswith("trl")]
     by_variant = {r["variant"]: r for r in ok}
     for r in ok:
-        other = by_variant.get(r["variant"].split("@")[0] + "@auto")
-        if other is not None and other is not r:  # flash first against torch's attention kernel order
-            bench_results.record(f"grpo_step {r['variant']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s",
-                                 card=card, baseline=other["variant"], baseline_value=other["tokens_per_s"],
-                                 same_run=True)
+        # flash first against torch's attention kernel order; concatenated against rows micro-batches
+        for other in (by_variant.get(r["variant"].split("@")[0] + "@auto"), by_variant.get(r["variant"] + "@rows")):
+            if other is not None and other is not r:
+                bench_results.record(f"grpo_step {r['variant']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s",
+                                     card=card, baseline=other["variant"], baseline_value=other["tokens_per_s"],
+                                     same_run=True)
         name = f"grpo_step {r['variant']}" + (f" ({r['engine']}, mbs {r['mbs']})" if r.get("engine") else "")
         if r["variant"].startswith("trl") or not trls:
             bench_results.record(name, shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card)

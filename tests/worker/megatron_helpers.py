@@ -374,6 +374,9 @@ def _scenario_cp_sp(hf_dir: str, out_dir: str) -> None:
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     results = {"cp2": run_parallel_steps(hf_dir, ParallelConfig(cp=2), dtype, ckpt_dir=out / "ckpt_cp2")}
     results["tp2_sp"] = run_parallel_steps(hf_dir, ParallelConfig(tp=2, sequence_parallel=True), dtype)
+    os.environ["RLJOB_SEQUENCE_PACKING"] = "on"  # micro-batches as one concatenated sequence, split over TP
+    results["tp2_sp_packed"] = run_parallel_steps(hf_dir, ParallelConfig(tp=2, sequence_parallel=True), dtype)
+    del os.environ["RLJOB_SEQUENCE_PACKING"]
     qwen3 = out / "hf_qwen3"
     if qwen3.exists():  # q/k norms: replicated weights with per-TP-rank partial grads, with and without SP
         results["tp2_qwen3"] = run_parallel_steps(qwen3, ParallelConfig(tp=2), dtype)

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(
 )
 # tp2_qwen3: q/k-norm grads are partial per TP rank (each normalises its own heads) and are summed
 # over TP on CPU too, as megatron's finalize_model_grads does on GPU
-LAYOUTS = {"cp2": "qwen2", "tp2_sp": "qwen2", "tp2_sp_qwen3": "qwen3", "tp2_qwen3": "qwen3"}
+# tp2_sp_packed: the same with micro-batches concatenated (packing.pack_concatenated)
+LAYOUTS = {"cp2": "qwen2", "tp2_sp": "qwen2", "tp2_sp_packed": "qwen2", "tp2_sp_qwen3": "qwen3", "tp2_qwen3": "qwen3"}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,8 @@ def test_sequence_parallel_splits_the_sequence_and_tags_norms(run):
     got = run[0]
     # SP pads to a multiple of TP (16, 14) and each TP rank's norms see half
     assert got["tp2_sp"]["seq_seen"] == [8, 7]
+    # concatenated: 15 + 7 and 11 + 13 real tokens, even already, half each
+    assert got["tp2_sp_packed"]["seq_seen"] == [11, 12]
     # FusedRMSNorm (a SequenceParallelRMSNorm) where the compiled norms are forced on
     fused = os.environ.get("RLJOB_FUSED_ELEMENTWISE") == "1"
     assert got["tp2_sp"]["norm_types"] == ["FusedRMSNorm" if fused else "SequenceParallelRMSNorm"]

@@ -43,7 +43,7 @@ from .engine_config import (
 from .errors import MegatronConfigError
 from .fused_head import fused_head_enabled, fused_token_values
 from .lora import LoraConfig
-from .packing import PackedMicroBatch, unpack
+from .packing import PackedMicroBatch
 
 __all__ = [
     "LossFn",
@@ -125,7 +125,6 @@ class MegatronActor(MegatronEngine):
     def _fused_token_values(self, hidden: torch.Tensor, packed: PackedMicroBatch, with_entropy: bool):
         """:meth:`_token_values` from the final-norm hidden state ``(b, Tc / cp, H)`` (``/ tp`` more
         columns under sequence parallelism) by :func:`.fused_head.fused_token_values`."""
-        order, lengths, t = packed.order, packed.lengths, packed.t
         targets = torch.nn.functional.pad(packed.ids[:, 1:], (0, 1))
         local_targets = split_for_cp(targets, self.cp_size, self.cp_rank)  # CP
         lp_next, ent_next = fused_token_values(hidden, self.chunks[-1], local_targets, self.mcfg.hf_vocab_size,
@@ -133,9 +132,9 @@ class MegatronActor(MegatronEngine):
         entropy = None
         if with_entropy:
             ent_next = gather_from_cp(ent_next, self.cp_group)  # CP: (b, Tc)
-            entropy = unpack(torch.nn.functional.pad(ent_next[:, :-1], (1, 0)), order, lengths, t)
+            entropy = packed.unpack(torch.nn.functional.pad(ent_next[:, :-1], (1, 0)))
         lp_next = gather_from_cp(lp_next, self.cp_group)
-        logprobs = unpack(torch.nn.functional.pad(lp_next[:, :-1], (1, 0)), order, lengths, t)
+        logprobs = packed.unpack(torch.nn.functional.pad(lp_next[:, :-1], (1, 0)))
         return logprobs, entropy
 
     def _token_values(self, logits: torch.Tensor, packed: PackedMicroBatch, with_entropy: bool):
@@ -143,17 +142,17 @@ class MegatronActor(MegatronEngine):
         (under CP: of this rank's columns, ``(b, Tc / cp, V / tp)``)."""
         from megatron.core import tensor_parallel
 
-        order, lengths, t = packed.order, packed.lengths, packed.t
-        # next-token targets aligned with the logits that predict them; the last column is a dummy
+        # next-token targets aligned with the logits that predict them (the last column, and in the
+        # concatenated layout each row's last token, predict a dummy: unpack drops what they give)
         targets = torch.nn.functional.pad(packed.ids[:, 1:], (0, 1))
         local_targets = split_for_cp(targets, self.cp_size, self.cp_rank)  # CP
         entropy = None
         if with_entropy:  # before the cross entropy, which overwrites its input in place
             ent_next = gather_from_cp(vocab_parallel_entropy(logits), self.cp_group)  # CP: (b, Tc)
-            entropy = unpack(torch.nn.functional.pad(ent_next[:, :-1], (1, 0)), order, lengths, t)
+            entropy = packed.unpack(torch.nn.functional.pad(ent_next[:, :-1], (1, 0)))
         lp_next = -tensor_parallel.vocab_parallel_cross_entropy(logits, local_targets)
         lp_next = gather_from_cp(lp_next, self.cp_group)  # CP: (b, Tl) -> (b, Tc)
-        logprobs = unpack(torch.nn.functional.pad(lp_next[:, :-1], (1, 0)), order, lengths, t)
+        logprobs = packed.unpack(torch.nn.functional.pad(lp_next[:, :-1], (1, 0)))
         return logprobs, entropy
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
@@ -192,24 +191,18 @@ class MegatronActor(MegatronEngine):
 
         def head(x: HeadInput) -> torch.Tensor:
             logits = gather_from_cp(self._mask_vocab_padding(x.output), self.cp_group)
-            return self._full_vocab_logits(logits, x.packed.order, x.packed.lengths, x.packed.t)
+            return self._full_vocab_logits(logits, x.packed)
 
         mb = {"input_ids": input_ids, "attention_mask": attention_mask}
         results = self.forward_micro_batches([mb], head)
         shape = (*input_ids.shape, self.mcfg.hf_vocab_size)
         return self.broadcast_from_last_stage(results[0] if self.is_last_stage else None, shape)
 
-    def _full_vocab_logits(self, logits, order, lengths, t: int) -> torch.Tensor:
+    def _full_vocab_logits(self, logits, packed: PackedMicroBatch) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        input_t = t
         logits = gather_from_tensor_model_parallel_region(logits)[..., : self.mcfg.hf_vocab_size]
-        b, tc, v = logits.shape
-        j = torch.arange(tc, device=logits.device)
-        logits = logits * (j[None, :] < lengths[:, None].to(logits.device))[..., None]
-        out = torch.zeros(b, max(input_t, int(order.max()) + 1), v, dtype=logits.dtype, device=logits.device)
-        out.scatter_(1, order[..., None].expand(b, tc, v).to(logits.device), logits)
-        return out[:, :input_t].cpu()
+        return packed.unpack(logits, drop_first=False).cpu()
 
     @torch.no_grad()
     def eval_loss(

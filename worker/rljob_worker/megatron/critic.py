@@ -36,7 +36,6 @@ from .engine_config import (
 )
 from .errors import MegatronConfigError
 from .lora import LoraConfig
-from .packing import unpack
 
 # loss(values (b, T), micro-batch on the device) -> (scalar loss, metrics)
 ValueLossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict[str, Any]]"]
@@ -152,7 +151,7 @@ class MegatronCritic(MegatronEngine):
         packed = x.packed
         per_token = gather_from_cp(x.output[..., 0], self.cp_group)  # (b, Tc): value after each packed token
         shifted = torch.nn.functional.pad(per_token[:, :-1], (1, 0))  # value before each packed token
-        return unpack(shifted, packed.order, packed.lengths, packed.t)
+        return packed.unpack(shifted)
 
     @torch.no_grad()
     def save_hf_value_model(self, out_dir: str | os.PathLike, tokenizer=None) -> None:

@@ -95,7 +95,15 @@ from .lora import LoraConfig, LoraState, attach_lora
 from .model_config import MegatronModelConfig, build_model_chunks, megatron_config_from_hf
 from .offload import StorageOffloader
 from .optim_step import OptimStepMixin, cpu_adamw, gpu_wrap
-from .packing import PackedMicroBatch, interleaving_group, pack, split_micro_batches, token_budget_split
+from .packing import (
+    PackedMicroBatch,
+    concatenation_wanted,
+    interleaving_group,
+    pack,
+    pack_concatenated,
+    split_micro_batches,
+    token_budget_split,
+)
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +238,9 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         self.offload_enabled = self.on_gpu or os.environ.get("RLJOB_OFFLOAD_ON_CPU") == "1"
         self._offloader = StorageOffloader(host_pin=self.on_gpu)
         self._offloaded: dict[str, bool] | None = None  # the flags of the offload in effect
+        # micro-batches as one concatenated sequence of their rows (packing.pack_concatenated): no padding
+        self.concatenate_sequences = (concatenation_wanted(self.on_gpu, dtype) and self.pp_size == 1
+                                      and self.cp_size == 1 and not moe.is_moe(hf_config) and not mcfg.uses_te)
 
     # ----------------------------------------------------------------------------------------------
     # construction
@@ -418,7 +429,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         self._require_onloaded("train_step")
         lr = self.current_lr()
         if max_tokens_per_micro_batch:
-            micro_batches = token_budget_split(batch, max_tokens_per_micro_batch)
+            micro_batches = token_budget_split(batch, max_tokens_per_micro_batch, self.concatenate_sequences)
         else:
             micro_batches = list(split_micro_batches(batch, micro_batch_size))
         n = len(micro_batches)
@@ -478,19 +489,26 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
     # one stage: the whole model on this rank
 
     def _pack_micro_batch(self, mb: dict[str, Any]) -> PackedMicroBatch:
-        input_ids = mb["input_ids"].to(self.device)
-        attention_mask = mb["attention_mask"].to(self.device)
         sp_tp = self.tp_size if self.parallel.sequence_parallel else 1
         multiple = sequence_multiple(self.cp_size, sp_tp)  # CP: 2 * cp chunks; SP: TP splits each
-        ids, order, lengths = pack(input_ids, attention_mask, multiple)
+        t = mb["input_ids"].shape[1]
+        if self.concatenate_sequences:  # bookkeeping where the batch is (the host), then one copy each
+            ids, positions, dest, lengths, segments = pack_concatenated(mb["input_ids"], mb["attention_mask"], multiple)
+            return PackedMicroBatch(ids.to(self.device), positions.to(self.device), None, lengths.to(self.device), t,
+                                    mb, segments=segments.to(self.device), dest=dest.to(self.device))
+        ids, order, lengths = pack(mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device), multiple)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        return PackedMicroBatch(ids, positions, order, lengths, input_ids.shape[1], mb)
+        return PackedMicroBatch(ids, positions, order, lengths, t, mb)
 
     def _forward_one(self, mb: dict[str, Any], needs_hidden: bool) -> HeadInput:
         """The head's input for one micro-batch through the whole model (one pipeline stage)."""
         from .context_parallel import local_positions, split_for_cp
 
         packed = self._pack_micro_batch(mb)
+        if packed.segments is not None:  # one concatenated row: attention and RoPE per segment (cp = 1, dense)
+            with self._capture_hidden(needs_hidden) as hidden:
+                output = self.model(packed.ids, packed.positions, None, packed_seq_params=packed.segments.seq_params())
+            return self._head_input(output.float(), packed, hidden, *packed.ids.shape)
         # CP: this rank's share of the columns, at their global positions (identity for cp = 1)
         local_ids = split_for_cp(packed.ids, self.cp_size, self.cp_rank)
         positions = local_positions(packed.ids.shape[1], self.cp_size, self.cp_rank, self.device)

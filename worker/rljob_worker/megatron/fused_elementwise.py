@@ -7,7 +7,8 @@ backward on a GPU) instead of the chain of eager ops the local spec runs.
 - **RoPE**: megatron's ``apply_rope_fusion`` flag, whose kernel (``fused_apply_rotary_pos_emb``) comes
   from transformer_engine; without TE it is :func:`fused_apply_rotary_pos_emb` here, megatron's own
   ``_apply_rotary_pos_emb_bshd`` compiled (same maths; cos / sin, the half rotation, multiply-add and
-  the cast in one kernel).
+  the cast in one kernel). Concatenated sequences (the ``thd`` format) take the same kernel over each
+  token's position in its own segment (:func:`fused_apply_rotary_pos_emb_thd`).
 - **RMSNorm**: :class:`FusedRMSNorm` in place of the spec's ``torch.nn.RMSNorm`` (the same module, the
   same ``weight``; ``F.rms_norm`` compiled), the block's final norm and the q/k norms included.
 
@@ -118,13 +119,35 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved
     return _compiled(_apply_rotary_pos_emb_bshd, t)(t, freqs, rotary_interleaved=interleaved)
 
 
+def segment_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``(total,) long``: each token's position within its segment of a concatenated sequence whose
+    segment boundaries are ``cu_seqlens (n + 1,)`` (no host sync)."""
+    cu = cu_seqlens.long()
+    index = torch.arange(total, device=cu.device)
+    segment = torch.searchsorted(cu[1:], index, right=True)
+    return index - cu[segment]
+
+
+def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
+                                   cp_size: int = 1, cp_rank: int = 0, **_: Any) -> torch.Tensor:
+    """The thd counterpart of :func:`fused_apply_rotary_pos_emb` (what ``apply_rope_fusion`` calls with
+    ``cu_seqlens``): ``t (tokens, heads, d)`` of concatenated segments, ``freqs (max_len, 1, 1, d_rot)``;
+    each token rotated by its position in its segment. No context parallelism."""
+    if cp_size != 1:
+        raise NotImplementedError("the compiled thd RoPE runs without context parallelism")
+    positions = segment_positions(cu_seqlens.to(t.device), t.shape[0])
+    return fused_apply_rotary_pos_emb(t[:, None], freqs[positions])[:, 0]
+
+
 def install_rope_fusion() -> None:
-    """Give megatron's ``apply_rope_fusion`` the compiled RoPE when transformer_engine's is absent
-    (idempotent; a model runs it only when its config sets ``apply_rope_fusion``)."""
+    """Give megatron's ``apply_rope_fusion`` the compiled RoPE (rows and thd) when transformer_engine's
+    is absent (idempotent; a model runs it only when its config sets ``apply_rope_fusion``)."""
     from megatron.core.models.common.embeddings import rope_utils
 
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        rope_utils.fused_apply_rotary_pos_emb_thd = fused_apply_rotary_pos_emb_thd
 
 
 # ------------------------------------------------------------------------------------------ wiring

@@ -18,6 +18,12 @@ H200), where the forward and backward take ~1 ms. A GRPO micro-batch is cut to i
 length is new most of the time; flash has no per-length cost and ran 4% slower at lengths it had seen
 (bench/NOTES.md, session 12). A GPU without flash for the dtype (fp32) falls through to the next kernel.
 
+Concatenated sequences (megatron's ``thd`` format, ``packed_seq_params`` from
+:meth:`.packing.Segments.seq_params`): query ``[t, heads, d]`` holds several rows one after another and
+each attends causally within its own segment. On a GPU in half precision that is flash attention's
+variable-length kernel (one launch for every segment; ``torch.nn.attention.varlen``); elsewhere each
+segment runs SDPA on its own, the same call the rows layout makes for that row.
+
 Context parallelism (``context_parallel_size = cp > 1``): each CP rank holds chunks ``r`` and
 ``2 cp - 1 - r`` of the sequence (see :mod:`.context_parallel`). Keys and values are all-gathered
 over the CP group (the backward sums their gradients back to the owning rank) and each local query
@@ -66,6 +72,37 @@ def _kernel_order(on_gpu: bool):
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH], set_priority=True)
+
+
+def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                  max_len: int, scale: float) -> torch.Tensor:
+    """Flash attention's variable-length kernel, causal in each segment: ``query [t, h, d]``, ``key/value
+    [t, g, d]`` (g divides h: query head i reads kv head i // (h / g), as megatron), ``cu_seqlens (n + 1,)
+    int32`` -> ``[t, h, d]``. ``torch.nn.attention.varlen.varlen_attn`` names causality ``window_size=(-1,
+    0)`` (torch >= 2.11) or ``is_causal`` (2.10) and may lack ``enable_gqa``: the keyword is read off its
+    signature, and without GQA support each kv head is repeated."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    kwargs = {"scale": scale}
+    kwargs.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    return varlen_attn(query, key, value, cu, cu, max_len, max_len, **kwargs)
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 class SDPAttention(MegatronModule):
@@ -122,9 +159,16 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not support attention bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if packed_seq_params is not None:
+            segments = getattr(packed_seq_params, "segments", None)
+            if (segments is None or packed_seq_params.qkv_format != "thd" or attention_mask is not None
+                    or mask_type != AttnMaskType.causal or self.cp_size > 1):
+                raise NotImplementedError("SDPAttention runs packed sequences as causal segments (thd, "
+                                          "packing.Segments, no context parallelism) only")
+            return self._forward_segments(query, key, value, segments)
         sq, b = query.shape[0], query.shape[1]
         if self.cp_size > 1:
             if attention_mask is not None or mask_type != AttnMaskType.causal:
@@ -157,6 +201,32 @@ class SDPAttention(MegatronModule):
                 out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         # [b, h, sq, d] -> [sq, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _forward_segments(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments) -> torch.Tensor:
+        """Causal attention within each segment of a concatenated sequence.
+
+        ``query [t, h, d]``, ``key/value [t, g, d]`` (megatron's thd format), segments: :class:`.packing.Segments`
+        -> ``[t, h*d]``."""
+        t = query.shape[0]
+        dropout_p = self.dropout_p if self.training else 0.0
+        if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0:
+            cu = segments.cu_seqlens.to(query.device)
+            out = varlen_causal(query, key, value, cu, segments.max_len, self.softmax_scale)
+            return out.reshape(t, -1)
+        kwargs = {"dropout_p": dropout_p, "is_causal": True, "scale": self.softmax_scale}
+        if self.num_heads != self.num_groups:
+            kwargs["enable_gqa"] = True
+        outs, start = [], 0
+        for n in segments.lengths:  # [n, h, d] -> [1, h, n, d], as the rows layout runs a row
+            q, k, v = (x[start:start + n].permute(1, 0, 2)[None] for x in (query, key, value))
+            with _kernel_order(q.is_cuda):
+                if dropout_p > 0.0:
+                    with tensor_parallel.get_cuda_rng_tracker().fork():
+                        outs.append(F.scaled_dot_product_attention(q, k, v, **kwargs))
+                else:
+                    outs.append(F.scaled_dot_product_attention(q, k, v, **kwargs))
+            start += n
+        return torch.cat([o[0].permute(1, 0, 2) for o in outs]).reshape(t, -1)
 
     def _forward_cp(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Causal attention of this CP rank's two query chunks against the all-gathered keys.
