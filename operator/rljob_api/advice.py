@@ -44,8 +44,9 @@ def spec_notes(spec: RLJobSpec) -> list[str]:
     budget = actor_token_budget_in_effect(spec, on_gpu=spec.device == "gpu")
     if spec.algorithm.name != AlgorithmName.SFT and budget and spec.training.max_tokens_per_micro_batch is None:
         notes.append("spec.training.maxTokensPerMicroBatch unset on a GPU without pipeline stages: actor-update "
-                     f"micro-batches group rows by length up to {budget} tokens (microBatchSizePerGpu full rows: the "
-                     "same memory bound, less padding); 0 keeps microBatchSizePerGpu rows")
+                     f"micro-batches hold up to {budget} tokens (microBatchSizePerGpu full rows: the same memory "
+                     "bound, less padding; concatenated in bf16 without context parallelism on a dense model, "
+                     "else rows grouped by length); 0 keeps microBatchSizePerGpu rows")
     if spec.algorithm.routing_replay:
         notes.append("spec.algorithm.routingReplay: the rollout engine records each token's experts and the actor's "
                      "old-policy pass and updates route to them (the reference model routes on its own); the worker "

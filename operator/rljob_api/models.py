@@ -466,15 +466,18 @@ class TrainingSpec(ApiModel):
         "SFT: data.micro_batch_size_per_gpu)", ge=1
     )
     max_tokens_per_micro_batch: int | None = _f(
-        None, "Token budget of one actor-update forward/backward on one GPU: rows sorted by length are grouped "
-        "so that rows x longest row <= this (the packed tensor the model runs), and rows are assigned to "
-        "data-parallel ranks balancing tokens (except with algorithm.klPlacement reward). Replaces "
-        "microBatchSizePerGpu for the GRPO actor update; at least "
+        None, "Token budget of one actor-update forward/backward on one GPU. On a GPU in bf16/fp16 with one "
+        "pipeline stage, no context parallelism and a dense model, a micro-batch runs as one concatenated "
+        "sequence of its rows (attention and positions per row, no padding) and the budget bounds the rows' "
+        "total; elsewhere rows sorted by length are grouped so that rows x longest row <= this (the packed "
+        "tensor the model runs). Rows are assigned to data-parallel ranks balancing tokens (except with "
+        "algorithm.klPlacement reward). Replaces microBatchSizePerGpu for the GRPO actor update; at least "
         "data.maxPromptLength + data.maxResponseLength. Unset: on a GPU without pipeline stages, "
         "microBatchSizePerGpu x (data.maxPromptLength + data.maxResponseLength), the same memory bound as "
-        "microBatchSizePerGpu rows with less padding (1.20x the actor update's tokens/s at 1.5B on an H200); "
-        "otherwise microBatchSizePerGpu rows per micro-batch (a pipeline pads every micro-batch of a step to "
-        "the most rows x the longest row among them). 0: microBatchSizePerGpu rows per micro-batch everywhere. "
+        "microBatchSizePerGpu rows with less padding (at 1.5B on an H200 the actor update's tokens/s: rows "
+        "grouped by length 1.20x microBatchSizePerGpu rows, concatenated 1.22x more); otherwise microBatchSizePerGpu rows per micro-batch (a pipeline pads "
+        "every micro-batch of a step to the most rows x the longest row among them). 0: microBatchSizePerGpu "
+        "rows per micro-batch everywhere. "
         "(verl: actor.use_dynamic_bsz + actor.ppo_max_token_len_per_gpu)", ge=0
     )
     ppo_epochs: int = _f(1, "Passes over each rollout batch. (verl: actor.ppo_epochs)", ge=1, le=64)

@@ -523,7 +523,7 @@ def test_validate_says_how_a_gpu_actor_update_cuts_its_micro_batches():
     (microBatchSizePerGpu 4 x (1024 + 2048) tokens); set, 0, on a CPU or with pipeline stages: no note."""
     code, out = rljob("validate", "-", stdin=yaml.safe_dump(gpu_job()))
     assert code == 0 and ("  note: spec.training.maxTokensPerMicroBatch unset on a GPU without pipeline stages: "
-                          "actor-update micro-batches group rows by length up to 12288 tokens") in out, out
+                          "actor-update micro-batches hold up to 12288 tokens") in out, out
     for change in ({"spec.training.maxTokensPerMicroBatch": 0}, {"spec.training.maxTokensPerMicroBatch": 20000},
                    {"spec.device": "cpu"}, {"spec.megatron.pipelineModelParallelSize": 2}):
         code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), change)))
