@@ -2,7 +2,8 @@
 
     python bench/actor_update.py --model 0.5b --mbs 4,8 [--rows 32 --steps 3 --out DIR]
 
-Random-init Qwen2.5 shapes (0.5B / 1.5B, config built in code, tied embeddings, vocab 151936), bf16.
+Random-init Qwen2.5 shapes (0.5B / 1.5B, config built in code, tied embeddings, vocab 151936; ``7b-half``:
+Qwen2.5-7B's widths at 14 of its 28 layers, untied), bf16.
 Every optimizer step trains on ``--rows`` GRPO-like rows laid out as the trainer lays them out
 (prompt left-padded, response right-padded): prompts of 128-512 tokens, responses of 32 tokens up to
 the 2048-token budget (a quarter of them at the budget, as truncated responses are in GRPO), so a
@@ -62,6 +63,10 @@ SHAPES = {
              "num_key_value_heads": 2},
     "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
              "num_key_value_heads": 2},
+    # Qwen2.5-7B's widths (untied output layer) at half its 28 layers: fits one GPU with its optimizer state, and
+    # per-layer MFU is that of the 7B model (the matmul shapes are the same)
+    "7b-half": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 14, "num_attention_heads": 28,
+                "num_key_value_heads": 4, "tie_word_embeddings": False},
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2},  # CPU smoke test only
 }
@@ -70,7 +75,7 @@ SHAPES = {
 def qwen_config(name: str, vocab: int = 151936):
     from transformers import Qwen2Config
 
-    return Qwen2Config(**SHAPES[name], vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=32768,
+    return Qwen2Config(**{"tie_word_embeddings": True, **SHAPES[name]}, vocab_size=vocab, max_position_embeddings=32768,
                        rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_cache=True, bos_token_id=0, eos_token_id=1,
                        pad_token_id=0)
 
@@ -88,16 +93,23 @@ def model_flops(cfg, lengths: list[int]) -> float:
     return float(sum(6 * matmul_params(cfg) * n + attn * n * n for n in lengths))
 
 
-def grpo_batch(rows: int, vocab: int, seed: int, seq: int = 2048) -> dict[str, torch.Tensor]:
-    """Trainer layout (rljob_worker.data.batching.pad_batch) of a GRPO-like length mix, + advantages."""
+def grpo_batch(rows: int, vocab: int, seed: int, seq: int = 2048, mix: str = "long") -> dict[str, torch.Tensor]:
+    """Trainer layout (rljob_worker.data.batching.pad_batch) of a GRPO-like length mix, + advantages.
+    ``long``: prompts of 128-512 tokens, responses up to ``seq`` in all (a quarter at the cap); ``short``: prompts
+    of 16-128 tokens, responses LogNormal(median 100, sigma 0.8) capped at ``seq`` - 128 (grpo_step's long tail)."""
     from rljob_worker.data.batching import pad_batch
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
     for _ in range(rows):
-        p = int(torch.randint(128, 513, (), generator=g))
-        budget = seq - p
-        r = budget if float(torch.rand((), generator=g)) < 0.25 else int(torch.randint(32, budget + 1, (), generator=g))
+        if mix == "short":
+            p = int(torch.randint(16, 129, (), generator=g))
+            r = max(1, min(seq - 128, int(100 * math.exp(0.8 * float(torch.randn((), generator=g))))))
+        else:
+            p = int(torch.randint(128, 513, (), generator=g))
+            budget = seq - p
+            r = budget if float(torch.rand((), generator=g)) < 0.25 else int(torch.randint(32, budget + 1, (),
+                                                                                             generator=g))
         prompts.append(torch.randint(2, vocab, (p,), generator=g).tolist())
         responses.append(torch.randint(2, vocab, (r,), generator=g).tolist())
     batch = pad_batch(prompts, responses, pad_id=0)
@@ -269,6 +281,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--mix", choices=("long", "short"), default="long", help="row lengths (grpo_batch)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--systems", default="hf-padded,hf-packed,megatron,megatron+fusedadam",
                     help="also: megatron-noelem (eager RMSNorm/RoPE/SwiGLU), megatron-unfused (that and the "
@@ -291,7 +304,7 @@ def main() -> int:
     print(f"card {card}; bf16 8192^3 matmul {matmul_tf:.0f} TFLOP/s", flush=True)
 
     cfg = qwen_config(args.model, args.vocab)
-    batches = [grpo_batch(args.rows, cfg.vocab_size, seed=100 + i, seq=args.seq)
+    batches = [grpo_batch(args.rows, cfg.vocab_size, seed=100 + i, seq=args.seq, mix=args.mix)
                for i in range(args.warmup + args.steps)]
     print(f"{args.model}: {matmul_params(cfg) / 1e6:.0f}M matmul params; rows/step {args.rows}; real tokens/step "
           f"{statistics.mean(float(b['attention_mask'].sum()) for b in batches):,.0f}; mean row "
@@ -445,7 +458,8 @@ def record_results(card: str, args, results: list[dict]) -> None:
         best[r["system"]] = max(best.get(r["system"], 0.0), r["tokens_per_s"])
     dtype = "bf16" if torch.cuda.is_available() else "fp32"
     for r in ok:
-        shape = f"{args.model}, {args.rows} rows/step, seq<={args.seq} GRPO mix, mbs {r['mbs']}, {dtype}"
+        mix = "GRPO mix" if args.mix == "long" else "short lognormal mix"
+        shape = f"{args.model}, {args.rows} rows/step, seq<={args.seq} {mix}, mbs {r['mbs']}, {dtype}"
         work = f"actor_update {r['system']}"
         kws = []
         if r["system"] == "megatron-budget":

@@ -49,7 +49,8 @@
 #             head (policy head alone: fused vs unfused log-probs + entropy, forward + backward)
 #             actor05f actor15f (actor update: fused head vs unfused vs HF packed rows, token budget) fusedtests
 #             packtests actor15pack grpopack (concatenated micro-batches: GPU tests; 1.5B update with a 16k budget,
-#             concatenated vs rows; GRPO step 0.5B concatenated vs rows vs TRL without checkpointing)
+#             concatenated vs rows; GRPO step 0.5B concatenated vs rows vs TRL without checkpointing) actor7hpack (the
+#             same at Qwen2.5-7B widths, 14 layers) gpu1tests (the one-GPU actor, critic and packing tests)
 #             actor05e (actor update: compiled RMSNorm/RoPE/SwiGLU on vs off vs HF packed rows; actor15f also
 #             compares them at 1.5B, with MFU) elemtests
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
@@ -109,6 +110,8 @@ for s in $SECTIONS; do
     grpombs) section grpombs 200 python3 bench/grpo_step.py --variants rljob-static:32,rljob-static:64 --timeout-each 95 --tag _mbs ;;
     packtests) section packtests ${PACKTESTS_LIMIT:-240} python3 -m pytest tests/worker/test_sequence_packing.py tests/worker/test_attention_backend.py -v -p no:cacheprovider -rs ;;
     actor15pack) section actor15pack ${ACTOR15PACK_LIMIT:-300} python3 bench/actor_update.py --model 1.5b --mbs 8 --warmup 2 --max-tokens 16384 --systems megatron-budget-rows,megatron-budget ${ACTOR15PACK_ARGS:-} ;;
+    actor7hpack) section actor7hpack ${ACTOR7HPACK_LIMIT:-330} python3 bench/actor_update.py --model 7b-half --mbs 4 --warmup 2 --steps 4 --max-tokens 8192 --systems megatron-budget-rows,megatron-budget ${ACTOR7HPACK_ARGS:-} ;;
+    gpu1tests) section gpu1tests ${GPU1TESTS_LIMIT:-300} python3 -m pytest -m gpu tests/worker/test_megatron_gpu.py tests/worker/test_fused_head.py tests/worker/test_critic_gpu.py tests/worker/test_sequence_packing.py -v -p no:cacheprovider -rs ;;
     grpopack) section grpopack ${GRPOPACK_LIMIT:-420} python3 bench/grpo_step.py --variants ${GRPOPACK_VARIANTS:-rljob-compiled:32,rljob-compiled:32@rows,trl-nockpt} --timeout-each 130 --tag _pack ;;
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
     rolloutbase) section rolloutbase ${ROLLOUTBASE_LIMIT:-560} python3 bench/rollout.py --hf-generate-baseline --compiled --compile-probe --skip-plain-hf ${ROLLOUT_ARGS:-} ;;

@@ -135,8 +135,22 @@ def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, fr
     each token rotated by its position in its segment. No context parallelism."""
     if cp_size != 1:
         raise NotImplementedError("the compiled thd RoPE runs without context parallelism")
-    positions = segment_positions(cu_seqlens.to(t.device), t.shape[0])
-    return fused_apply_rotary_pos_emb(t[:, None], freqs[positions])[:, 0]
+    return fused_apply_rotary_pos_emb(t[:, None], _segment_freqs(cu_seqlens, freqs, t.shape[0]))[:, 0]
+
+
+_LAST_SEGMENT_FREQS: list = [None]  # (cu_seqlens, freqs, total, per-token freqs) of the last call
+
+
+def _segment_freqs(cu_seqlens: torch.Tensor, freqs: torch.Tensor, total: int) -> torch.Tensor:
+    """``freqs`` at each token's position in its segment, ``(total, 1, 1, d_rot)``. Every layer's q and k of one
+    forward pass the same ``cu_seqlens`` and ``freqs`` objects: computed once for them (host time is what a small
+    model's layer is short of)."""
+    last = _LAST_SEGMENT_FREQS[0]
+    if last is not None and last[0] is cu_seqlens and last[1] is freqs and last[2] == total:
+        return last[3]
+    per_token = freqs[segment_positions(cu_seqlens.to(freqs.device), total)]
+    _LAST_SEGMENT_FREQS[0] = (cu_seqlens, freqs, total, per_token)
+    return per_token
 
 
 def install_rope_fusion() -> None:

@@ -21,7 +21,7 @@ length is new most of the time; flash has no per-length cost and ran 4% slower a
 Concatenated sequences (megatron's ``thd`` format, ``packed_seq_params`` from
 :meth:`.packing.Segments.seq_params`): query ``[t, heads, d]`` holds several rows one after another and
 each attends causally within its own segment. On a GPU in half precision that is flash attention's
-variable-length kernel (one launch for every segment; ``torch.nn.attention.varlen``); elsewhere each
+variable-length kernel (one launch for every segment); elsewhere each
 segment runs SDPA on its own, the same call the rows layout makes for that row.
 
 Context parallelism (``context_parallel_size = cp > 1``): each CP rank holds chunks ``r`` and
@@ -78,31 +78,12 @@ def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
                   max_len: int, scale: float) -> torch.Tensor:
     """Flash attention's variable-length kernel, causal in each segment: ``query [t, h, d]``, ``key/value
     [t, g, d]`` (g divides h: query head i reads kv head i // (h / g), as megatron), ``cu_seqlens (n + 1,)
-    int32`` -> ``[t, h, d]``. ``torch.nn.attention.varlen.varlen_attn`` names causality ``window_size=(-1,
-    0)`` (torch >= 2.11) or ``is_causal`` (2.10) and may lack ``enable_gqa``: the keyword is read off its
-    signature, and without GQA support each kv head is repeated."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = _varlen_params()
-    kwargs = {"scale": scale}
-    kwargs.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
-    if key.shape[1] != query.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            repeat = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    int32`` -> ``[t, h, d]``. The aten op itself (differentiable in C++): ``torch.nn.attention.varlen.varlen_attn``
+    wraps the same kernel in a Python custom op whose dispatch costs more host time per call than a small
+    model's layer takes on the GPU (measured at 0.5B, bench/NOTES.md)."""
     cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
-    return varlen_attn(query, key, value, cu, cu, max_len, max_len, **kwargs)
-
-
-@functools.cache
-def _varlen_params() -> frozenset[str]:
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
+    return torch.ops.aten._flash_attention_forward(query, key, value, cu, cu, max_len, max_len, 0.0, True, False,
+                                                   scale=scale)[0]
 
 
 class SDPAttention(MegatronModule):
