@@ -106,9 +106,11 @@ def tol(hf_dir):
     return H.reorder_bounds(hf_dir, _IDS, _MASK)
 
 
-def _actor(hf_dir, concatenated: bool, fused_elementwise: bool = False) -> MegatronActor:
+def _actor(hf_dir, concatenated: bool, fused_elementwise: bool = False, recompute: str = "none") -> MegatronActor:
+    from rljob_worker.megatron.engine_config import RecomputeConfig
+
     actor = MegatronActor.from_hf(hf_dir, ParallelConfig(), OptimConfig(lr=1e-3), seed=1,
-                                  fused_elementwise=fused_elementwise)
+                                  fused_elementwise=fused_elementwise, recompute=RecomputeConfig(recompute))
     actor.concatenate_sequences = concatenated
     return actor
 
@@ -140,8 +142,8 @@ def test_concatenated_log_probs_entropy_and_logits_equal_the_rows_layout(hf_dir,
     assert float((logits - want).abs().max() / want.abs().max()) <= tol["logit"]
 
 
-def _update(hf_dir, concatenated: bool, **split) -> tuple[dict, dict]:
-    actor = _actor(hf_dir, concatenated)
+def _update(hf_dir, concatenated: bool, recompute: str = "none", **split) -> tuple[dict, dict]:
+    actor = _actor(hf_dir, concatenated, recompute=recompute)
     grads, step = {}, actor._cpu_step
 
     def snapshot_then_step(lr):
@@ -159,11 +161,14 @@ def _update(hf_dir, concatenated: bool, **split) -> tuple[dict, dict]:
 
 
 @cpu_path
-@pytest.mark.parametrize("split", [{"micro_batch_size": 2}, {"micro_batch_size": 1, "max_tokens_per_micro_batch": 26}],
-                         ids=["two-rows", "budget-26"])
+@pytest.mark.parametrize("split", [{"micro_batch_size": 2}, {"micro_batch_size": 1, "max_tokens_per_micro_batch": 26},
+                                   {"micro_batch_size": 2, "recompute": "full"},
+                                   {"micro_batch_size": 2, "recompute": "selective"}],
+                         ids=["two-rows", "budget-26", "full-recompute", "selective-recompute"])
 def test_concatenated_update_gives_the_rows_layouts_gradient(hf_dir, tol, split):
     """A budget of 26 concatenated tokens packs first-fit [15, 11] and [13, 7]: other micro-batches than the rows
-    layout's (2 rows each), the same mini-batch gradient (the loss is normalised over the whole mini-batch)."""
+    layout's (2 rows each), the same mini-batch gradient (the loss is normalised over the whole mini-batch).
+    Recomputed layers (full) and recomputed core attention (selective) get the segments again in the backward."""
     want, want_metrics = _update(hf_dir, False, micro_batch_size=2)
     got, metrics = _update(hf_dir, True, **split)
     assert got.keys() == want.keys() and len(got) > 10
