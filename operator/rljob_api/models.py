@@ -466,8 +466,9 @@ class TrainingSpec(ApiModel):
         "SFT: data.micro_batch_size_per_gpu)", ge=1
     )
     max_tokens_per_micro_batch: int | None = _f(
-        None, "Token budget of one actor-update forward/backward on one GPU. On a GPU in bf16/fp16 with one "
-        "pipeline stage, no context parallelism and a dense model, a micro-batch runs as one concatenated "
+        None, "Token budget of one actor-update forward/backward on one GPU. On a GPU in bf16/fp16 with the "
+        "local layer spec (no transformer_engine), without context parallelism, on a dense model, a micro-batch "
+        "runs as one concatenated "
         "sequence of its rows (attention and positions per row, no padding) and the budget bounds the rows' "
         "total; elsewhere rows sorted by length are grouped so that rows x longest row <= this (the packed "
         "tensor the model runs). Rows are assigned to data-parallel ranks balancing tokens (except with "

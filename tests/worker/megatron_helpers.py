@@ -536,6 +536,11 @@ def _scenario_pp2(models_root: str, out_dir: str) -> None:
         if name == "qwen2_tied":
             actor.save_hf_checkpoint(out / "hf_export_tied")
     results["mixed"] = _mix_tp_and_pp_checkpoints(root / "llama", out)
+    os.environ["RLJOB_SEQUENCE_PACKING"] = "on"  # micro-batches concatenated: (1, longest total) through the stages
+    for name, vpp in (("qwen2_tied", None), ("llama4", 2)):
+        actor = MegatronActor.from_hf(root / name, ParallelConfig(pp=2, vpp=vpp), OptimConfig(lr=1e-3), seed=1)
+        results[f"{name}_concatenated"] = pp_steps(actor)
+    del os.environ["RLJOB_SEQUENCE_PACKING"]
     torch.save(results, out / f"pp2_rank{dist.get_rank()}.pt")
 
 

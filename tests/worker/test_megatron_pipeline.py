@@ -56,10 +56,16 @@ def _tol(run, name) -> dict:
     return H.reorder_bounds(run["models"] / name, *H.sample_batch())
 
 
-@pytest.mark.parametrize("name", MODELS)
+# the same steps with micro-batches concatenated (packing.pack_concatenated): every micro-batch of a call runs
+# (1, the longest total), its padding a segment of its own; compared with PP=1 in the rows layout
+CONCATENATED = [f"{name}_concatenated" for name in ("qwen2_tied", "llama4")]
+
+
+@pytest.mark.parametrize("name", MODELS + CONCATENATED)
 def test_pp2_logprobs_entropy_and_logits_equal_pp1(run, pp1, name):
-    got, want = run["rank0"][name], pp1[name]
-    tol = _tol(run, name)
+    model = name.removesuffix("_concatenated")
+    got, want = run["rank0"][name], pp1[model]
+    tol = _tol(run, model)
     assert _rel_err(got["logits"], want["logits"]) <= tol["logit"]
     for key, bound in (("logprobs", tol["lp"]), ("entropy", tol["ent"])):
         assert (got[key] - want[key]).abs().max() <= bound, key
@@ -68,10 +74,11 @@ def test_pp2_logprobs_entropy_and_logits_equal_pp1(run, pp1, name):
         assert torch.equal(run["rank1"][name][key], got[key]), key
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", MODELS + CONCATENATED)
 def test_pp2_updates_equal_pp1(run, pp1, name):
-    got, want = run["rank0"][name], pp1[name]
-    tol = _tol(run, name)
+    model = name.removesuffix("_concatenated")
+    got, want = run["rank0"][name], pp1[model]
+    tol = _tol(run, model)
     assert run["rank1"][name]["updates"] == got["updates"]  # metrics on every rank
     # the second update and everything after follow Adam steps: taken as within the pre-step bounds (a
     # gradient within rounding of zero could flip its sign-normalised step; no rounding bound covers it)

@@ -22,7 +22,8 @@ schedule): each rank builds its chunks (embedding on the first stage, final norm
 the last) and runs megatron's own schedules (``get_forward_backward_func``) over the packed
 micro-batches. Every micro-batch of one call runs at one shape, (micro-batch size, the call's longest
 packed row), padded at the end (causal attention: trailing padding changes nothing before it), so
-stages know each activation's shape without exchanging it. Megatron's alternative,
+stages know each activation's shape without exchanging it; concatenated micro-batches (:mod:`.packing`) run
+``(1, the call's largest total)``, their padding a segment of its own. Megatron's alternative,
 ``variable_seq_lengths``, exchanges shapes through batched p2p in an order that, with interleaving at
 PP=2 (previous and next stage are one peer), pairs an activation's shape with a gradient's: it
 deadlocks (and costs a shape round trip per transfer). The price is padding work on micro-batches
@@ -239,8 +240,8 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         self._offloader = StorageOffloader(host_pin=self.on_gpu)
         self._offloaded: dict[str, bool] | None = None  # the flags of the offload in effect
         # micro-batches as one concatenated sequence of their rows (packing.pack_concatenated): no padding
-        self.concatenate_sequences = (concatenation_wanted(self.on_gpu, dtype) and self.pp_size == 1
-                                      and self.cp_size == 1 and not moe.is_moe(hf_config) and not mcfg.uses_te)
+        self.concatenate_sequences = (concatenation_wanted(self.on_gpu, dtype) and self.cp_size == 1
+                                      and not moe.is_moe(hf_config) and not mcfg.uses_te)
 
     # ----------------------------------------------------------------------------------------------
     # construction
@@ -575,7 +576,8 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
             self._replay_routing(item, rows, cols, cp=False)  # CP does not run with PP
             # stages after the first take their input from the previous stage (set by the schedule)
             with self._capture_hidden(needs_hidden and self.is_last_stage) as hidden:
-                output = model(*item.padded_to(rows, cols), None, **extra)
+                ids, positions, segments = item.padded_to(rows, cols)
+                output = model(ids, positions, None, **extra, **segments)
             captured[0] = hidden[0] if hidden else None
             return output, functools.partial(loss_func, item)
 

@@ -29,8 +29,8 @@ CONCATENATION_VAR = "RLJOB_SEQUENCE_PACKING"
 
 
 def concatenation_wanted(on_gpu: bool, dtype: torch.dtype) -> bool:
-    """Whether micro-batches run concatenated where the layout allows it (one pipeline stage, no context
-    parallelism, dense model, the local layer spec): ``RLJOB_SEQUENCE_PACKING=on|off``, or ``auto`` (the
+    """Whether micro-batches run concatenated where the layout allows it (no context parallelism, a dense
+    model, the local layer spec): ``RLJOB_SEQUENCE_PACKING=on|off``, or ``auto`` (the
     default: on a GPU in half precision, where flash attention's varlen kernel runs every segment in one
     launch; CPU runs keep rows, each segment there being its own attention call)."""
     choice = os.environ.get(CONCATENATION_VAR, "auto")
@@ -91,6 +91,14 @@ class Segments:
 
     def to(self, device) -> Segments:
         return Segments(self.cu_seqlens.to(device), self.lengths)
+
+    def padded_to(self, total: int) -> Segments:
+        """These segments and one of padding after them, ``total`` tokens in all (themselves if they fill it)."""
+        pad = total - int(sum(self.lengths))
+        if pad <= 0:
+            return self
+        end = self.cu_seqlens[-1:] + pad
+        return Segments(torch.cat([self.cu_seqlens, end.to(self.cu_seqlens.dtype)]), (*self.lengths, pad))
 
     def seq_params(self):
         """megatron's ``PackedSeqParams`` for these segments (``qkv_format="thd"``); it carries them as
@@ -207,12 +215,15 @@ class PackedMicroBatch:
                                        self.rows, self.t, drop_first)
         return unpack(values, self.order.to(values.device), self.lengths.to(values.device), self.t, drop_first)
 
-    def padded_to(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, positions) padded to ``(rows, cols)`` with token 0 at the end of rows and columns."""
+    def padded_to(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """(ids, positions, model keywords) padded to ``(rows, cols)`` with token 0 at the end of rows and
+        columns (concatenated: ``rows`` is 1 and the padding is a segment of its own)."""
         b, tc = self.ids.shape
         ids = torch.nn.functional.pad(self.ids, (0, cols - tc, 0, rows - b))
-        positions = torch.arange(cols, device=ids.device).expand_as(ids)
-        return ids, positions
+        if self.segments is None:
+            return ids, torch.arange(cols, device=ids.device).expand_as(ids), {}
+        positions = torch.cat([self.positions, torch.arange(cols - tc, device=ids.device)[None]], dim=1)
+        return ids, positions, {"packed_seq_params": self.segments.padded_to(cols).seq_params()}
 
     def padding_mask(self, rows: int, cols: int) -> torch.Tensor:
         """``(rows, cols) bool``, True where :meth:`padded_to` put padding (a filler: everywhere)."""
