@@ -80,3 +80,28 @@ def test_the_gpu_default_never_runs_a_larger_tensor_than_row_micro_batches():
         groups = token_budget_micro_batches(lengths, mbs * row)
         assert all(micro_batch_cost(lengths, g) <= mbs * row for g in groups)
         assert len(groups) <= -(-len(lengths) // mbs)
+
+
+def test_concatenated_micro_batches_fill_first_fit_by_total():
+    lengths = [100, 30, 400, 90, 30, 200]
+    # total <= 400, longest first: 400 alone; 200 then 100 and 90 (390); 30 -> 200's bin is 390 + 30 > 400, new
+    assert token_budget_micro_batches(lengths, 400, cost="sum") == [[2], [0, 3, 5], [1, 4]]
+    assert micro_batch_cost(lengths, [0, 3, 5], cost="sum") == 390
+
+
+def test_concatenated_budget_covers_every_row_once_within_its_total():
+    """Whatever the lengths, every row once and no micro-batch over the budget (a longer row alone); never more
+    micro-batches than the rows layout needs for the same budget (a total never exceeds rows x longest)."""
+    rng = random.Random(1)
+    for _ in range(200):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 40))]
+        budget = rng.randint(50, 1200)
+        mbs = token_budget_micro_batches(lengths, budget, cost="sum")
+        assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
+        assert all(micro_batch_cost(lengths, mb, cost="sum") <= budget or len(mb) == 1 for mb in mbs)
+        assert len(mbs) <= len(token_budget_micro_batches(lengths, budget))
+
+
+def test_an_unknown_cost_is_refused():
+    with pytest.raises(ValueError, match="cost must be 'rows' or 'sum'"):
+        token_budget_micro_batches([1], 10, cost="tokens")
