@@ -45,7 +45,7 @@ def spec_notes(spec: RLJobSpec) -> list[str]:
     if spec.algorithm.name != AlgorithmName.SFT and budget and spec.training.max_tokens_per_micro_batch is None:
         notes.append("spec.training.maxTokensPerMicroBatch unset on a GPU without pipeline stages: actor-update "
                      f"micro-batches hold up to {budget} tokens (microBatchSizePerGpu full rows: the same memory "
-                     "bound, less padding; concatenated in bf16 without context parallelism on a dense model, "
+                     "bound, less padding; concatenated in bf16 without context parallelism, "
                      "else rows grouped by length); 0 keeps microBatchSizePerGpu rows")
     if spec.algorithm.routing_replay:
         notes.append("spec.algorithm.routingReplay: the rollout engine records each token's experts and the actor's "

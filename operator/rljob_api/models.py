@@ -467,7 +467,7 @@ class TrainingSpec(ApiModel):
     )
     max_tokens_per_micro_batch: int | None = _f(
         None, "Token budget of one actor-update forward/backward on one GPU. On a GPU in bf16/fp16 with the "
-        "local layer spec (no transformer_engine), without context parallelism, on a dense model, a micro-batch "
+        "local layer spec (no transformer_engine) and without context parallelism, a micro-batch "
         "runs as one concatenated "
         "sequence of its rows (attention and positions per row, no padding) and the budget bounds the rows' "
         "total; elsewhere rows sorted by length are grouped so that rows x longest row <= this (the packed "

@@ -643,6 +643,13 @@ def _scenario_moe_pp2(
             root / name, ParallelConfig(pp=2), OptimConfig(lr=1e-3, grad_clip=100.0), dtype=dtype, seed=1
         )
         results[name] = moe_pp_steps(actor, out / f"ckpt_{tag}_{name}")
+    if dtype == torch.float32:  # micro-batches concatenated, the padding mask over the padding segment
+        os.environ["RLJOB_SEQUENCE_PACKING"] = "on"
+        actor = MegatronActor.from_hf(
+            root / "qwen2_moe", ParallelConfig(pp=2), OptimConfig(lr=1e-3, grad_clip=100.0), dtype=dtype, seed=1
+        )
+        results["qwen2_moe_concatenated"] = moe_pp_steps(actor)
+        del os.environ["RLJOB_SEQUENCE_PACKING"]
     torch.save(results, out / f"{tag}_rank{dist.get_rank()}.pt")
 
 

@@ -71,10 +71,15 @@ def test_each_stage_builds_its_own_layers_with_global_numbers(run, pp1):
     assert last["moe_layers"] == ["MLP"] and last["local_experts"] == []
 
 
-@pytest.mark.parametrize("name", MODELS)
+# qwen2_moe again with micro-batches concatenated (packing.pack_concatenated), against PP=1 in rows
+WITH_CONCATENATED = [*MODELS, "qwen2_moe_concatenated"]
+
+
+@pytest.mark.parametrize("name", WITH_CONCATENATED)
 def test_moe_pp2_logprobs_entropy_and_logits_equal_pp1(run, pp1, name):
-    got, want = run["rank0"][name], pp1[name]
-    tol = _tol(run, name)
+    model = name.removesuffix("_concatenated")
+    got, want = run["rank0"][name], pp1[model]
+    tol = _tol(run, model)
     assert _rel_err(got["logits"], want["logits"]) <= tol["logit"]
     for key, bound in (("logprobs", tol["lp"]), ("entropy", tol["ent"])):
         assert (got[key] - want[key]).abs().max() <= bound, key
@@ -82,10 +87,11 @@ def test_moe_pp2_logprobs_entropy_and_logits_equal_pp1(run, pp1, name):
         assert torch.equal(run["rank1"][name][key], got[key]), key  # broadcast from the last stage
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", WITH_CONCATENATED)
 def test_moe_pp2_updates_equal_pp1(run, pp1, name):
-    got, want = run["rank0"][name], pp1[name]
-    tol = _tol(run, name)
+    model = name.removesuffix("_concatenated")
+    got, want = run["rank0"][name], pp1[model]
+    tol = _tol(run, model)
     assert run["rank1"][name]["updates"] == got["updates"]  # metrics on every rank
     # the second update and everything after follow Adam steps: taken as within the pre-step bounds (a
     # gradient within rounding of zero could flip its sign-normalised step; no rounding bound covers it)

@@ -10,6 +10,7 @@ and the trainer's log-probs match the rollout's.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -230,6 +231,9 @@ LAYOUTS = {
     "pp2_recompute": ParallelConfig(pp=2),
     "cp2": ParallelConfig(cp=2),
     "ep2": ParallelConfig(ep=2),
+    # micro-batches concatenated (packing.pack_concatenated): the recorded experts follow each token there too
+    "tp2_sp_concatenated": ParallelConfig(tp=2, sequence_parallel=True),
+    "pp2_recompute_concatenated": ParallelConfig(pp=2),
 }
 
 
@@ -255,6 +259,7 @@ def _scenario_replay_layouts(hf_dir: str, out_dir: str) -> None:
     for name, parallel in LAYOUTS.items():
         MoEAuxLossAutoScaler.main_loss_backward_scale = None  # process-wide state the next layout's schedule sets
         recompute = RecomputeConfig("full", "uniform", 1) if "recompute" in name else None
+        os.environ["RLJOB_SEQUENCE_PACKING"] = "on" if name.endswith("_concatenated") else "off"
         results[name] = replay_steps(hf_dir, parallel, recompute)
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()

@@ -273,3 +273,45 @@ def test_gpu_bf16_concatenated_log_probs_are_as_close_to_fp32_as_the_rows_layout
     rows_err = (logprobs(torch.bfloat16, False) - reference)[valid].abs().mean()
     cat_err = (logprobs(torch.bfloat16, True) - reference)[valid].abs().mean()
     assert 0 < cat_err <= 1.5 * rows_err, (float(cat_err), float(rows_err))
+
+
+@cpu_path
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_concatenated_mixture_of_experts_equals_the_rows_layout(tmp_path, arch):
+    """Routers see each token once either way: log-probs, and an update's loss, load-balancing loss (real tokens
+    only: the padding mask covers the concatenated sequence's padding) and gradient norm, within the model's
+    reordering bounds."""
+    hf = H.make_tiny_hf_model(arch, tmp_path / arch)
+    tol = H.reorder_bounds(hf, _IDS, _MASK)
+    batch = {"input_ids": _IDS, "attention_mask": _MASK}
+    got = {}
+    for concatenated in (False, True):
+        actor = _actor(hf, concatenated)
+        logprobs = actor.compute_logprobs(batch, micro_batch_size=2)["logprobs"]
+        got[concatenated] = (logprobs, actor.update(batch, H.seq_nll_loss, micro_batch_size=2, with_entropy=True))
+    assert (got[True][0] - got[False][0]).abs().max() <= tol["lp"]
+    want = got[False][1]
+    bounds = H.metric_bounds(tol, want)
+    assert want["moe_aux_loss"] > 0
+    for key in ("loss", "entropy", "grad_norm", "moe_aux_loss"):
+        assert got[True][1][key] == pytest.approx(want[key], abs=bounds[key]), key
+
+
+@cpu_path
+def test_concatenated_routing_replay_routes_each_token_to_its_recorded_experts(tmp_path):
+    """Replayed routing reaches each token in the concatenated layout: random recorded experts move the log-probs
+    exactly as in the rows layout (within rounding), far from the routers' own choice."""
+    from test_routing_replay import random_routing
+
+    hf = H.make_tiny_hf_model("qwen3_moe", tmp_path / "moe")
+    routed = random_routing(*_IDS.shape, 2)
+    tol = H.reorder_bounds(hf, _IDS, _MASK)["lp"]
+    got = {}
+    for concatenated in (False, True):
+        actor = _actor(hf, concatenated)
+        actor.enable_routing_replay()
+        got[concatenated] = actor.compute_logprobs({"input_ids": _IDS, "attention_mask": _MASK,
+                                                    "routed_experts": routed}, micro_batch_size=2)["logprobs"]
+        own = actor.compute_logprobs({"input_ids": _IDS, "attention_mask": _MASK}, micro_batch_size=2)["logprobs"]
+    assert (got[True] - got[False]).abs().max() <= tol
+    assert (got[True] - own)[valid_logprob_mask(_MASK)].abs().max() > 4 * tol

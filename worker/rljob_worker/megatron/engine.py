@@ -240,8 +240,7 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         self._offloader = StorageOffloader(host_pin=self.on_gpu)
         self._offloaded: dict[str, bool] | None = None  # the flags of the offload in effect
         # micro-batches as one concatenated sequence of their rows (packing.pack_concatenated): no padding
-        self.concatenate_sequences = (concatenation_wanted(self.on_gpu, dtype) and self.cp_size == 1
-                                      and not moe.is_moe(hf_config) and not mcfg.uses_te)
+        self.concatenate_sequences = concatenation_wanted(self.on_gpu, dtype) and self.cp_size == 1 and not mcfg.uses_te
 
     # ----------------------------------------------------------------------------------------------
     # construction
@@ -506,9 +505,13 @@ class MegatronEngine(OptimStepMixin, EngineStateMixin):
         from .context_parallel import local_positions, split_for_cp
 
         packed = self._pack_micro_batch(mb)
-        if packed.segments is not None:  # one concatenated row: attention and RoPE per segment (cp = 1, dense)
+        if packed.segments is not None:  # one concatenated row: attention and RoPE per segment (cp = 1)
+            ids, positions, extra = packed.padded_to(*packed.ids.shape)
+            if moe.is_moe(self.hf_config):  # the router's load-balancing loss counts real tokens only
+                extra["padding_mask"] = packed.padding_mask(*packed.ids.shape)
+            self._replay_routing(packed, *packed.ids.shape, cp=False)
             with self._capture_hidden(needs_hidden) as hidden:
-                output = self.model(packed.ids, packed.positions, None, packed_seq_params=packed.segments.seq_params())
+                output = self.model(ids, positions, None, **extra)
             return self._head_input(output.float(), packed, hidden, *packed.ids.shape)
         # CP: this rank's share of the columns, at their global positions (identity for cp = 1)
         local_ids = split_for_cp(packed.ids, self.cp_size, self.cp_rank)

@@ -29,8 +29,8 @@ CONCATENATION_VAR = "RLJOB_SEQUENCE_PACKING"
 
 
 def concatenation_wanted(on_gpu: bool, dtype: torch.dtype) -> bool:
-    """Whether micro-batches run concatenated where the layout allows it (no context parallelism, a dense
-    model, the local layer spec): ``RLJOB_SEQUENCE_PACKING=on|off``, or ``auto`` (the
+    """Whether micro-batches run concatenated where the layout allows it (no context parallelism, the local
+    layer spec): ``RLJOB_SEQUENCE_PACKING=on|off``, or ``auto`` (the
     default: on a GPU in half precision, where flash attention's varlen kernel runs every segment in one
     launch; CPU runs keep rows, each segment there being its own attention call)."""
     choice = os.environ.get(CONCATENATION_VAR, "auto")
@@ -227,8 +227,12 @@ class PackedMicroBatch:
 
     def padding_mask(self, rows: int, cols: int) -> torch.Tensor:
         """``(rows, cols) bool``, True where :meth:`padded_to` put padding (a filler: everywhere)."""
-        real = torch.arange(cols, device=self.ids.device)[None, :] < self.lengths[:, None]
-        real = torch.nn.functional.pad(real, (0, 0, 0, rows - real.shape[0]))
+        if self.segments is not None:  # (1, L): the trailing padding segment's tokens have no place in the grid
+            real = (self.dest < self.rows * self.t)[None]
+            real = torch.nn.functional.pad(real, (0, cols - real.shape[1]))
+        else:
+            real = torch.arange(cols, device=self.ids.device)[None, :] < self.lengths[:, None]
+            real = torch.nn.functional.pad(real, (0, 0, 0, rows - real.shape[0]))
         return torch.ones_like(real) if self.filler else ~real
 
 

@@ -76,17 +76,23 @@ def install(chunks: list[torch.nn.Module]) -> list[TokenRoutingReplay]:
 def router_tokens(routed: torch.Tensor, packed: PackedMicroBatch, *, rows: int, cols: int, cp_size: int,
                   cp_rank: int, sp_size: int, sp_rank: int) -> torch.Tensor:
     """``routed (b, T, L, k)`` of a micro-batch (original columns) -> ``(tokens, L, k)`` in the order this rank's
-    routers see the packed tokens: rows padded to ``rows`` x ``cols`` (pipeline schedules pad micro-batches to one
-    shape), this rank's CP columns, transposed to megatron's (s, b), this rank's sequence-parallel share."""
+    routers see the packed tokens (rows or concatenated, :mod:`.packing`): rows padded to ``rows`` x ``cols``
+    (pipeline schedules pad micro-batches to one shape), this rank's CP columns, transposed to megatron's (s, b),
+    this rank's sequence-parallel share."""
     b, t, layers, k = routed.shape
-    order = packed.order.to(routed.device)
-    tc = order.shape[1]
-    if tc > t:  # pack added columns (sequence parallel rounding): they are padding
-        routed = torch.cat([routed, routed[:, :1].expand(b, tc - t, layers, k)], dim=1)
-    gathered = routed.gather(1, order[:, :, None, None].expand(b, tc, layers, k))
     fill = torch.arange(k, dtype=routed.dtype, device=routed.device)
-    pad = torch.arange(tc, device=routed.device)[None, :] >= packed.lengths.to(routed.device)[:, None]
-    gathered = torch.where(pad[:, :, None, None], fill, gathered)
+    if packed.segments is not None:  # concatenated: each token's flat place in the grid, padding after it
+        flat = torch.cat([routed.reshape(b * t, layers, k), fill.expand(1, layers, k)])
+        gathered = flat.index_select(0, packed.dest.to(routed.device))[None]
+    else:
+        order = packed.order.to(routed.device)
+        tc = order.shape[1]
+        if tc > t:  # pack added columns (sequence parallel rounding): they are padding
+            routed = torch.cat([routed, routed[:, :1].expand(b, tc - t, layers, k)], dim=1)
+        gathered = routed.gather(1, order[:, :, None, None].expand(b, tc, layers, k))
+        pad = torch.arange(tc, device=routed.device)[None, :] >= packed.lengths.to(routed.device)[:, None]
+        gathered = torch.where(pad[:, :, None, None], fill, gathered)
+    b, tc = gathered.shape[:2]
     if (rows, cols) != (b, tc):
         full = fill.repeat(rows, cols, layers, 1)
         full[:b, :tc] = gathered
