@@ -188,10 +188,34 @@ def seq_nll_loss(logprobs, entropy, mb):
     return loss, metrics
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, never handed out before by this process, drawn below the kernel's
+    ephemeral range: outgoing connections (gloo pairs, the rendezvous store, HTTP clients) take their source
+    ports from that range, and in CI one took a port the kernel had handed out as free before the service bound
+    it (a metrics port, between a killed run and its resume). As tests/conftest.py's free_ports, which test
+    modules cannot import."""
+    import random
+
+    try:
+        high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    low = 10000 if high - 10000 >= 1000 else 1024
+    for _ in range(20000):
+        port = random.randrange(low, high)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port on 127.0.0.1 below the ephemeral range")
 
 
 def run_torchrun(

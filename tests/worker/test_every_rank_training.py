@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,9 @@ import numpy as np
 import pytest
 import yaml
 from rljob_worker.rollout.every_rank import prompt_shares
+
+sys.path.insert(0, str(Path(__file__).parent))
+from megatron_helpers import free_port  # a helper module beside this file
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).with_name("trainer_harness.py")
@@ -35,12 +37,6 @@ def every_rank_spec(nproc: int, prompts: int, **megatron) -> dict:
     spec["checkpoint"].update(saveFreq=-1, exportHf=False)
     spec["metrics"]["enabled"] = False
     return spec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(spec: dict, workdir: Path, nproc: int) -> list[dict]:
