@@ -283,7 +283,7 @@ def print_table(card: str, a, rows: list[dict]) -> None:
     print("| variant | step s (median) | tokens/s | vs TRL | rollout | (reward) | old_logprob | ref_logprob | "
           "actor_update | weight_sync | other | rollout tok/s | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    trl = next((r["tokens_per_s"] for r in rows if r.get("variant") == "trl" and "tokens_per_s" in r), None)
+    trl = next((r["tokens_per_s"] for r in rows if str(r.get("variant", "")).startswith("trl") and "tokens_per_s" in r), None)
 
     def f(r, k, spec=".2f"):
         return format(r[k], spec) if r.get(k) is not None else "-"
@@ -314,6 +314,10 @@ def main() -> int:
     ap.add_argument("--kl-coef", type=float, default=0.0)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variant list this many times in turn (rljob, TRL, rljob, TRL, ...); each "
+                         "round's ratios are against that round's baseline, so drift of the card or host "
+                         "between variants shows as spread across rounds instead of as one ratio")
     ap.add_argument("--timeout-each", type=float, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="")
@@ -356,8 +360,8 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                   if k not in ("variants", "child", "paths", "out", "timeout_each", "tag")]
-    for variant in a.variants.split(","):
+                   if k not in ("variants", "child", "paths", "out", "timeout_each", "tag", "rounds")]
+    for round_index, variant in ((r, v) for r in range(a.rounds) for v in a.variants.split(",")):
         result_file = root / f"{variant.replace(':', '_mbs')}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), f"--child={variant}",
                f"--paths={json.dumps({**paths, 'result': str(result_file)})}", *passthrough]
@@ -373,22 +377,28 @@ def main() -> int:
             traceback.print_exc()
             row = {"variant": variant, "error": f"{type(exc).__name__}: {exc}"}
         row["wall_s"] = time.perf_counter() - t0
+        row["round"] = round_index
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out / f"grpo_step{a.tag}.json").write_text(json.dumps({"card": card, "args": vars(a), "rows": rows},
                                                                indent=1))
-    print_table(card, a, rows)
-    record_results(card, a, rows)
+    for round_index in range(a.rounds):
+        round_rows = [r for r in rows if r["round"] == round_index]
+        if a.rounds > 1:
+            print(f"\n### round {round_index + 1} of {a.rounds}")
+        print_table(card, a, round_rows)
+        record_results(card, a, round_rows, round_index if a.rounds > 1 else None)
     return 0
 
 
-def record_results(card: str, a, rows: list[dict]) -> None:
-    """One results.jsonl line per rljob variant and TRL baseline measured in this run (tokens/s)."""
+def record_results(card: str, a, rows: list[dict], round_index: int | None = None) -> None:
+    """One results.jsonl line per rljob variant and TRL baseline measured in this run (tokens/s); with
+    rounds, one set per round, each against its own round's baseline."""
     import results as bench_results
 
     ok = [r for r in rows if "tokens_per_s" in r]
     shape = (f"{a.model}, {a.prompts} prompts x {a.n}, {a.prompt_len}+{a.new_tokens} tokens, beta {a.kl_coef}, "
-             f"bf16")
+             f"bf16" + (f", round {round_index + 1} of {a.rounds}" if round_index is not None else ""))
     trls = [r for r in ok if r["variant"].startswith("trl")]
     by_variant = {r["variant"]: r for r in ok}
     for r in ok:
