@@ -96,13 +96,16 @@ def model_flops(cfg, lengths: list[int]) -> float:
 def grpo_batch(rows: int, vocab: int, seed: int, seq: int = 2048, mix: str = "long") -> dict[str, torch.Tensor]:
     """Trainer layout (rljob_worker.data.batching.pad_batch) of a GRPO-like length mix, + advantages.
     ``long``: prompts of 128-512 tokens, responses up to ``seq`` in all (a quarter at the cap); ``short``: prompts
-    of 16-128 tokens, responses LogNormal(median 100, sigma 0.8) capped at ``seq`` - 128 (grpo_step's long tail)."""
+    of 16-128 tokens, responses LogNormal(median 100, sigma 0.8) capped at ``seq`` - 128 (grpo_step's long tail);
+    ``fixed``: 128-token prompts and exactly ``seq`` - 128 response tokens (grpo_step's TRL workload at seq 384)."""
     from rljob_worker.data.batching import pad_batch
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
     for _ in range(rows):
-        if mix == "short":
+        if mix == "fixed":
+            p, r = 128, seq - 128
+        elif mix == "short":
             p = int(torch.randint(16, 129, (), generator=g))
             r = max(1, min(seq - 128, int(100 * math.exp(0.8 * float(torch.randn((), generator=g))))))
         else:
@@ -281,7 +284,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--mix", choices=("long", "short"), default="long", help="row lengths (grpo_batch)")
+    ap.add_argument("--mix", choices=("long", "short", "fixed"), default="long", help="row lengths (grpo_batch)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--systems", default="hf-padded,hf-packed,megatron,megatron+fusedadam",
                     help="also: megatron-noelem (eager RMSNorm/RoPE/SwiGLU), megatron-unfused (that and the "
@@ -413,10 +416,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other (eager)")
 
 
-def profile_step(label: str, step_fn, batch, out: Path) -> None:
+def profile_step(label: str, step_fn, batch, out: Path, file_prefix: str = "actor_profile") -> None:
     """One step under torch.profiler: GPU time by kernel kind against the step's wall time (the rest is
     the GPU idle: launches, host syncs, Python), and the 25 longest kernels; printed and written to
-    ``actor_profile_<label>.txt`` under ``out``."""
+    ``<file_prefix>_<label>.txt`` under ``out``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -442,7 +445,7 @@ def profile_step(label: str, step_fn, batch, out: Path) -> None:
     text = "\n".join(lines)
     print(text, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"actor_profile_{label.replace(' ', '_')}.txt").write_text(text + "\n")
+    (out / f"{file_prefix}_{label.replace(' ', '_')}.txt").write_text(text + "\n")
 
 
 def record_results(card: str, args, results: list[dict]) -> None:
@@ -458,7 +461,7 @@ def record_results(card: str, args, results: list[dict]) -> None:
         best[r["system"]] = max(best.get(r["system"], 0.0), r["tokens_per_s"])
     dtype = "bf16" if torch.cuda.is_available() else "fp32"
     for r in ok:
-        mix = "GRPO mix" if args.mix == "long" else "short lognormal mix"
+        mix = {"long": "GRPO mix", "short": "short lognormal mix", "fixed": "128 + fixed responses"}[args.mix]
         shape = f"{args.model}, {args.rows} rows/step, seq<={args.seq} {mix}, mbs {r['mbs']}, {dtype}"
         work = f"actor_update {r['system']}"
         kws = []

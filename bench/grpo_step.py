@@ -398,7 +398,9 @@ def record_results(card: str, a, rows: list[dict], round_index: int | None = Non
 
     ok = [r for r in rows if "tokens_per_s" in r]
     shape = (f"{a.model}, {a.prompts} prompts x {a.n}, {a.prompt_len}+{a.new_tokens} tokens, beta {a.kl_coef}, "
-             f"bf16" + (f", round {round_index + 1} of {a.rounds}" if round_index is not None else ""))
+             f"bf16" + (f", response lengths {os.environ['RLJOB_SYNTHETIC_LENGTHS']} capped at {a.new_tokens}"
+                        if os.environ.get("RLJOB_SYNTHETIC_LENGTHS") else "")
+             + (f", round {round_index + 1} of {a.rounds}" if round_index is not None else ""))
     trls = [r for r in ok if r["variant"].startswith("trl")]
     by_variant = {r["variant"]: r for r in ok}
     for r in ok:

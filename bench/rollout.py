@@ -134,6 +134,9 @@ def main() -> int:
                     help="first-call compile seconds, cold and warm cache (two fresh processes), and recompiles over "
                          f"{len(PROBE_WIDTHS)} prompt widths")
     ap.add_argument("--probe-batch", type=int, default=64)
+    ap.add_argument("--profile", action="store_true",
+                    help="after the compiled engine's timed calls, one more call at the largest batch under "
+                         "torch.profiler: GPU time by kernel kind (kernels inside CUDA graphs included) and idle")
     ap.add_argument("--whole-cache-row", action="store_true",
                     help="with --compiled: also the compiled engine with one key bucket (every step reads the whole "
                          "cache), the baseline of reading only the filled slots")
@@ -204,6 +207,13 @@ def main() -> int:
         try:
             stc = HFStaticEngine(paths["model_dir"], dtype=torch.bfloat16, compile_decode=True, **kw)
             throughput(stc, COMPILED)
+            if a.profile and dev.type == "cuda":
+                import actor_update
+
+                b = max(batches)
+                actor_update.profile_step(f"{a.model} compiled batch {b}",
+                                          lambda batch: timed_generate(stc, batch, params),
+                                          prompts(b, a.prompt_len, a.vocab, b), Path(a.out), "rollout_profile")
             if a.whole_cache_row:  # the same engine reading the whole cache every step (one key bucket)
                 stc.max_graphs = 1
                 stc.release_cache()
