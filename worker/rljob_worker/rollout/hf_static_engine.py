@@ -36,7 +36,9 @@ same interface and weights, and changes the decode loop:
   do not recompile. A failed compile leaves the uncompiled step (`background_compile`).
 
 Linear layers, norms, MLPs and rotary embeddings are the transformers model's modules, so weight
-sync (`update_weights`, inherited) writes into the very tensors the graph reads. Supports the
+sync (`update_weights`, inherited) writes into the very tensors the graph reads. On a GPU each layer's q/k/v and
+gate/up projections run as one GEMM each (`fused_projections`: the parameters become views of the fused weight;
+``fuse_projections``, env ``RLJOB_FUSE_PROJECTIONS=0`` for benchmarks). Supports the
 Llama-style decoders (Llama, Qwen2, Qwen3 with q/k norms, Mistral without sliding windows);
 anything else raises ``ValueError`` at construction (`make_engine` then falls back to `HFEngine`).
 
@@ -51,6 +53,7 @@ import os
 
 import torch
 
+from rljob_worker.rollout import fused_projections
 from rljob_worker.rollout.background_compile import BackgroundCompiles, background_default
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
 from rljob_worker.rollout.hf_engine import HFEngine, rows_to_output
@@ -62,6 +65,8 @@ SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
 # what the decode step compiles as (benchmarks): "layer" (default: one layer graph + the tail, a compile ~1/layers
 # of the whole step's) or "step" (the whole step, one graph)
 SCOPE_ENV = "RLJOB_COMPILE_SCOPE"
+# benchmarks: "0" keeps each layer's q/k/v and gate/up as separate GEMMs on a GPU (fused_projections)
+FUSE_ENV = "RLJOB_FUSE_PROJECTIONS"
 MAX_STOP_TOKENS = 8  # SamplingParams.stop_token_ids the decode step checks (a fixed-size buffer)
 
 
@@ -159,7 +164,8 @@ class HFStaticEngine(HFEngine):
                  length_multiple: int = 64, check_every: int | None = None,
                  compile_decode: bool | None = None, prefill_bytes: int = 4 * 2**30,
                  sample_in_step: bool | None = None, max_graphs: int = 8, compile_backend: str = "inductor",
-                 compile_in_background: bool | None = None, compile_scope: str | None = None):
+                 compile_in_background: bool | None = None, compile_scope: str | None = None,
+                 fuse_projections: bool | None = None):
         super().__init__(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, max_batch=max_batch)
         cfg = self.model.config
@@ -185,6 +191,10 @@ class HFStaticEngine(HFEngine):
         self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         on_cuda = device.type == "cuda"
+        if fuse_projections is None:  # on a GPU, where a small model's decode step is bound by GEMM launches
+            fuse_projections = on_cuda and os.environ.get(FUSE_ENV, "1").strip() != "0"
+        self.fuse_projections = bool(fuse_projections)
+        self.fused_gemms_saved = fused_projections.fuse(self.layers) if self.fuse_projections else 0
         if compile_decode is None:  # spec.rollout.compile: auto (make_engine passes the resolved value)
             from rljob_api.enums import RolloutCompile
 
@@ -246,6 +256,8 @@ class HFStaticEngine(HFEngine):
     def sleep(self) -> None:
         self.compiles.wait()  # a compile running on these weights must not see them move
         self._session = None  # the graphs and the cache point at device memory that is about to move
+        if self.device.type == "cuda":  # a moved view becomes a tensor of its own: fuse again on waking
+            fused_projections.unfuse(self.layers)
         super().sleep()
 
     # -- compiling the decode step
@@ -306,6 +318,8 @@ class HFStaticEngine(HFEngine):
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         super().wake_up()
+        if self.fuse_projections:
+            fused_projections.fuse(self.layers)
         self._params = dict(self.model.named_parameters())
 
     # -- the forward
@@ -316,9 +330,10 @@ class HFStaticEngine(HFEngine):
         attn = layer.self_attn
         b, t, _ = x.shape
         keys = key_mask.shape[-1]
-        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k, v = fused_projections.qkv(attn, x)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         c, sn = cos[:, :, None, :], sin[:, :, None, :]
@@ -342,7 +357,7 @@ class HFStaticEngine(HFEngine):
         """One decoder layer: h (B, T, hidden) -> h. The unit the decode step compiles (one graph serves every
         layer: the layer's weights and cache are inputs), so a compile traces one layer, not the whole model."""
         h = h + self._attention(layer, layer.input_layernorm(h), cos, sin, k_cache, v_cache, write, key_mask)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + fused_projections.mlp(layer.mlp, layer.post_attention_layernorm(h))
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, s: _Session, write: torch.Tensor,
                  key_mask: torch.Tensor) -> torch.Tensor:
