@@ -42,6 +42,7 @@ HF_GENERATE = "HF generate (static cache + torch.compile)"
 COMPILED = "hf-static compiled (default on GPUs)"
 UNCOMPILED = "hf-static uncompiled (CUDA graphs)"
 WHOLE_CACHE = "hf-static compiled, attention over the whole cache"
+SEPARATE = "hf-static compiled, separate q/k/v and gate/up GEMMs"
 PROBE_WIDTHS = [128, 96, 112, 80, 144, 64, 120, 100]  # the sweep's longest prompt per call (rows vary below it)
 
 
@@ -134,6 +135,9 @@ def main() -> int:
                     help="first-call compile seconds, cold and warm cache (two fresh processes), and recompiles over "
                          f"{len(PROBE_WIDTHS)} prompt widths")
     ap.add_argument("--probe-batch", type=int, default=64)
+    ap.add_argument("--separate-gemms-row", action="store_true",
+                    help="also time the compiled engine with each layer's q/k/v and gate/up as separate GEMMs (the "
+                         "default fuses them on a GPU), after the fused one, then the fused one again")
     ap.add_argument("--profile", action="store_true",
                     help="after the compiled engine's timed calls, one more call at the largest batch under "
                          "torch.profiler: GPU time by kernel kind (kernels inside CUDA graphs included) and idle")
@@ -214,6 +218,16 @@ def main() -> int:
                 actor_update.profile_step(f"{a.model} compiled batch {b}",
                                           lambda batch: timed_generate(stc, batch, params),
                                           prompts(b, a.prompt_len, a.vocab, b), Path(a.out), "rollout_profile")
+            if a.separate_gemms_row:  # separate GEMMs, then the fused engine again: both sides of any drift
+                del stc
+                torch.cuda.empty_cache()
+                sep = HFStaticEngine(paths["model_dir"], dtype=torch.bfloat16, compile_decode=True,
+                                     fuse_projections=False, **kw)
+                throughput(sep, SEPARATE)
+                del sep
+                torch.cuda.empty_cache()
+                stc = HFStaticEngine(paths["model_dir"], dtype=torch.bfloat16, compile_decode=True, **kw)
+                throughput(stc, COMPILED)
             if a.whole_cache_row:  # the same engine reading the whole cache every step (one key bucket)
                 stc.max_graphs = 1
                 stc.release_cache()
@@ -357,6 +371,10 @@ def record_results(card: str, a, rows: list[dict], weight_sync: dict | None, sta
             bench_results.record(f"rollout {r['engine']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card,
                                  baseline=f"{WHOLE_CACHE} batch {r['batch']}", baseline_value=whole[r["batch"]],
                                  same_run=True)
+        separate = [x["tokens_per_s"] for x in ok if x["engine"] == SEPARATE and x["batch"] == r["batch"]]
+        if r["engine"] == COMPILED and separate:
+            bench_results.record(f"rollout {r['engine']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card,
+                                 baseline=f"{SEPARATE} batch {r['batch']}", baseline_value=separate[0], same_run=True)
         if r["engine"] == COMPILED and r["batch"] in uncompiled:
             bench_results.record(f"rollout {r['engine']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s", card=card,
                                  baseline=f"{UNCOMPILED} batch {r['batch']}", baseline_value=uncompiled[r["batch"]],
