@@ -20,7 +20,8 @@ import results
 
 
 def seconds_per_token(path: str) -> tuple[float, dict]:
-    rows = [json.loads(line) for line in open(path) if '"timing/rollout_s"' in line][10:]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if '"timing/rollout_s"' in line][10:]
     per_token = [r["timing/rollout_s"] / (r["response_length/mean"] * r["reward/samples"]) for r in rows]
     return statistics.median(per_token), rows[-1]
 

@@ -125,10 +125,9 @@ def main() -> int:
             med["remote_failures"] = sum(r.get("reward/remote_failures", 0.0) for r in rows)
             out["overlap" if overlap else "blocking"] = med
     finally:
-        if server is not None:
-            if server.poll() is None:
-                os.killpg(server.pid, signal.SIGTERM)
-                server.wait(timeout=60)
+        if server is not None and server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
     print(json.dumps(out, indent=1))
     if a.cpu:
         return 0

@@ -9,7 +9,8 @@ import sys
 
 
 def main(path: str, label: str) -> None:
-    rows = [json.loads(line) for line in open(path) if '"reward/mean"' in line]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if '"reward/mean"' in line]
     if not rows:
         print(f"RESULT {label}: no steps recorded in {path}")
         return

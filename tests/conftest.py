@@ -73,7 +73,7 @@ if not os.environ.get("TORCH_TRACE"):
 
 # A process the suite started that outlives it fails the run (tests/leak_check.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from leak_check import pytest_configure, pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401
+from leak_check import pytest_configure, pytest_sessionfinish, pytest_sessionstart  # noqa: F401
 
 _SERVICE_FIXTURES = {
     "s3_server", "s3_bucket", "prometheus_server", "prometheus_server_session",

@@ -38,7 +38,7 @@ def _readme_commands(tool: str) -> list[list[str]]:
 
     readme = (REPO / "README.md").read_text()
     pieces = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", readme, re.S):
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", readme, re.DOTALL):
         pieces += [line.split(" #", 1)[0] for line in block.splitlines() if not line.lstrip().startswith("#")]
     pieces += re.findall(r"`([^`\n]+)`", readme)
     out = []

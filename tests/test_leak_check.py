@@ -28,7 +28,7 @@ def test_a_process_that_outlives_its_test_fails_the_run_and_is_killed(tmp_path):
     env.update(PYTHONPATH=str(TESTS), PYTEST_RLJOB_LEAK_GRACE_S="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "leak_check", "-p", "no:cacheprovider",
                           "--rootdir", str(tmp_path), str(tmp_path / "test_leaky.py")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                         cwd=tmp_path, env=env, check=False, capture_output=True, text=True, timeout=120)
     pid = int(pidfile.read_text())
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     assert "1 passed" in run.stdout and "1 process(es) started by the tests outlived them" in run.stdout, run.stdout
@@ -58,10 +58,10 @@ def test_the_sessions_own_resource_tracker_is_not_a_leak_but_a_pool_worker_is(tm
     args = [sys.executable, "-m", "pytest", "-q", "-p", "leak_check", "-p", "no:cacheprovider", "--rootdir",
             str(tmp_path)]
     closed = subprocess.run([*args, f"{tmp_path / 'test_pools.py'}::test_a_closed_pool"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+                            check=False, capture_output=True, text=True, timeout=120)
     assert closed.returncode == 0, closed.stdout[-2000:] + closed.stderr[-2000:]
     abandoned = subprocess.run([*args, f"{tmp_path / 'test_pools.py'}::test_an_abandoned_pool"], cwd=tmp_path,
-                               env=env, capture_output=True, text=True, timeout=120)
+                               env=env, check=False, capture_output=True, text=True, timeout=120)
     assert abandoned.returncode == 1, abandoned.stdout[-2000:] + abandoned.stderr[-2000:]
     assert "1 process(es) started by the tests outlived them" in abandoned.stdout, abandoned.stdout
     assert "multiprocessing.spawn" in abandoned.stdout and "resource_tracker" not in abandoned.stdout

@@ -27,7 +27,11 @@ def spec_warnings(spec: RLJobSpec) -> list[str]:
 def spec_notes(spec: RLJobSpec) -> list[str]:
     """What a valid spec does that its fields do not say outright (printed by `rljob validate`)."""
     from rljob_api.enums import AlgorithmName, RolloutMode
-    from rljob_api.validation import actor_token_budget_in_effect, rollout_lookahead, token_truncation_in_effect
+    from rljob_api.validation import (
+        actor_token_budget_in_effect,
+        rollout_lookahead,
+        token_truncation_in_effect,
+    )
 
     r, notes = spec.rollout, []
     if r.mode != RolloutMode.SYNC:

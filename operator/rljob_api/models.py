@@ -76,8 +76,10 @@ def _quantity(value: Any) -> Any:
 
     Integers are kept as strings so consumers see one type; floats and booleans are refused, as the
     CRD (x-kubernetes-int-or-string) refuses them."""
-    if isinstance(value, bool) or isinstance(value, float):
-        raise ValueError("a resource quantity must be a string such as '500m' or '64Gi', or an integer")
+    if isinstance(value, (bool, float)):
+        # a pydantic validator: pydantic reports a ValueError as a ValidationError, a TypeError it does not
+        raise ValueError(  # noqa: TRY004 - pydantic validator
+            "a resource quantity must be a string such as '500m' or '64Gi', or an integer")
     if isinstance(value, int):
         return str(value)
     return value

@@ -59,11 +59,11 @@ def pod_template_errors(volumes: list[dict[str, Any]], volume_mounts: list[dict[
             continue
         normal = mount_path.rstrip("/") or "/"
         if normal in ours_by_path:
-            errors.append((f"{where}.mountPath", f"{mount_path} is where the operator mounts its {ours_by_path[normal]!r} "
-                                                 "volume; mount yours elsewhere"))
+            errors.append((f"{where}.mountPath", (f"{mount_path} is where the operator mounts its "
+                                                  f"{ours_by_path[normal]!r} volume; mount yours elsewhere")))
         elif normal in mounted:
-            errors.append((f"{where}.mountPath", f"volumeMounts[{mounted[normal]}] is mounted at {mount_path} too; "
-                                                 "mount paths must be unique"))
+            errors.append((f"{where}.mountPath", (f"volumeMounts[{mounted[normal]}] is mounted at {mount_path} "
+                                                  "too; mount paths must be unique")))
         else:
             mounted[normal] = i
     return errors

@@ -122,7 +122,7 @@ def _as_json(obj: Any, path: str, errors: list[FieldError], seen: tuple[int, ...
     """The document as JSON would carry it (what `kubectl apply` sends): YAML timestamps become strings;
     non-finite numbers, recursive aliases and other non-JSON values are reported with their path."""
     where = path or "(root)"
-    if isinstance(obj, Mapping) or isinstance(obj, (list, tuple)):  # Mapping: kopf's body views too
+    if isinstance(obj, (Mapping, list, tuple)):  # Mapping: kopf's body views too
         if id(obj) in seen:
             errors.append(FieldError(where, "refers to itself through a YAML alias; write the value out"))
             return None
@@ -739,4 +739,4 @@ def builtin_model_errors(spec: RLJobSpec) -> list[FieldError]:
 def _is_storage_uri(uri: str) -> bool:
     if uri.startswith("s3://"):
         return bool(re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/.+", uri))
-    return uri.startswith("file:///") or uri.startswith("/")
+    return uri.startswith(("file:///", "/"))

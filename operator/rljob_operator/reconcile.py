@@ -57,8 +57,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import datetime
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -513,7 +513,7 @@ def _suspend_patch(child: Mapping[str, Any], suspend: bool) -> dict[str, Any]:
 
 def _parse_time(value: Any) -> datetime.datetime | None:
     try:
-        return datetime.datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+        return datetime.datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
     except ValueError:
         return None
 
@@ -563,8 +563,8 @@ def _admitted_condition(queue: str | None, queued: bool, suspend: bool, finished
             "JobSet (which Kueue manages by default) while the job is suspended."))
     if queued:
         return (c.FALSE, c.REASON_QUEUED,
-                f"{ptj_name} waits in Kueue LocalQueue {queue} for admission; it stays suspended "
-                "until Kueue admits it.")
+                (f"{ptj_name} waits in Kueue LocalQueue {queue} for admission; it stays suspended "
+                 "until Kueue admits it."))
     return c.TRUE, c.REASON_ADMITTED, f"Kueue admitted {ptj_name} from LocalQueue {queue}."
 
 
@@ -596,8 +596,9 @@ def _rewards_condition(trainer: Mapping[str, Any] | None) -> tuple[str, str, str
 def _judge_condition(judge: Mapping[str, Any] | None, idle: bool, finished: bool) -> tuple[str, str, str]:
     """JudgeReady from the judge Deployment's status (conditions.py lists the reasons)."""
     if judge is None:
-        return (c.FALSE, c.REASON_JUDGE_MISSING, "The judge Deployment of spec.reward.server does not exist yet; "
-                "the operator creates it with the job (and again on its next resync if it was deleted).")
+        return (c.FALSE, c.REASON_JUDGE_MISSING,
+                ("The judge Deployment of spec.reward.server does not exist yet; "
+                 "the operator creates it with the job (and again on its next resync if it was deleted)."))
     name = judge["metadata"]["name"]
     if idle:
         why = "finished" if finished else "suspended"
@@ -607,14 +608,17 @@ def _judge_condition(judge: Mapping[str, Any] | None, idle: bool, finished: bool
     status = judge.get("status") or {}
     available = int(status.get("availableReplicas") or 0)
     if available > 0:
-        return (c.TRUE, c.REASON_JUDGE_READY, f"Deployment {name} has {available} available replica(s) serving "
-                "the judge on its Service.")
+        return (c.TRUE, c.REASON_JUDGE_READY,
+                (f"Deployment {name} has {available} available replica(s) serving "
+                 "the judge on its Service."))
     progressing = next((x for x in status.get("conditions") or () if x.get("type") == "Progressing"), None)
     if progressing and progressing.get("status") == "False" and progressing.get("reason") == "ProgressDeadlineExceeded":
-        return (c.FALSE, c.REASON_JUDGE_STUCK, f"Deployment {name} made no progress: {progressing.get('message', '')} "
-                f"Check its pods (kubectl describe deploy {name}): image, GPU quota, model download.")
-    return (c.FALSE, c.REASON_JUDGE_STARTING, f"Deployment {name} has no ready replica yet (the pod is scheduled, "
-            "pulling its image or loading the model until its /health probe passes); scoring waits for it.")
+        return (c.FALSE, c.REASON_JUDGE_STUCK,
+                (f"Deployment {name} made no progress: {progressing.get('message', '')} "
+                 f"Check its pods (kubectl describe deploy {name}): image, GPU quota, model download."))
+    return (c.FALSE, c.REASON_JUDGE_STARTING,
+            (f"Deployment {name} has no ready replica yet (the pod is scheduled, "
+             "pulling its image or loading the model until its /health probe passes); scoring waits for it."))
 
 
 def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: bool, failed: bool, invalid: bool,
@@ -633,8 +637,8 @@ def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: boo
         return c.FALSE, c.REASON_JOB_SUSPENDED, "The job is suspended (spec.suspend is true)."
     if queue is not None and phase in (PHASE_SUSPENDED, PHASE_PENDING, PHASE_ABSENT):
         return (c.FALSE, c.REASON_QUEUED,
-                f"{ptj_name} waits for Kueue to admit it from LocalQueue {queue} (after a preemption, "
-                "training resumes from the last committed checkpoint).")
+                (f"{ptj_name} waits for Kueue to admit it from LocalQueue {queue} (after a preemption, "
+                 "training resumes from the last committed checkpoint)."))
     if waiting_foreign:
         return (c.FALSE, c.REASON_CREATING,
                 f"Waiting for an object named after this RLJob ({ptj_name}) that it does not own to be deleted.")

@@ -392,7 +392,13 @@ def test_fresh_refuses_a_workdir_the_run_did_not_create(tmp_path):
 def test_fresh_deletes_only_what_the_run_wrote(tmp_path):
     """The manifest lists what runs wrote; a file the user put into work/ later (notes.txt) stays."""
     from rljob_cli.main import load_rljob
-    from rljob_worker.runtime.launcher import claim_workdir, clear_previous_run, files_under, record_written, write_spec
+    from rljob_worker.runtime.launcher import (
+        claim_workdir,
+        clear_previous_run,
+        files_under,
+        record_written,
+        write_spec,
+    )
 
     job = load_rljob(str(QUICKSTART))
     root = tmp_path / "project"

@@ -14,8 +14,8 @@ from api_support import DELETE, EXAMPLE_PATHS, changed, errors_of, gpu_job, load
 from rljob_api.models import RLJob
 from rljob_api.validation import (
     FieldError,
-    actor_token_budget_in_effect,
     RLJobValidationError,
+    actor_token_budget_in_effect,
     critic_data_parallel_size,
     critic_takes_turns,
     cross_field_errors,

@@ -55,7 +55,16 @@ def chart_docs(helm_bin: str) -> list[dict[str, Any]]:
 def live_requests(chart_docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[list[tuple[str, str]]]:
     from apiserver import ApiServerThread
-    from cluster import JOBSETS, PYTORCHJOBS, RLJOBS, WORKLOADS, KubeClient, OperatorProcess, free_port, wait_until
+    from cluster import (
+        JOBSETS,
+        PYTORCHJOBS,
+        RLJOBS,
+        WORKLOADS,
+        KubeClient,
+        OperatorProcess,
+        free_port,
+        wait_until,
+    )
     from kube_rbac import User
     from opschema import jobset_crd, pytorchjob_crd, workload_crd
     from rljob_operator.progress import ANNOTATION, encode_progress

@@ -39,7 +39,8 @@ def test_a_second_writer_is_stopped_with_the_holder_named(store):
 
 def test_a_dead_holder_is_taken_over(store):
     # on this host: its process is gone (a SIGKILLed local run)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          check=False, capture_output=True, text=True)
     ghost = {**local_identity(), "pid": int(dead.stdout), "pid_start": "1"}
     killed = lease(store, identity=ghost)
     killed.acquire()

@@ -24,9 +24,7 @@ def api_server() -> Iterator:
     with the RLJob, PyTorchJob, JobSet and Kueue Workload CRDs applied."""
     import opschema
     from cluster import KubeClient
-    from realserver import make_server
-
-    from realserver import real
+    from realserver import make_server, real
 
     server = make_server(bookmark_interval=5.0)
     try:  # a failed CRD apply must not leave the server (or a real server's kubectl proxy) running

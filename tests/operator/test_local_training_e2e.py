@@ -49,7 +49,7 @@ def cluster(api_server, kube, operator, ns, s3_server, tmp_path, kubectl_bin):
         # --validate=false: the stand-in API server serves no OpenAPI document for client-side
         # validation; it validates creates against the CRD schema and CEL rules itself.
         return subprocess.run([kubectl_bin, "--kubeconfig", str(kubeconfig), "-n", ns, *args], input=stdin,
-                              capture_output=True, text=True, timeout=60)
+                              check=False, capture_output=True, text=True, timeout=60)
 
     yield ns, standin, kubectl
     standin.stop()

@@ -12,9 +12,8 @@ import opschema
 import pytest
 import yaml
 from cluster import (
-    DEPLOYMENTS,
-    SERVICES,
     CONFIGMAPS,
+    DEPLOYMENTS,
     JOBSETS,
     KUEUE_GRACE_SECONDS,
     PYTORCHJOBS,
@@ -24,6 +23,7 @@ from cluster import (
     ROLES,
     SECRETS,
     SERVICEACCOUNTS,
+    SERVICES,
     KubeClient,
     wait_until,
 )

@@ -13,7 +13,14 @@ from rljob_api.validation import parse_rljob
 from rljob_operator import builders
 from rljob_operator import conditions as c
 from rljob_operator.progress import ANNOTATION, encode_progress
-from rljob_operator.reconcile import Observed, Plan, apply_failed_status, changed_fields, failure_events, reconcile
+from rljob_operator.reconcile import (
+    Observed,
+    Plan,
+    apply_failed_status,
+    changed_fields,
+    failure_events,
+    reconcile,
+)
 from rljob_operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings()

@@ -193,7 +193,7 @@ def test_progress_with_many_long_quarantined_entries_still_reports_the_step() ->
     received: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_PATCH(self) -> None:  # noqa: N802 - http.server's naming
+        def do_PATCH(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             received.append(body["metadata"]["annotations"][ANNOTATION])
             self.send_response(200)

@@ -138,7 +138,8 @@ def test_sigterm_through_torchrun_after_a_periodic_save_commits_and_exits_143(tm
     last = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
     assert last >= 3 and committed(ckpt)[-1] == last, (committed(ckpt), last, out[-3000:])
     # the next run continues from the step the preemption saved
-    resumed = subprocess.run(argv + ["--steps", str(last + 1)], env=env, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(argv + ["--steps", str(last + 1)], env=env,
+                             check=False, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from step {last}" in resumed.stdout + resumed.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
@@ -189,7 +190,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_path_and_the_free_spac
     """The checkpoint folder on a 256 KiB tmpfs (a mount namespace of this test's own, no root needed): the
     first save fills it. It used to end in a 65-line traceback; now one line with the path and the free space,
     exit 1."""
-    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+    if subprocess.run(["unshare", "-rm", "true"], check=False, capture_output=True).returncode != 0:
         pytest.skip("needs unshare -rm (user and mount namespaces) for a tiny tmpfs")
     job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     job["spec"]["metrics"]["enabled"] = False
@@ -203,7 +204,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_path_and_the_free_spac
     script = (f"mount -t tmpfs -o size=256k tmpfs {small} && exec {sys.executable} -m rljob_cli.main run {path} "
               f"--workdir {tmp_path / 'run'} --checkpoint-uri file://{small}/ckpt --steps 3")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env={**env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
+                          check=False, capture_output=True, text=True, timeout=600)
     err = proc.stderr
     assert proc.returncode == 1, proc.stdout[-2000:] + err[-4000:]
     assert "Traceback" not in err, err[-4000:]
@@ -224,13 +225,15 @@ def test_start_up_names_each_phase_and_a_finished_job_stops_before_building_the_
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
     argv = [sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(tmp_path / "run"),
             "--checkpoint-uri", f"file://{tmp_path / 'ckpt'}", "--steps", "2"]
-    first = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"},
+                           check=False, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     phases = [line.split()[1:-1] for line in first.stdout.splitlines() if line.startswith("start-up: ")]
     assert [" ".join(p) for p in phases] == ["imports", "distributed init", "data", "checkpoint store", "compile cache", "model build",
                                              "resume"], first.stdout[-3000:]
     assert first.stdout.index("start-up: resume") < first.stdout.index("step 1/2"), first.stdout[-3000:]
-    again = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(argv, env={**env, "OMP_NUM_THREADS": "1"},
+                           check=False, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "nothing to train: the newest committed step is 2 of 2" in again.stdout, again.stdout[-3000:]
     assert "start-up: checkpoint store" in again.stdout and "start-up: model build" not in again.stdout, again.stdout

@@ -41,7 +41,7 @@ def expected_values(hf, head: ValueHead, ids, mask, k: int) -> torch.Tensor:
     values = torch.zeros_like(per_token)
     for b in range(ids.shape[0]):
         real = mask[b].nonzero().flatten().tolist()
-        for prev, cur in zip(real, real[1:]):
+        for prev, cur in itertools.pairwise(real):
             values[b, cur] = per_token[b, prev]
     return values, out.hidden_states[k]
 

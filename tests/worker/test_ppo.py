@@ -96,7 +96,7 @@ def test_what_this_worker_cannot_run_is_refused_at_start_up(tmp_path, critic, wo
     spec["training"].update(trainBatchSizePerNode=4, ppoMiniBatchSizePerNode=4)
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "rljob_worker", "--spec", str(tmp_path / "spec.json")],
-                          capture_output=True, text=True, timeout=240,
+                          check=False, capture_output=True, text=True, timeout=240,
                           env={**__import__("os").environ, "RLJOB_WORKDIR": str(tmp_path / "w"),
                                "RLJOB_CHECKPOINT_URI": f"file://{tmp_path}/ckpt", "RLJOB_METRICS_PORT": "0"})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -108,7 +108,7 @@ def test_pipeline_stages_with_an_intermediate_layer_are_refused_at_start_up(tmp_
     spec = ppo_spec(outputLayerIndex=1, megatron={"pipelineModelParallelSize": 2})
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "rljob_worker", "--spec", str(tmp_path / "spec.json")],
-                          capture_output=True, text=True, timeout=240)
+                          check=False, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2
     assert "spec.critic.outputLayerIndex" in proc.stderr and "pipelineModelParallelSize" in proc.stderr
 

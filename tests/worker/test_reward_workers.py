@@ -36,7 +36,7 @@ def test_hanging_reward_times_out_with_a_clear_error(tmp_path, workers):
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(HARNESS), str(tmp_path / "spec.json"), str(tmp_path / "w")],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          check=False, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0
     assert "timed out" in proc.stderr and "spec.reward.timeoutSeconds" in proc.stderr and "sample 0" in proc.stderr
 
@@ -49,7 +49,7 @@ def test_nan_rewards_are_counted_and_a_run_that_cannot_learn_fails(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "rljob_worker", "--spec", str(tmp_path / "spec.json")],
-                          capture_output=True, text=True, timeout=600,
+                          check=False, capture_output=True, text=True, timeout=600,
                           env={**env, "RLJOB_WORKDIR": str(tmp_path / "w"), "RLJOB_METRICS_PORT": "0",
                                "RLJOB_CHECKPOINT_URI": f"file://{tmp_path}/ckpt"})
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -271,8 +271,8 @@ def test_score_all_inline_times_out_a_hanging_reward_too(user_module, hang):
 
 @pytest.mark.parametrize("reward, words", [
     ("retries", r"timed out after 0\.5s on sample 1"),
-    ("own_alarm", r"timed out on sample 1 \(prompt 'prompt 1'\): it ran 1\.\ds, over spec\.reward\.timeoutSeconds 0\.5s, "
-                  r"and the alarm did not stop it .*numWorkers > 0 bounds every reward"),
+    ("own_alarm", (r"timed out on sample 1 \(prompt 'prompt 1'\): it ran 1\.\ds, over spec\.reward\.timeoutSeconds 0\.5s, "
+                   r"and the alarm did not stop it .*numWorkers > 0 bounds every reward")),
 ])
 def test_score_all_inline_a_reward_that_beats_the_alarm_still_fails_as_timed_out(user_module, reward, words):
     """numWorkers 0: a reward that catches Exception in a retry loop, or sets its own SIGALRM, used to run past

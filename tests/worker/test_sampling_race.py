@@ -9,7 +9,7 @@ import torch
 from rljob_worker.rollout.sampling import race_sample
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tolerances import binomial_bound  # noqa: E402
+from tolerances import binomial_bound
 
 
 def test_race_sample_frequencies_follow_the_tempered_softmax():

@@ -697,7 +697,6 @@ def test_recording_routing_asks_vllm_for_routed_experts_and_returns_them_per_res
 
 def test_routed_experts_of_moe_layers_only_are_placed_in_their_layers():
     import numpy as np
-
     from rljob_worker.rollout.routed_experts import from_vllm
 
     moe_only = np.full((5, 2, 2), 7, dtype=np.uint8)

@@ -50,7 +50,8 @@ class LeaseHeld(CheckpointError):
 def _process_start(pid: int) -> str | None:
     """The kernel's start time of `pid` (ticks since boot), so a reused pid is not taken for the holder."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]

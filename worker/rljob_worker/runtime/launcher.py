@@ -67,7 +67,7 @@ def start_pod(job: RLJob, node_rank: int, master_port: int, spec_path: Path, ext
     env = {**os.environ, **pod_environment(job, node_rank, master_port,
                                            metrics_port=job.spec.metrics.port + node_rank), **extra_env}
     env.setdefault("OMP_NUM_THREADS", "1" if job.spec.nnodes * processes_per_node(job.spec) > 1 else "2")
-    out = open(log_path, "ab") if log_path else None
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child process
     return subprocess.Popen(pod_command(spec_path), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)
 
@@ -167,9 +167,8 @@ def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
     """`--fresh`: remove the job's committed checkpoints and the run outputs it wrote into `root`.
 
     Checks the workdir first, so a refusal deletes nothing at all."""
-    from rljob_worker.checkpoint.store import open_store
-
     from rljob_worker.checkpoint.lease import CheckpointLease
+    from rljob_worker.checkpoint.store import open_store
 
     targets = fresh_targets(job, root)
     store = open_store(checkpoint_uri, endpoint_url=job.spec.s3.endpoint, region=job.spec.s3.region)
@@ -188,7 +187,7 @@ def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
     kept = files_under(root / "work", root)
     listed = (f"{len(targets) - 1} file(s) the earlier runs wrote in {root}" if len(targets) > 1 else "no local outputs")
     if kept:
-        listed += f" (kept {len(kept)} file(s) under {root / 'work'} no run recorded writing, e.g. {sorted(kept)[0]})"
+        listed += f" (kept {len(kept)} file(s) under {root / 'work'} no run recorded writing, e.g. {min(kept)})"
     print(f"rljob: --fresh: deleted the checkpoints under {store.uri_for(prefix.rstrip('/'))}/ and {listed}",
           flush=True)
 

@@ -87,8 +87,8 @@ DURATION_BUCKETS: tuple[float, ...] = (
 STEP_GAUGES: dict[str, tuple[str, str]] = {
     "reward/mean": ("rljob_reward_mean", "Mean sequence reward of the last step's rollout batch."),
     "lora/adapter_norm": (
-        "rljob_lora_adapter_norm", "Frobenius norm of the LoRA deltas (alpha/rank) B A over the whole model: how far "
-        "the policy is from its base."),
+        "rljob_lora_adapter_norm", ("Frobenius norm of the LoRA deltas (alpha/rank) B A over the whole model: "
+                                    "how far the policy is from its base.")),
     "lora/update_norm": (
         "rljob_lora_update_norm", "Norm of the change of the LoRA adapter parameters in the last step's updates."),
     "reward/std": ("rljob_reward_std", "Standard deviation of sequence rewards in the last step's batch."),
