@@ -330,11 +330,16 @@ def main() -> int:
     if a.child:  # one variant, in its own process; "rljob-static:32" overrides the micro-batch
         paths = json.loads(a.paths)
         # "rljob-compiled:16@auto": the actor's attention kernel order (flash | auto); "@rows": micro-batches
-        # in the rows layout (RLJOB_SEQUENCE_PACKING=off) instead of concatenated
+        # in the rows layout (RLJOB_SEQUENCE_PACKING=off) instead of concatenated; "@release": the static engine's
+        # cache freed after every rollout; "@separate": its q/k/v and gate/up unfused
         a.child, *options = a.child.split("@")
         for option in options:
             if option == "rows":
                 os.environ["RLJOB_SEQUENCE_PACKING"] = "off"
+            elif option == "release":  # the static engine frees its cache and graphs after every rollout
+                os.environ["RLJOB_ROLLOUT_CACHE"] = "release"
+            elif option == "separate":  # q/k/v and gate/up as separate GEMMs in the static engine
+                os.environ["RLJOB_FUSE_PROJECTIONS"] = "0"
             else:
                 os.environ["RLJOB_ATTENTION_BACKEND"] = option
         if ":" in a.child:
@@ -405,7 +410,8 @@ def record_results(card: str, a, rows: list[dict], round_index: int | None = Non
     by_variant = {r["variant"]: r for r in ok}
     for r in ok:
         # flash first against torch's attention kernel order; concatenated against rows micro-batches
-        for other in (by_variant.get(r["variant"].split("@")[0] + "@auto"), by_variant.get(r["variant"] + "@rows")):
+        for other in (by_variant.get(r["variant"].split("@")[0] + "@auto"),
+                      *(by_variant.get(r["variant"] + suffix) for suffix in ("@rows", "@release", "@separate"))):
             if other is not None and other is not r:
                 bench_results.record(f"grpo_step {r['variant']}", shape, "tokens_per_s", r["tokens_per_s"], "tok/s",
                                      card=card, baseline=other["variant"], baseline_value=other["tokens_per_s"],

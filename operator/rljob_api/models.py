@@ -398,7 +398,10 @@ class RolloutSpec(ApiModel):
         0.6, "Fraction of GPU memory the colocated engine may take for weights and KV cache. (verl: rollout.gpu_memory_utilization)", gt=0, le=0.95
     )
     free_cache_engine: bool = _f(
-        True, "Put the colocated engine to sleep (free KV cache and weights) while the actor trains. (verl: rollout.free_cache_engine)"
+        True, "Free the colocated engine's GPU memory while the actor trains: vLLM sleeps (KV cache and weights); the "
+        "static hf engine frees its KV cache and CUDA graphs, unless the first step's measured memory shows they fit "
+        "beside training with 25% of the GPU to spare (then they stay and the graphs are not captured again each "
+        "rollout; logged; env RLJOB_ROLLOUT_CACHE=release frees them every step). (verl: rollout.free_cache_engine)"
     )
     enforce_eager: bool = _f(False, "Disable CUDA graphs in the engine (debugging). (verl: rollout.enforce_eager)")
     compile: RolloutCompile = _f(

@@ -192,6 +192,9 @@ class GRPOTrainer(RunLoop):
             self.agent.tools.shared = self.engine_everywhere
         self.engine = None
         self._partial_sync: bool | None = None  # decided at the first weight sync (_partial_weight_sync)
+        # the static engine's cache between steps (_release_engine): undecided until a step's training was measured
+        self._cache_resident: bool | None = None
+        self._training_peak_bytes: int | None = None
         if self.separate:
             from rljob_worker.rollout.rollout_pool import RolloutPoolClient
 
@@ -373,7 +376,16 @@ class GRPOTrainer(RunLoop):
         # 5. weight sync: stream HF-named tensors from megatron into the engine
         with self.telemetry.stage("weight_sync"):
             self._sync_weights()
+        self._note_training_peak()
         return metrics
+
+    def _note_training_peak(self) -> None:
+        """The peak allocation of this step's stages outside the rollout (log-prob passes, updates, weight sync)."""
+        if self.device.type != "cuda" or self.engine is None:
+            return
+        peaks = [v for k, v in self.telemetry.pending_stage_peak_bytes().items() if k not in ("rollout", "reward")]
+        if peaks:
+            self._training_peak_bytes = max(self._training_peak_bytes or 0, *peaks)
 
     def _training_throughput(self, local: dict[str, torch.Tensor], seconds: float) -> dict[str, float]:
         """Tokens/s of the actor update over all data-parallel ranks, and MFU on a GPU.
@@ -718,11 +730,37 @@ class GRPOTrainer(RunLoop):
         return out
 
     def _release_engine(self) -> None:
-        if self.spec.rollout.free_cache_engine and self.engine is not None:
-            if self.engine_is_vllm:
-                self.engine.sleep()  # the actor gets the GPU back until the next weight sync
-            else:
-                self.engine.release_cache()  # the KV cache goes; the weights stay for the next sync
+        if not self.spec.rollout.free_cache_engine or self.engine is None:
+            return
+        if self.engine_is_vllm:
+            self.engine.sleep()  # the actor gets the GPU back until the next weight sync
+            return
+        if self._cache_resident:
+            return  # measured to fit beside training (_decide_cache_residency)
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        self.engine.release_cache()  # the KV cache (and the static engine's graphs) go; the weights stay
+        if self._cache_resident is None and self._training_peak_bytes is not None:
+            self._decide_cache_residency(reserved - torch.cuda.memory_reserved(self.device))
+
+    def _decide_cache_residency(self, cache_bytes: int) -> None:
+        """Once, at the first release after a measured step: keep the static engine's KV cache and CUDA graphs from
+        the next rollout on when they fit beside training's measured peak (rollout/cache_residency.py)."""
+        from rljob_worker.rollout.cache_residency import (
+            KEEP_HEADROOM,
+            keep_cache_resident,
+            residency_forced_off,
+        )
+        from rljob_worker.rollout.hf_static_engine import HFStaticEngine
+
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        self._cache_resident = (isinstance(self.engine, HFStaticEngine) and not self._offload_plan
+                                and not residency_forced_off()
+                                and keep_cache_resident(total, self._training_peak_bytes, cache_bytes))
+        if self._cache_resident and self.is_main:  # on the progress output, like the offload decision
+            print(f"rollout: the static engine keeps its KV cache and CUDA graphs between steps from step "
+                  f"{self.step + 1}: training peaked at {self._training_peak_bytes / 2**30:.1f} GiB and the cache "
+                  f"holds {cache_bytes / 2**30:.1f} GiB, together below {100 * (1 - KEEP_HEADROOM):.0f}% of the "
+                  f"GPU's {total / 2**30:.1f} GiB (RLJOB_ROLLOUT_CACHE=release frees it every step)", flush=True)
 
     def _dynamic_sampling(self, records, responses, rewards, metrics):
         """DAPO: keep prompt groups whose rewards differ (the others carry no gradient) and refill

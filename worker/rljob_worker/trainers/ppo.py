@@ -213,6 +213,7 @@ class PPOTrainer(GRPOTrainer):
             self.telemetry.record_stage("critic_update", metrics["critic/update_s"])
             metrics["timing/critic_wait_s"] = self._critic_wait  # the actor pool idle, waiting for the critic pool
             self._critic_wait = 0.0
+        self._note_training_peak()
         return metrics
 
     def _wait_for_critic(self, reply):
