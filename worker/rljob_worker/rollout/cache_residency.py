@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from rljob_worker.startup_errors import StartupError
+
 RESIDENCY_ENV = "RLJOB_ROLLOUT_CACHE"
 # of the device's memory kept free beyond the two measured peaks: fragmentation, longer responses than the first
 # step's (the update's activations and the cache both grow with them). Wider than offload's 10%: keeping the cache
@@ -29,6 +31,6 @@ def residency_forced_off() -> bool:
     """``RLJOB_ROLLOUT_CACHE=release`` (benchmarks, or a job that needs every byte): free after every rollout."""
     value = os.environ.get(RESIDENCY_ENV, "auto").strip().lower()
     if value not in ("auto", "release"):
-        raise ValueError(f"{RESIDENCY_ENV}={value!r}: 'auto' (keep the static engine's cache where it fits, the "
+        raise StartupError(f"{RESIDENCY_ENV}={value!r}: 'auto' (keep the static engine's cache where it fits, the "
                          "default) or 'release' (free it after every rollout)")
     return value == "release"

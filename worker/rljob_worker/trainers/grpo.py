@@ -192,8 +192,11 @@ class GRPOTrainer(RunLoop):
             self.agent.tools.shared = self.engine_everywhere
         self.engine = None
         self._partial_sync: bool | None = None  # decided at the first weight sync (_partial_weight_sync)
-        # the static engine's cache between steps (_release_engine): undecided until a step's training was measured
-        self._cache_resident: bool | None = None
+        # the static engine's cache between steps (_release_engine): undecided until a step's training was measured;
+        # RLJOB_ROLLOUT_CACHE is read here so that a wrong value fails at start-up, not at step 2
+        from rljob_worker.rollout.cache_residency import residency_forced_off
+
+        self._cache_resident: bool | None = False if residency_forced_off() else None
         self._training_peak_bytes: int | None = None
         if self.separate:
             from rljob_worker.rollout.rollout_pool import RolloutPoolClient
@@ -381,8 +384,8 @@ class GRPOTrainer(RunLoop):
 
     def _note_training_peak(self) -> None:
         """The peak allocation of this step's stages outside the rollout (log-prob passes, updates, weight sync)."""
-        if self.device.type != "cuda" or self.engine is None:
-            return
+        if self.device.type != "cuda" or self.engine is None or self._cache_resident is not None:
+            return  # nothing to decide (or decided)
         peaks = [v for k, v in self.telemetry.pending_stage_peak_bytes().items() if k not in ("rollout", "reward")]
         if peaks:
             self._training_peak_bytes = max(self._training_peak_bytes or 0, *peaks)
@@ -737,24 +740,20 @@ class GRPOTrainer(RunLoop):
             return
         if self._cache_resident:
             return  # measured to fit beside training (_decide_cache_residency)
-        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        deciding = self._cache_resident is None and self._training_peak_bytes is not None  # measured on a GPU only
+        reserved = torch.cuda.memory_reserved(self.device) if deciding else 0
         self.engine.release_cache()  # the KV cache (and the static engine's graphs) go; the weights stay
-        if self._cache_resident is None and self._training_peak_bytes is not None:
+        if deciding:
             self._decide_cache_residency(reserved - torch.cuda.memory_reserved(self.device))
 
     def _decide_cache_residency(self, cache_bytes: int) -> None:
         """Once, at the first release after a measured step: keep the static engine's KV cache and CUDA graphs from
         the next rollout on when they fit beside training's measured peak (rollout/cache_residency.py)."""
-        from rljob_worker.rollout.cache_residency import (
-            KEEP_HEADROOM,
-            keep_cache_resident,
-            residency_forced_off,
-        )
+        from rljob_worker.rollout.cache_residency import KEEP_HEADROOM, keep_cache_resident
         from rljob_worker.rollout.hf_static_engine import HFStaticEngine
 
         total = torch.cuda.get_device_properties(self.device).total_memory
         self._cache_resident = (isinstance(self.engine, HFStaticEngine) and not self._offload_plan
-                                and not residency_forced_off()
                                 and keep_cache_resident(total, self._training_peak_bytes, cache_bytes))
         if self._cache_resident and self.is_main:  # on the progress output, like the offload decision
             print(f"rollout: the static engine keeps its KV cache and CUDA graphs between steps from step "
