@@ -114,7 +114,7 @@ for s in $SECTIONS; do
     actor7hpack) section actor7hpack ${ACTOR7HPACK_LIMIT:-330} python3 bench/actor_update.py --model 7b-half --mbs 4 --warmup 2 --steps 4 --max-tokens 8192 --systems megatron-budget-rows,megatron-budget ${ACTOR7HPACK_ARGS:-} ;;
     gpu1tests) section gpu1tests ${GPU1TESTS_LIMIT:-300} python3 -m pytest -m gpu tests/worker/test_megatron_gpu.py tests/worker/test_fused_head.py tests/worker/test_critic_gpu.py tests/worker/test_sequence_packing.py -v -p no:cacheprovider -rs ;;
     grpopack) section grpopack ${GRPOPACK_LIMIT:-420} python3 bench/grpo_step.py --variants ${GRPOPACK_VARIANTS:-rljob-compiled:32,rljob-compiled:32@rows,trl-nockpt} --timeout-each 130 --tag _pack ;;
-    grporounds) section grporounds ${GRPOROUNDS_LIMIT:-420} python3 bench/grpo_step.py --variants ${GRPOROUNDS_VARIANTS:-rljob-compiled:64,trl-nockpt} --rounds ${GRPOROUNDS_ROUNDS:-2} --steps 4 --timeout-each 150 --tag _rounds ;;
+    grporounds) section grporounds ${GRPOROUNDS_LIMIT:-420} python3 bench/grpo_step.py --variants ${GRPOROUNDS_VARIANTS:-rljob-compiled:64,trl-nockpt} --rounds ${GRPOROUNDS_ROUNDS:-2} --steps 4 --timeout-each 150 --tag _rounds ${GRPOROUNDS_ARGS:-} ;;
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
     rolloutbase) section rolloutbase ${ROLLOUTBASE_LIMIT:-560} python3 bench/rollout.py --hf-generate-baseline --compiled --compile-probe --skip-plain-hf ${ROLLOUT_ARGS:-} ;;
     rolloutbuckets) section rolloutbuckets 300 python3 bench/rollout.py --compiled --whole-cache-row --skip-plain-hf --batches 256 ${ROLLOUT_ARGS:-} ;;
