@@ -4,15 +4,19 @@ same tracker runs with every step exactly once; a tracking server killed mid-run
 gets what was queued when it is back; a wrong URI is a one-line warning (an error with `required`)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -20,7 +24,15 @@ pytest.importorskip("mlflow", reason="the tracking extra: pip install -e '.[trac
 pytest.importorskip("wandb", reason="the tracking extra: pip install -e '.[tracking]'")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rljob_worker.telemetry.trackers import STEP_KEY, _Delivery, mlflow_metric_name, wandb_offline_history
+from rljob_api.validation import parse_spec
+from rljob_worker.telemetry import trackers
+from rljob_worker.telemetry.trackers import (
+    STEP_KEY,
+    RunTrackers,
+    _Delivery,
+    mlflow_metric_name,
+    wandb_offline_history,
+)
 from test_learning import HARNESS, logged_steps, quickstart_spec
 
 JOB = "test/test"  # the harness runs job "test" in namespace "test": the default run name
@@ -231,6 +243,82 @@ def test_wrong_tracking_uri_is_a_one_line_warning_or_with_required_an_error(tmp_
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert re.search(r"rljob worker: spec\.tracking\.mlflow: cannot open a run at .*required is true", proc.stderr)
     assert "Traceback" not in proc.stderr and not (work / "metrics.jsonl").exists()
+
+
+class HoldFirstConnection:
+    """A TCP proxy in front of a tracking server that takes the first connection and never answers on it (a
+    server too busy to reply in time); every later connection is passed through both ways."""
+
+    def __init__(self, upstream_port: int, port: int):
+        self.uri = f"http://127.0.0.1:{port}"
+        self.upstream_port, self.held = upstream_port, 0
+        self._listener = socket.create_server(("127.0.0.1", port))
+        self._sockets: list[socket.socket] = [self._listener]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by stop()
+            self._sockets.append(conn)
+            if self.held == 0:
+                self.held += 1
+                continue  # read nothing, answer nothing
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._sockets.append(upstream)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+@pytest.mark.services
+def test_a_tracker_that_answers_too_late_is_opened_again_not_dropped(tmp_path, mlflow_server, free_port, monkeypatch,
+                                                                       caplog):
+    """A tracking server that takes the connection but answers after the client's timeout (loaded, its database
+    starting) used to cost the run all of its tracking: one warning and training without it. Opening is now tried
+    again while the tracker times out; a refused connection still fails at once (the wrong-URI test above)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setattr(trackers, "OPEN_RETRY_WAIT_S", 0.1)
+    experiment = f"slow-{uuid.uuid4().hex[:8]}"
+    with HoldFirstConnection(int(mlflow_server.uri.rsplit(":", 1)[1]), free_port()) as proxy:
+        doc = tracked_spec(proxy.uri, experiment, steps=1)
+        doc["tracking"].pop("wandb")
+        with caplog.at_level(logging.WARNING, logger=trackers.__name__):
+            run = RunTrackers.open(parse_spec(doc), job="test", namespace="test", workdir=tmp_path, state=None)
+        try:
+            assert [r["tracker"] for r in run.runs()] == ["mlflow"], caplog.text
+            run.log_metrics(1, {STEP_KEY: 1.5})
+        finally:
+            run.close()
+        assert proxy.held == 1
+    assert f"did not answer in time (attempt 1 of {trackers.OPEN_ATTEMPTS})" in caplog.text
+    assert "training without it" not in caplog.text
+    client = mlflow_server.client()
+    history = client.get_metric_history(the_mlflow_run(client, experiment).info.run_id, STEP_KEY)
+    assert [(m.step, m.value) for m in history] == [(1, 1.5)]
 
 
 class FlakyBackend:

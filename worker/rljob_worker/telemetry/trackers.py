@@ -26,7 +26,7 @@ INVALID_PARAMETER_VALUE) would fail the same way forever: it is logged, counted 
 so that one bad record never holds back the steps behind it. A full queue drops its oldest record (``rljob_tracker_dropped_total``). At the end
 :meth:`RunTrackers.close` waits at most ``RLJOB_TRACKER_FLUSH_S`` (default 60) seconds; what is still queued
 then is counted as dropped. A tracker that cannot be opened at start (wrong URI, missing or refused
-credential, client not installed) is a one-line warning and the run goes on without it, or a
+credential, client not installed; one that times out is tried OPEN_ATTEMPTS times) is a one-line warning and the run goes on without it, or a
 :class:`~rljob_worker.startup_errors.StartupError` with ``spec.tracking.required``.
 
 Credentials come from the environment only (``MLFLOW_TRACKING_TOKEN``, ``WANDB_API_KEY``, wired from a
@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 STEP_KEY = "timing/step_s"
 ERROR_LOG_INTERVAL_S = 60.0
 _MAX_BACKOFF_S = 10.0
+# A tracker that took the connection but did not answer within the request timeout is alive and busy (a server
+# under load, its database starting): opening it is tried again before the run goes on without it. A refused
+# connection, an unknown host or a rejected credential fails at once.
+OPEN_ATTEMPTS = 3
+OPEN_RETRY_WAIT_S = 2.0
 
 
 def worker_versions() -> dict[str, str]:
@@ -437,7 +442,7 @@ class RunTrackers:
                     backend = WandbBackend(cfg, run_name=cfg.run_name or run_name, tags=tags,
                                            directory=Path(workdir))
                     params = {**(spec_doc or {}), "versions": versions}
-                last = backend.open((state.get(name) or {}).get("run_id"), params)
+                last = _open_patiently(field, backend, (state.get(name) or {}).get("run_id"), params)
             except Exception as exc:  # noqa: BLE001  (ImportError, a wrong URI, a refused credential, ...)
                 what = _open_problem(name, cfg, exc)
                 if tracking.required:
@@ -506,6 +511,38 @@ class RunTrackers:
             except Exception as exc:  # noqa: BLE001
                 log.warning("%s: cannot close the run: %s", d.name, _one_line(exc))
         self._deliveries = []
+
+
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an exception it was raised from (or while handling) is a request timeout: MLflow's client
+    wraps requests' ``Timeout``, or, with its retries off, a retry error whose chain ends in the socket's
+    ``TimeoutError``."""
+    try:
+        from requests.exceptions import Timeout
+    except ImportError:  # no HTTP client installed: only the standard library's timeouts
+        Timeout = TimeoutError
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (TimeoutError, Timeout)):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _open_patiently(field: str, backend: Any, run_id: str | None, params: Mapping[str, Any]) -> int | None:
+    """``backend.open``, tried again (OPEN_ATTEMPTS in all) while the tracker times out. A retry reopens the run an
+    earlier attempt created, where its id came back (else the RLJob uid tag finds it)."""
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        try:
+            return backend.open(backend.run_id or run_id, params)
+        except Exception as exc:
+            if attempt == OPEN_ATTEMPTS or not _timed_out(exc):
+                raise
+            log.warning("%s: the tracker did not answer in time (attempt %d of %d); trying again in %.0f s",
+                        field, attempt, OPEN_ATTEMPTS, OPEN_RETRY_WAIT_S)
+            time.sleep(OPEN_RETRY_WAIT_S)
+    raise AssertionError("unreachable")
 
 
 def _open_problem(name: str, cfg: Any, exc: BaseException) -> str:
