@@ -262,7 +262,7 @@ class HoldFirstConnection:
             try:
                 conn, _ = self._listener.accept()
             except OSError:
-                return  # closed by stop()
+                return  # the listener was closed (__exit__)
             self._sockets.append(conn)
             if self.held == 0:
                 self.held += 1

@@ -26,8 +26,9 @@ INVALID_PARAMETER_VALUE) would fail the same way forever: it is logged, counted 
 so that one bad record never holds back the steps behind it. A full queue drops its oldest record (``rljob_tracker_dropped_total``). At the end
 :meth:`RunTrackers.close` waits at most ``RLJOB_TRACKER_FLUSH_S`` (default 60) seconds; what is still queued
 then is counted as dropped. A tracker that cannot be opened at start (wrong URI, missing or refused
-credential, client not installed; one that times out is tried OPEN_ATTEMPTS times) is a one-line warning and the run goes on without it, or a
-:class:`~rljob_worker.startup_errors.StartupError` with ``spec.tracking.required``.
+credential, client not installed; one that times out is tried OPEN_ATTEMPTS times) is a one-line warning
+and the run goes on without it, or a :class:`~rljob_worker.startup_errors.StartupError` with
+``spec.tracking.required``.
 
 Credentials come from the environment only (``MLFLOW_TRACKING_TOKEN``, ``WANDB_API_KEY``, wired from a
 Secret by the operator); nothing here logs them.
@@ -533,16 +534,16 @@ def _timed_out(exc: BaseException | None) -> bool:
 def _open_patiently(field: str, backend: Any, run_id: str | None, params: Mapping[str, Any]) -> int | None:
     """``backend.open``, tried again (OPEN_ATTEMPTS in all) while the tracker times out. A retry reopens the run an
     earlier attempt created, where its id came back (else the RLJob uid tag finds it)."""
-    for attempt in range(1, OPEN_ATTEMPTS + 1):
+    for attempt in range(1, OPEN_ATTEMPTS):
         try:
             return backend.open(backend.run_id or run_id, params)
         except Exception as exc:
-            if attempt == OPEN_ATTEMPTS or not _timed_out(exc):
+            if not _timed_out(exc):
                 raise
             log.warning("%s: the tracker did not answer in time (attempt %d of %d); trying again in %.0f s",
                         field, attempt, OPEN_ATTEMPTS, OPEN_RETRY_WAIT_S)
             time.sleep(OPEN_RETRY_WAIT_S)
-    raise AssertionError("unreachable")
+    return backend.open(backend.run_id or run_id, params)  # the last attempt: whatever it raises is the answer
 
 
 def _open_problem(name: str, cfg: Any, exc: BaseException) -> str:
