@@ -275,16 +275,12 @@ def test_validate_local_checks_what_rljob_run_would_find_missing_on_this_machine
 
 
 def test_run_refuses_a_missing_local_data_file_before_starting(tmp_path):
-    import time
-
     job = _local_job(tmp_path, **{"data.trainFiles": [str(tmp_path / "missing.parquet")]})
     job["spec"]["data"].pop("synthetic")
-    started = time.monotonic()
     code, out = rljob("run", write(tmp_path, "j.yaml", job), "--workdir", tmp_path / "work")
     assert code == 2, out
     assert f"rljob: spec.data.trainFiles[0]: {tmp_path}/missing.parquet does not exist on this machine" in out, out
-    assert time.monotonic() - started < 20, "the check runs before the worker starts"  # the run failed at 13-33 s
-    assert not (tmp_path / "work").exists()
+    assert not (tmp_path / "work").exists(), "the check runs before the run starts (it makes the workdir)"
 
 
 def test_validate_local_names_a_folder_this_user_cannot_write(tmp_path):

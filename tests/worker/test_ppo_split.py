@@ -164,8 +164,8 @@ def test_killed_shared_run_with_its_own_critic_sizes_takes_turns_and_resumes_ont
     print(breakdown(resumed, "shared, critic at its own TP2 (actor 2 + critic 2 processes, taking turns)"))
     for step in range(3, STEPS + 1):  # the resumed steps: the actor pool's wait contains the critic's work
         r = resumed[step]
-        # 10 ms: a gloo broadcast's root returns once its peers hold the data, which may be just after they start
-        assert r["timing/critic_wait_s"] >= r["timing/critic_values_s"] + r["critic/update_s"] - 0.01, r
+        # the wait counts from each command's hand-over, so each of the critic's two turns lies inside it
+        assert r["timing/critic_wait_s"] > r["timing/critic_values_s"] + r["critic/update_s"], r
 
 
 def test_sigterm_saves_both_pools_parts_of_the_step(tmp_path):

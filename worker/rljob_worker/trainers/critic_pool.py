@@ -63,10 +63,12 @@ class CriticPoolClient:
         self.is_offloaded = False  # never in the actor pool's offload plan
         self._stopped = False
         self._saving: str | None = None  # the path of a save started by start_checkpoint_save
+        self.sent_at = 0.0  # perf_counter() when the last command was handed over (after making room)
 
     def _send(self, command: dict[str, Any]) -> None:
         if self.takes_turns and self._make_room is not None and command["op"] not in ("build", "stop"):
             self._make_room()
+        self.sent_at = time.perf_counter()
         self.cross.broadcast_object(command, src=0)
 
     def _receive(self) -> Any:

@@ -137,7 +137,7 @@ class PPOTrainer(GRPOTrainer):
         if self.split:  # the critic pool computes the values while this pool computes its log-probs ...
             self.critic.request_values(batch)
             if self.critic.takes_turns:  # ... or first, when the two pools share the GPUs
-                remote_values = self._wait_for_critic(self.critic.values)
+                remote_values = self._wait_for_critic(self.critic.values, since=self.critic.sent_at)
 
         # 2. this data-parallel rank's rows (shared: the critic shares the actor's layout): (n, T)
         per_rank = batch["input_ids"].shape[0] // self.dp_size
@@ -177,7 +177,7 @@ class PPOTrainer(GRPOTrainer):
             self.critic.request_update(all_gather_rows(local["returns"], self.actor.dp_group, self.device),
                                        mini_batches_per_step)
             if self.critic.takes_turns:  # (or first, when the two pools share the GPUs)
-                critic_metrics = self._wait_for_critic(self.critic.update_metrics)
+                critic_metrics = self._wait_for_critic(self.critic.update_metrics, since=self.critic.sent_at)
         # whitened over the batch's or each mini-batch's response tokens (algorithm.whitenScope) on all DP ranks
         advantages = gae.whiten_advantages(advantages, mask, a.whiten_scope, mini_batches_per_step, self._dp_sum)
         minis = split_batch({**local, "advantages": advantages}, mini_batches_per_step)
@@ -216,9 +216,11 @@ class PPOTrainer(GRPOTrainer):
         self._note_training_peak()
         return metrics
 
-    def _wait_for_critic(self, reply):
-        """``reply()`` from the critic pool, adding the time this pool waited for it to the step's critic wait."""
-        start = time.perf_counter()
+    def _wait_for_critic(self, reply, since: float | None = None):
+        """``reply()`` from the critic pool, adding the time this pool waited for it to the step's critic wait:
+        from now, or from ``since`` (taking turns: the command's hand-over, so that the wait holds the critic's
+        whole turn; the broadcast that hands it over may return after the critic pool has begun working)."""
+        start = time.perf_counter() if since is None else since
         try:
             return reply()
         finally:
