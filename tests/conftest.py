@@ -81,6 +81,20 @@ _SERVICE_FIXTURES = {
 }
 
 
+FAILED_TESTS_ENV = "RLJOB_FAILED_TESTS"  # scripts/test: where the ids of failed tests go, one per line
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """With RLJOB_FAILED_TESTS set, the node ids of the tests that failed or errored, for scripts/test to run
+    again one at a time. Written by the session that reports (xdist's controller, not its workers)."""
+    path = os.environ.get(FAILED_TESTS_ENV)
+    if not path or hasattr(config, "workerinput"):
+        return
+    ids = sorted({r.nodeid for key in ("failed", "error") for r in terminalreporter.stats.get(key, [])
+                  if getattr(r, "nodeid", "")})
+    Path(path).write_text("".join(f"{i}\n" for i in ids))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda: bool | None = None  # torch is imported only if some test is marked gpu
     has_vllm: bool | None = None
