@@ -50,10 +50,12 @@ import contextlib
 import functools
 import logging
 import os
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from rljob_worker.rollout import fused_projections
+from rljob_worker.rollout import fused_projections, precompiled
 from rljob_worker.rollout.background_compile import BackgroundCompiles, background_default
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
 from rljob_worker.rollout.hf_engine import HFEngine, rows_to_output
@@ -110,6 +112,125 @@ def dynamo_compiles() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+@dataclass(frozen=True)
+class LayerDims:
+    """The attention sizes a decode layer reads besides its module: constants of the compiled layer region."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    qk_norm: bool
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+class DecodeState(NamedTuple):
+    """The session tensors a decode step's tail reads and writes (each at a fixed address; `_Session`)."""
+    pos: torch.Tensor
+    slot: torch.Tensor
+    count: torch.Tensor
+    tok: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    done: torch.Tensor
+    forced: torch.Tensor
+    stops: torch.Tensor
+    temperature: torch.Tensor
+    noise: torch.Tensor | None
+
+
+# The compiled regions are module-level functions of modules, tensors and plain values (not engine methods): the
+# precompiled artefact keeps its guards, and guards on an engine would have to pickle the engine.
+def decode_attention(dims: LayerDims, attn, x: torch.Tensor, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     write: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    """x (B, T, hidden) -> attention output (B, T, hidden); writes K/V into this layer's cache (B, Hkv, L, D) at
+    slots `write` (T,) and attends over its slots 0..keys-1 under key_mask (B, T, keys)."""
+    b, t, _ = x.shape
+    keys = key_mask.shape[-1]
+    q, k, v = fused_projections.qkv(attn, x)
+    q = q.view(b, t, dims.heads, dims.head_dim)
+    k = k.view(b, t, dims.kv_heads, dims.head_dim)
+    v = v.view(b, t, dims.kv_heads, dims.head_dim)
+    if dims.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    c, sn = cos[:, :, None, :], sin[:, :, None, :]
+    q = q * c + _rotate_half(q) * sn
+    k = k * c + _rotate_half(k) * sn
+    k_cache.index_copy_(2, write, k.transpose(1, 2))
+    v_cache.index_copy_(2, write, v.transpose(1, 2))
+    kc, vc = k_cache[:, :, :keys], v_cache[:, :, :keys]  # (B, Hkv, keys, D)
+    # query head h reads kv head h // groups (as transformers' repeat_kv): (B, Hkv, groups*T, D)
+    qg = q.permute(0, 2, 1, 3).reshape(b, dims.kv_heads, dims.groups * t, dims.head_dim)
+    scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * dims.scale  # (B, Hkv, groups*T, keys)
+    scores = scores.view(b, dims.kv_heads, dims.groups, t, keys)
+    scores = scores.masked_fill(~key_mask[:, None, None, :, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(vc.dtype).view(b, dims.kv_heads, dims.groups * t, keys)
+    out = torch.matmul(probs, vc)  # (B, Hkv, groups*T, D)
+    out = out.view(b, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(b, t, dims.heads * dims.head_dim)
+    return attn.o_proj(out)
+
+
+def decode_layer(dims: LayerDims, layer, h: torch.Tensor, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 write: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    """One decoder layer: h (B, T, hidden) -> h. The unit the decode step compiles (one graph serves every layer:
+    the layer's weights and cache are inputs), so a compile traces one layer, not the whole model."""
+    h = h + decode_attention(dims, layer.self_attn, layer.input_layernorm(h), cos, sin, k_cache, v_cache, write,
+                             key_mask)
+    return h + fused_projections.mlp(layer.mlp, layer.post_attention_layernorm(h))
+
+
+def record(st: DecodeState, tok: torch.Tensor, lp: torch.Tensor, pad: int) -> None:
+    """Store the picks tok, lp (B,) as token number st.count (pad / 0 for finished rows; the given token where it
+    is forced) and feed them to the next step."""
+    at = st.count.view(1)
+    forced = st.forced.index_select(1, at).squeeze(1)
+    given = st.tokens.index_select(1, at).squeeze(1)
+    tok = torch.where(forced, given, tok.masked_fill(st.done, pad))
+    lp = lp.float().masked_fill(st.done | forced, 0.0)
+    st.tokens.index_copy_(1, at, tok[:, None])
+    st.logprobs.index_copy_(1, at, lp[:, None])
+    st.done.logical_or_((tok[:, None] == st.stops[None, :]).any(dim=-1) & ~forced)  # a given EOS ends nothing
+    st.tok.copy_(tok[:, None])
+    st.count.add_(1)
+
+
+def pick(logits: torch.Tensor, st: DecodeState, mode: str, top_k: int, top_p: float):
+    """logits (B, V) -> (tokens (B,), log-probs (B,)): greedy, or a race over st.noise (drawn just before)."""
+    if mode == "greedy":
+        return greedy_pick(logits)
+    return race_sample(logits, st.temperature, st.noise, top_k, top_p)
+
+
+def pick_and_record(st: DecodeState, logits: torch.Tensor, pad: int, mode: str, top_k: int, top_p: float) -> None:
+    st.pos.add_(1)
+    st.slot.add_(1)
+    tok, lp = pick(logits, st, mode, top_k, top_p)
+    record(st, tok, lp, pad)
+
+
+def decode_tail(norm, lm_head, st: DecodeState, h: torch.Tensor, pad: int, mode: str, top_k: int,
+                top_p: float) -> None:
+    """The decode step after the layers: h (B, 1, hidden) -> logits -> the next token, recorded."""
+    pick_and_record(st, lm_head(norm(h[:, -1])), pad, mode, top_k, top_p)
+
+
+def tail_greedy(norm, lm_head, st: DecodeState, h: torch.Tensor, pad: int) -> None:
+    decode_tail(norm, lm_head, st, h, pad, "greedy", -1, 1.0)
+
+
+def tail_sample(norm, lm_head, st: DecodeState, h: torch.Tensor, pad: int) -> None:
+    decode_tail(norm, lm_head, st, h, pad, "sample", -1, 1.0)
+
+
+def tail_filtered(norm, lm_head, st: DecodeState, h: torch.Tensor, pad: int, top_k: int, top_p: float) -> None:
+    decode_tail(norm, lm_head, st, h, pad, "sample", top_k, top_p)
+
+
+TAILS = {"greedy": tail_greedy, "sample": tail_sample, "filtered": tail_filtered}
+
+
 class _Session:
     """Buffers (and CUDA graphs) of one (batch, cache length) shape. Everything a decode step reads or writes
     lives here at a fixed address, so a captured step is replayed without arguments."""
@@ -138,6 +259,8 @@ class _Session:
         self.temperature = torch.ones((), dtype=torch.float32, device=dev)
         self.noise = torch.zeros((batch, engine.vocab), dtype=torch.float32, device=dev) if engine.sample_in_step else None
         self.gen = torch.Generator(device=dev) if engine.sample_in_step else None  # the in-step sampler's noise
+        self.state = DecodeState(self.pos, self.slot, self.count, self.tok, self.tokens, self.logprobs, self.done,
+                                 self.forced, self.stops, self.temperature, self.noise)
         self.graphs: dict[tuple, object] = {}  # (mode, top_k, top_p, keys) -> CUDA graph of one decode step
         self.graph_compiled: dict[tuple, bool] = {}  # whether that graph replays the compiled step
         self.pool = torch.cuda.graph_pool_handle() if engine.use_cuda_graph else None  # shared by those graphs
@@ -187,9 +310,10 @@ class HFStaticEngine(HFEngine):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.groups = self.heads // self.kv_heads
-        self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        self.dims = LayerDims(self.heads, self.kv_heads, self.head_dim, self.scale, self.qk_norm)
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
         on_cuda = device.type == "cuda"
         if fuse_projections is None:  # on a GPU, where a small model's decode step is bound by GEMM launches
             fuse_projections = on_cuda and os.environ.get(FUSE_ENV, "1").strip() != "0"
@@ -232,11 +356,9 @@ class HFStaticEngine(HFEngine):
             self._compiled_steps = {m: torch.compile(f, fullgraph=True, backend=compile_backend)
                                     for m, f in self._eager_steps.items()}
         elif self.compile_decode:
-            self._compiled_layer = torch.compile(self._layer, fullgraph=True, backend=compile_backend)
-            tails = {"greedy": self._tail_greedy, "sample": self._tail_sample, "filtered": self._tail_filtered}
-            self._compiled_tails = {m: torch.compile(f, fullgraph=True, backend=compile_backend)
-                                    for m, f in tails.items()}
-            self._compiled_steps = {m: functools.partial(self._step_in_regions, mode=m) for m in tails}
+            self._compiled_layer = self._region(decode_layer, "decode-layer", compile_backend)
+            self._compiled_tails = {m: self._region(f, f"decode-tail-{m}", compile_backend) for m, f in TAILS.items()}
+            self._compiled_steps = {m: functools.partial(self._step_in_regions, mode=m) for m in TAILS}
         # each sampler's compile (mode, top_k, top_p: the values a filtered step is specialised on) runs once, before
         # the first rollout that needs it (or beside the rollouts, opt-in: background_compile); a failed one, or one
         # still running, leaves the step uncompiled
@@ -244,6 +366,17 @@ class HFStaticEngine(HFEngine):
             compile_in_background = background_default()
         self.compiles = BackgroundCompiles(background=compile_in_background,
                                            announce=os.environ.get("RANK", "0") == "0")
+
+    def _region(self, fn, name: str, backend: str):
+        """``fn`` compiled as a region of the decode step: with inductor, precompiled and kept beside the compile
+        cache (`precompiled`: a restored pod loads it without tracing); with another backend (tests), plain."""
+        folder = precompiled.precompile_folder() if backend == "inductor" else None
+        if folder is None:
+            return torch.compile(fn, fullgraph=True, backend=backend)
+        parts = {"model": self.cfg.to_dict(), "dtype": str(self.dtype), "fused": self.fuse_projections,
+                 "sample_in_step": self.sample_in_step}
+        sources = (__name__, fused_projections.__name__, race_sample.__module__)
+        return precompiled.PrecompiledRegion(fn, name, folder, precompiled.artefact_key(parts, sources, self.device))
 
     # -- memory
     def release_cache(self) -> None:
@@ -323,41 +456,9 @@ class HFStaticEngine(HFEngine):
         self._params = dict(self.model.named_parameters())
 
     # -- the forward
-    def _attention(self, layer, x: torch.Tensor, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   write: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """x (B, T, hidden) -> attention output (B, T, hidden); writes K/V into this layer's cache (B, Hkv, L, D) at
-        slots `write` (T,) and attends over its slots 0..keys-1 under key_mask (B, T, keys)."""
-        attn = layer.self_attn
-        b, t, _ = x.shape
-        keys = key_mask.shape[-1]
-        q, k, v = fused_projections.qkv(attn, x)
-        q = q.view(b, t, self.heads, self.head_dim)
-        k = k.view(b, t, self.kv_heads, self.head_dim)
-        v = v.view(b, t, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        c, sn = cos[:, :, None, :], sin[:, :, None, :]
-        q = q * c + _rotate_half(q) * sn
-        k = k * c + _rotate_half(k) * sn
-        k_cache.index_copy_(2, write, k.transpose(1, 2))
-        v_cache.index_copy_(2, write, v.transpose(1, 2))
-        kc, vc = k_cache[:, :, :keys], v_cache[:, :, :keys]  # (B, Hkv, keys, D)
-        # query head h reads kv head h // groups (as transformers' repeat_kv): (B, Hkv, groups*T, D)
-        qg = q.permute(0, 2, 1, 3).reshape(b, self.kv_heads, self.groups * t, self.head_dim)
-        scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale  # (B, Hkv, groups*T, keys)
-        scores = scores.view(b, self.kv_heads, self.groups, t, keys)
-        scores = scores.masked_fill(~key_mask[:, None, None, :, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(vc.dtype).view(b, self.kv_heads, self.groups * t, keys)
-        out = torch.matmul(probs, vc)  # (B, Hkv, groups*T, D)
-        out = out.view(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-        return attn.o_proj(out)
-
     def _layer(self, layer, h: torch.Tensor, cos, sin, k_cache: torch.Tensor, v_cache: torch.Tensor,
                write: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """One decoder layer: h (B, T, hidden) -> h. The unit the decode step compiles (one graph serves every
-        layer: the layer's weights and cache are inputs), so a compile traces one layer, not the whole model."""
-        h = h + self._attention(layer, layer.input_layernorm(h), cos, sin, k_cache, v_cache, write, key_mask)
-        return h + fused_projections.mlp(layer.mlp, layer.post_attention_layernorm(h))
+        return decode_layer(self.dims, layer, h, cos, sin, k_cache, v_cache, write, key_mask)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, s: _Session, write: torch.Tensor,
                  key_mask: torch.Tensor) -> torch.Tensor:
@@ -377,23 +478,10 @@ class HFStaticEngine(HFEngine):
         return self._forward(s.tok, s.pos, s, slot, s.key_valid[:, None, :keys])
 
     def _record(self, s: _Session, tok: torch.Tensor, lp: torch.Tensor) -> None:
-        """Store the picks tok, lp (B,) as token number s.count (pad / 0 for finished rows; the given token where
-        it is forced) and feed them to the next step."""
-        at = s.count.view(1)
-        forced = s.forced.index_select(1, at).squeeze(1)
-        given = s.tokens.index_select(1, at).squeeze(1)
-        tok = torch.where(forced, given, tok.masked_fill(s.done, self.pad))
-        lp = lp.float().masked_fill(s.done | forced, 0.0)
-        s.tokens.index_copy_(1, at, tok[:, None])
-        s.logprobs.index_copy_(1, at, lp[:, None])
-        s.done.logical_or_((tok[:, None] == s.stops[None, :]).any(dim=-1) & ~forced)  # a given EOS ends nothing
-        s.tok.copy_(tok[:, None])
-        s.count.add_(1)
+        record(s.state, tok, lp, self.pad)
 
     def _pick(self, logits: torch.Tensor, s: _Session, mode: str, top_k: int, top_p: float):
-        if mode == "greedy":
-            return greedy_pick(logits)
-        return race_sample(logits, s.temperature, s.noise, top_k, top_p)  # s.noise: drawn just before
+        return pick(logits, s.state, mode, top_k, top_p)
 
     def _step(self, s: _Session, key_slots: torch.Tensor, mode: str, top_k: int, top_p: float) -> None:
         """One whole decode step: forward, pick the next token, record it (graph-capturable)."""
@@ -401,23 +489,7 @@ class HFStaticEngine(HFEngine):
         self._pick_and_record(s, logits, mode, top_k, top_p)
 
     def _pick_and_record(self, s: _Session, logits: torch.Tensor, mode: str, top_k: int, top_p: float) -> None:
-        s.pos.add_(1)
-        s.slot.add_(1)
-        tok, lp = self._pick(logits, s, mode, top_k, top_p)
-        self._record(s, tok, lp)
-
-    def _tail(self, s: _Session, h: torch.Tensor, mode: str, top_k: int, top_p: float) -> None:
-        """The decode step after the layers: h (B, 1, hidden) -> logits -> the next token, recorded."""
-        self._pick_and_record(s, self.model.lm_head(self.decoder.norm(h[:, -1])), mode, top_k, top_p)
-
-    def _tail_greedy(self, s: _Session, h: torch.Tensor) -> None:
-        self._tail(s, h, "greedy", -1, 1.0)
-
-    def _tail_sample(self, s: _Session, h: torch.Tensor) -> None:
-        self._tail(s, h, "sample", -1, 1.0)
-
-    def _tail_filtered(self, s: _Session, h: torch.Tensor, top_k: int, top_p: float) -> None:
-        self._tail(s, h, "sample", top_k, top_p)
+        pick_and_record(s.state, logits, self.pad, mode, top_k, top_p)
 
     def _step_in_regions(self, s: _Session, key_slots: torch.Tensor, top_k: int = -1, top_p: float = 1.0, *,
                          mode: str) -> None:
@@ -432,11 +504,12 @@ class HFStaticEngine(HFEngine):
         h = _dynamic(self.decoder.embed_tokens(s.tok), 0)
         cos, sin = (_dynamic(t, 0) for t in self.decoder.rotary_emb(h, s.pos))
         for i, layer in enumerate(self.layers):
-            h = _dynamic(self._compiled_layer(layer, h, cos, sin, s.k[i], s.v[i], slot, key_mask), 0)
+            h = _dynamic(self._compiled_layer(self.dims, layer, h, cos, sin, s.k[i], s.v[i], slot, key_mask), 0)
+        tail = (self.decoder.norm, self.model.lm_head, s.state, h, self.pad)
         if mode == "filtered":
-            self._compiled_tails[mode](s, h, top_k, top_p)
+            self._compiled_tails[mode](*tail, top_k, top_p)
         else:
-            self._compiled_tails[mode](s, h)
+            self._compiled_tails[mode](*tail)
 
     def _step_greedy(self, s: _Session, key_slots: torch.Tensor) -> None:
         self._step(s, key_slots, "greedy", -1, 1.0)
