@@ -7,7 +7,10 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
 
 - ``cold``: nothing stored yet: the first rollout compiles the decode step (by layer, the default); its caches
   are uploaded after it.
-- ``restored``: a new pod: start-up restores the archive, the first step loads kernels.
+- ``restored``: a new pod: start-up restores the archive, the first step loads the precompiled decode regions
+  (rollout/precompiled: no dynamo trace) and the trainer's kernels.
+- ``restoredjit`` / ``coldjit``: restored / cold with ``RLJOB_PRECOMPILE=0`` (a plain torch.compile, the path
+  before precompiled regions: a restored pod traces every region again and loads kernels from inductor's cache).
 - ``restarted``: the same pod's folders again (a container restart: the emptyDir kept them).
 - ``nocompile``: compile off, cold (what a first step costs without any compile: CUDA graph capture,
   allocator and library warm-up).
@@ -82,20 +85,23 @@ def main() -> int:
     rows = {}
     for pod in a.pods.split(","):
         cache = root / ("pod-restored" if pod in ("restored", "restarted") else f"pod-{pod}")
+        # the jit pods keep a store of their own: an archive with precompiled regions is not the path they measure
         profile_dir = Path(os.environ.get("OUT", root)) / "cprofile"
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
                    "RLJOB_COMPILE_IN_BACKGROUND": "1" if pod.endswith("bg") else "0",
-                   "RLJOB_COMPILE_SCOPE": "step" if pod == "coldstep" else "layer"}
+                   "RLJOB_COMPILE_SCOPE": "step" if pod == "coldstep" else "layer",
+                   "RLJOB_PRECOMPILE": "0" if pod.endswith("jit") else "1"}
         if pod == "restoredprof":
             profile_dir.mkdir(parents=True, exist_ok=True)
             pod_env["RLJOB_BENCH_CPROFILE_DIR"] = str(profile_dir)
             pod_env["PYTHONPATH"] = os.pathsep.join([str(BENCH / "profile_site"), env.get("PYTHONPATH", "")])
         pod_job = job
-        if pod == "coldstep":  # its own store: the by-layer pods' archive is not its cache
+        if pod == "coldstep" or pod.endswith("jit"):  # a store of its own: the default pods' archive is not its cache
+            store = "step" if pod == "coldstep" else "jit"
             job_doc = yaml.safe_load(job.read_text())
-            job_doc["spec"]["checkpoint"]["uri"] = f"file://{root}/store-step"
-            pod_job = root / "job-step.yaml"
+            job_doc["spec"]["checkpoint"]["uri"] = f"file://{root}/store-{store}"
+            pod_job = root / f"job-{store}.yaml"
             pod_job.write_text(yaml.safe_dump(job_doc))
         steps = 2 if pod == "restoredprof" else a.steps
         workdir = root / f"run-{pod}"
@@ -110,7 +116,7 @@ def main() -> int:
             continue
         wall = time.perf_counter() - t0
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("compile cache:", "first step", "start-up:"))]
-        lines += [ln for ln in proc.stderr.splitlines() if "compil" in ln and "decode step" in ln]
+        lines += [ln for ln in proc.stderr.splitlines() if "compil" in ln and ("decode step" in ln or "precompiled" in ln)]
         print(f"== {pod}: rc {proc.returncode}, {wall:.1f}s\n  " + "\n  ".join(lines), flush=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
@@ -149,6 +155,16 @@ def main() -> int:
         bench_results.record("first step, compile cache restored from storage", shape, "first_step_s",
                              rows["restored"]["first_s"], "s", card=card, baseline="first step, cold pod",
                              baseline_value=rows["cold"]["first_s"], same_run=True)
+    if "restoredjit" in rows and "restored" in rows:
+        bench_results.record("first step, restored pod, decode regions precompiled", shape, "first_step_s",
+                             rows["restored"]["first_s"], "s", card=card,
+                             baseline="first step, restored pod, plain torch.compile (RLJOB_PRECOMPILE=0)",
+                             baseline_value=rows["restoredjit"]["first_s"], same_run=True)
+    if "coldjit" in rows and "cold" in rows:
+        bench_results.record("first step, cold pod, decode regions precompiled and saved", shape, "first_step_s",
+                             rows["cold"]["first_s"], "s", card=card,
+                             baseline="first step, cold pod, plain torch.compile (RLJOB_PRECOMPILE=0)",
+                             baseline_value=rows["coldjit"]["first_s"], same_run=True)
     if "restoredwait" in rows and "restored" in rows:
         bench_results.record("first step, restored pod, decode step compiled beside the steps", shape,
                              "first_step_s", rows["restored"]["first_s"], "s", card=card,

@@ -404,6 +404,10 @@ class HFStaticEngine(HFEngine):
         if not self.compile_decode:
             return False
         on = None if self.compiles.background else s
+        if self._saved_regions(sampler[0]):
+            return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, s.batch, keys, on),
+                                        f"the decode step ({sampler[0]} sampler)",
+                                        expect="loading its regions precompiled by an earlier pod (about 1 s)")
         return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, s.batch, keys, on),
                                     f"the decode step ({sampler[0]} sampler)",
                                     expect=("by layer: ~25 s with a cold compile cache at 0.5B on an H200, a few s "
@@ -411,6 +415,14 @@ class HFStaticEngine(HFEngine):
                                             else "the whole step: about 2-5 min with a cold compile cache (0.5B on "
                                             "an H200: 123 s; 7B on an H100: ~270 s), ~20 s restored")
                                     + "; rollout.compile: disabled skips it")
+
+    def _saved_regions(self, mode: str) -> bool:
+        """Whether the layer and this sampler's tail have precompiled artefacts on disk (a restored pod)."""
+        if self.compile_scope != "layer" or not self.compile_decode:
+            return False
+        regions = (self._compiled_layer, self._compiled_tails[mode])
+        return all(isinstance(r, precompiled.PrecompiledRegion) and r.path is not None and r.path.exists()
+                   for r in regions)
 
     def wait_compiled(self, sampler: tuple[str, int, float], s: _Session, keys: int) -> None:
         """This sampler's compiled step, ready before returning (a session that lives long, e.g. the pool's
