@@ -17,7 +17,8 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
 - ``coldstep``: cold, the whole decode step compiled as one graph (``RLJOB_COMPILE_SCOPE=step``, the default
   before session 11): the baseline of the by-layer compile, first step and warm step.
 - ``coldbg`` / ``restoredbg``: cold / restored with the compile beside the steps (``RLJOB_COMPILE_IN_BACKGROUND=1``).
-- ``restoredprof``: another new pod restored from storage, 2 steps, every process under cProfile
+- ``restoredprof`` / ``restoredjitprof``: another new pod restored from storage (precompiled regions / plain),
+  2 steps, every process under cProfile
   (bench/profile_site): the worker's profile and its top functions by cumulative time go to $OUT/cprofile/.
 
 First-step / warm-step ratios go to results.jsonl; warm = the median of the later steps that ran the compiled
@@ -86,24 +87,25 @@ def main() -> int:
     for pod in a.pods.split(","):
         cache = root / ("pod-restored" if pod in ("restored", "restarted") else f"pod-{pod}")
         # the jit pods keep a store of their own: an archive with precompiled regions is not the path they measure
-        profile_dir = Path(os.environ.get("OUT", root)) / "cprofile"
+        profiled, jit = pod.endswith("prof"), "jit" in pod
+        profile_dir = Path(os.environ.get("OUT", root)) / "cprofile" / pod
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
                    "RLJOB_COMPILE_IN_BACKGROUND": "1" if pod.endswith("bg") else "0",
                    "RLJOB_COMPILE_SCOPE": "step" if pod == "coldstep" else "layer",
-                   "RLJOB_PRECOMPILE": "0" if pod.endswith("jit") else "1"}
-        if pod == "restoredprof":
+                   "RLJOB_PRECOMPILE": "0" if jit else "1"}
+        if profiled:
             profile_dir.mkdir(parents=True, exist_ok=True)
             pod_env["RLJOB_BENCH_CPROFILE_DIR"] = str(profile_dir)
             pod_env["PYTHONPATH"] = os.pathsep.join([str(BENCH / "profile_site"), env.get("PYTHONPATH", "")])
         pod_job = job
-        if pod == "coldstep" or pod.endswith("jit"):  # a store of its own: the default pods' archive is not its cache
+        if pod == "coldstep" or jit:  # a store of its own: the default pods' archive is not its cache
             store = "step" if pod == "coldstep" else "jit"
             job_doc = yaml.safe_load(job.read_text())
             job_doc["spec"]["checkpoint"]["uri"] = f"file://{root}/store-{store}"
             pod_job = root / f"job-{store}.yaml"
             pod_job.write_text(yaml.safe_dump(job_doc))
-        steps = 2 if pod == "restoredprof" else a.steps
+        steps = 2 if profiled else a.steps
         workdir = root / f"run-{pod}"
         shutil.rmtree(workdir, ignore_errors=True)
         t0 = time.perf_counter()
@@ -121,14 +123,14 @@ def main() -> int:
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
             continue
-        if pod == "restoredprof":
+        if profiled:
             summarize_profiles(profile_dir)
         steps = [json.loads(ln) for ln in (workdir / "work" / "metrics.jsonl").read_text().splitlines()]
         compiled = [s.get("rollout/decode_compiled", 1.0) for s in steps]  # absent: compile off
         times = [s["timing/step_s"] for s in steps]
         rollout = [s.get("timing/rollout_s") for s in steps]
         later = [i for i in range(1, len(steps)) if compiled[i]]
-        if pod == "restoredprof":  # profiled: its times are not the pod's
+        if profiled:  # profiled: its times are not the pod's
             print(json.dumps({"first_s": times[0], "first_rollout_s": rollout[0]}), flush=True)
             continue
         if pod != "nocompile" and not later:
@@ -181,7 +183,7 @@ def summarize_profiles(profile_dir: Path) -> None:
 
     profiles = sorted(profile_dir.glob("*.prof"), key=lambda p: p.stat().st_size)
     if not profiles:
-        print("== restoredprof: no profile written", flush=True)
+        print(f"== {profile_dir.name}: no profile written", flush=True)
         return
     for p in profiles[:-1]:
         p.unlink()
@@ -189,8 +191,11 @@ def summarize_profiles(profile_dir: Path) -> None:
     stats = pstats.Stats(str(profiles[-1]), stream=text)
     stats.sort_stats("cumulative").print_stats(80)
     stats.sort_stats("tottime").print_stats(40)
+    # the first rollout's parts: the engine's compile, load, capture and prefill, and what torch does under them
+    stats.sort_stats("cumulative").print_stats(
+        r"hf_static_engine|precompiled|aot_compile|package|convert_frame|codecache|async_compile|graphs\.py", 60)
     (profile_dir / "worker_top.txt").write_text(text.getvalue())
-    print(text.getvalue()[:6000], flush=True)
+    print(text.getvalue()[:3000], flush=True)
 
 
 if __name__ == "__main__":
