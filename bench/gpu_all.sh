@@ -53,7 +53,8 @@
 #             same at Qwen2.5-7B widths, 14 layers) gpu1tests (the one-GPU actor, critic and packing tests)
 #             actor05e (actor update: compiled RMSNorm/RoPE/SwiGLU on vs off vs HF packed rows; actor15f also
 #             compares them at 1.5B, with MFU) elemtests grporounds (GRPO step vs TRL without checkpointing, run
-#             in turn twice: each round's ratio against its own TRL run)
+#             in turn twice: each round's ratio against its own TRL run) | precompiletests (the precompiled regions'
+#             tests with this image's torch, and the static engine's tests, GPU ones included)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Every figure is also appended to $OUT/results.jsonl (bench/results.py); pass RLJOB_BENCH_COMMIT=<sha> (the
 # device's copy of the tree has no .git), then `python bench/results.py merge <files_at>/results.jsonl`.
@@ -112,6 +113,7 @@ for s in $SECTIONS; do
     packtests) section packtests ${PACKTESTS_LIMIT:-240} python3 -m pytest tests/worker/test_sequence_packing.py tests/worker/test_attention_backend.py -v -p no:cacheprovider -rs ;;
     actor15pack) section actor15pack ${ACTOR15PACK_LIMIT:-300} python3 bench/actor_update.py --model 1.5b --mbs 8 --warmup 2 --max-tokens 16384 --systems megatron-budget-rows,megatron-budget ${ACTOR15PACK_ARGS:-} ;;
     actor7hpack) section actor7hpack ${ACTOR7HPACK_LIMIT:-330} python3 bench/actor_update.py --model 7b-half --mbs 4 --warmup 2 --steps 4 --max-tokens 8192 --systems megatron-budget-rows,megatron-budget ${ACTOR7HPACK_ARGS:-} ;;
+    precompiletests) section precompiletests ${PRECOMPILETESTS_LIMIT:-300} python3 -m pytest tests/worker/test_precompiled.py tests/worker/test_rollout_static.py -v -p no:cacheprovider -rs ;;
     gpu1tests) section gpu1tests ${GPU1TESTS_LIMIT:-300} python3 -m pytest -m gpu tests/worker/test_megatron_gpu.py tests/worker/test_fused_head.py tests/worker/test_critic_gpu.py tests/worker/test_sequence_packing.py -v -p no:cacheprovider -rs ;;
     grpopack) section grpopack ${GRPOPACK_LIMIT:-420} python3 bench/grpo_step.py --variants ${GRPOPACK_VARIANTS:-rljob-compiled:32,rljob-compiled:32@rows,trl-nockpt} --timeout-each 130 --tag _pack ;;
     grporounds) section grporounds ${GRPOROUNDS_LIMIT:-420} python3 bench/grpo_step.py --variants ${GRPOROUNDS_VARIANTS:-rljob-compiled:64,trl-nockpt} --rounds ${GRPOROUNDS_ROUNDS:-2} --steps 4 --timeout-each 150 --tag _rounds ${GRPOROUNDS_ARGS:-} ;;
