@@ -8,9 +8,9 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
 - ``cold``: nothing stored yet: the first rollout compiles the decode step (by layer, the default); its caches
   are uploaded after it.
 - ``restored``: a new pod: start-up restores the archive, the first step loads the precompiled decode regions
-  (rollout/precompiled: no dynamo trace) and the trainer's kernels.
-- ``restoredjit`` / ``coldjit``: restored / cold with ``RLJOB_PRECOMPILE=0`` (a plain torch.compile, the path
-  before precompiled regions: a restored pod traces every region again and loads kernels from inductor's cache).
+  (``RLJOB_PRECOMPILE=1``, rollout/precompiled: no dynamo trace) and the trainer's kernels.
+- ``restoredjit`` / ``coldjit``: restored / cold with ``RLJOB_PRECOMPILE=0`` (a plain torch.compile, the
+  default: a restored pod traces every region again and loads kernels from inductor's cache).
 - ``restarted``: the same pod's folders again (a container restart: the emptyDir kept them).
 - ``nocompile``: compile off, cold (what a first step costs without any compile: CUDA graph capture,
   allocator and library warm-up).

@@ -52,7 +52,8 @@ def sharp_model_dir(tmp_path_factory):
 def _pod(model_dir: Path, cache: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "RLJOB_", "TRITON_"))}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
-               OMP_NUM_THREADS="1", **extra)
+               OMP_NUM_THREADS="1", RLJOB_PRECOMPILE="1")
+    env.update(extra)
     out = subprocess.run([sys.executable, "-c", POD, str(model_dir)], env=env, capture_output=True, text=True,
                          timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -77,7 +78,7 @@ def test_a_new_process_calls_the_saved_regions_without_tracing_them(sharp_model_
     assert second["traced_graphs"] == 0, second["log"][-3000:]
     assert second["greedy"] == first["greedy"] and second["hot"] == first["hot"]
 
-    plain = _pod(sharp_model_dir, tmp_path / "plain", RLJOB_PRECOMPILE="0")  # today's path: the same tokens
+    plain = _pod(sharp_model_dir, tmp_path / "plain", RLJOB_PRECOMPILE="0")  # the default path: the same tokens
     assert set(plain["regions"].values()) <= {"traced", None} and plain["greedy"][0] == first["greedy"][0]
     assert not (tmp_path / "plain" / "inductor" / precompiled.FOLDER).exists()
 
@@ -120,8 +121,10 @@ def test_no_folder_is_the_plain_compile_and_the_switch_is_checked(tmp_path):
     region = PrecompiledRegion(scaled_sum, "scaled-sum", None, "k")
     x, w = torch.randn(2, 8), torch.randn(8, 3)
     assert torch.allclose(region(x, w), scaled_sum(x, w)) and region.source == "traced"
-    assert precompile_folder({}) is None  # the machine's default inductor cache is not the job's
-    assert precompile_folder({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}) == tmp_path / precompiled.FOLDER
+    on = {"RLJOB_PRECOMPILE": "1"}
+    assert precompile_folder(on) is None  # the machine's default inductor cache is not the job's
+    assert precompile_folder({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path), **on}) == tmp_path / precompiled.FOLDER
+    assert precompile_folder({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}) is None  # opt-in (see the module)
     assert precompile_folder({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "RLJOB_PRECOMPILE": "0"}) is None
     with pytest.raises(ValueError, match="RLJOB_PRECOMPILE='yes': set 1"):
         precompile_folder({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "RLJOB_PRECOMPILE": "yes"})

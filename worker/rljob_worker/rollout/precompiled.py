@@ -7,6 +7,13 @@ bench/NOTES.md, session 15). torch's ahead-of-time precompile saves a region who
 a later process loads it in well under a second and calls it without dynamo (0.6 s against 2.6 s for one
 decoder-layer region in bench/aot_probe.py).
 
+Opt-in (``RLJOB_PRECOMPILE=1``), because it loses on the worker image's torch. Measured at 0.5B on an H200 with
+torch 2.11 (bench/NOTES.md, session 17): a restored pod's first step took 10.2 s with the regions loaded against
+8.1 s traced again (the load recompiled one graph: an inductor cache miss inside the artefact's deserialisation),
+while a cold pod's first step was 25.4 / 27.3 s against 27.8 / 30.5 s. With torch 2.13 on a CPU the loaded
+regions reach the first result 1.8x sooner (1.64 s against 2.91 s, tiny model): worth measuring again when the
+image's torch moves.
+
 `PrecompiledRegion` stands where ``torch.compile(fn, fullgraph=True)`` stood. Its first call loads the region's
 saved artefact if there is one, else compiles ahead of time with that call's arguments (their dynamic-dim marks
 included, so the artefact's sizes are as symbolic as the plain compile's) and saves it. The artefacts live under
@@ -35,7 +42,7 @@ import torch
 log = logging.getLogger(__name__)
 
 FOLDER = "rljob-precompiled"  # under the inductor cache folder (restored and archived with it)
-SWITCH_ENV = "RLJOB_PRECOMPILE"  # 0: the plain torch.compile path (benchmarks compare the two)
+SWITCH_ENV = "RLJOB_PRECOMPILE"  # 1: save and load precompiled regions (off by default: see above)
 GUARD_FAILURE = "GuardManager check failed"  # what a loaded artefact raises for a call its guards refuse
 # the attributes torch's dim-marking APIs set on a tensor (mark_dynamic, maybe_mark_dynamic, ...)
 DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
@@ -43,15 +50,15 @@ DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo
 
 
 def precompile_folder(environ=None) -> Path | None:
-    """Where artefacts are kept: ``$TORCHINDUCTOR_CACHE_DIR/rljob-precompiled``, or None (no precompile) where
-    the worker did not point the inductor cache at a folder of the job's (the machine's default cache is not
-    this job's) or ``RLJOB_PRECOMPILE=0``."""
+    """Where artefacts are kept with ``RLJOB_PRECOMPILE=1``: ``$TORCHINDUCTOR_CACHE_DIR/rljob-precompiled``; None
+    (the plain torch.compile) without the switch, or where the worker did not point the inductor cache at a
+    folder of the job's (the machine's default cache is not this job's)."""
     environ = os.environ if environ is None else environ
     switch = environ.get(SWITCH_ENV, "").strip()
     if switch not in ("", "0", "1"):
-        raise ValueError(f"{SWITCH_ENV}={switch!r}: set 1 (save and load precompiled regions, the default) or 0")
+        raise ValueError(f"{SWITCH_ENV}={switch!r}: set 1 (save and load precompiled regions) or 0 (the default)")
     root = environ.get("TORCHINDUCTOR_CACHE_DIR", "").strip()
-    if switch == "0" or not root:
+    if switch != "1" or not root:
         return None
     return Path(root) / FOLDER
 
