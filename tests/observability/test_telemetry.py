@@ -358,3 +358,39 @@ def test_stage_peak_memory_by_hand_with_nested_stages():
     mem.alloc(5)
     peaks.exit("reward")
     assert peaks.pending["reward"] == 60
+
+
+def test_stage_compile_seconds_follow_the_clock_only_while_it_is_set(tel):
+    """A process's first step counts each stage's compile seconds by the clock the run loop sets; nested stages
+    count in both (as their seconds do); without a clock nothing is counted."""
+    clock = [0.0]
+    tel.compile_clock = lambda: clock[0]
+    with tel.stage("rollout"):
+        clock[0] += 2.0
+        with tel.stage("old_logprob"):
+            clock[0] += 0.5
+    with tel.stage("actor_update"):
+        pass
+    tel.compile_clock = None
+    with tel.stage("actor_update"):
+        clock[0] += 7.0
+    assert dict(tel.stage_compile_seconds) == {"rollout": 2.5, "old_logprob": 0.5, "actor_update": 0.0}
+
+
+def test_the_compile_clock_sees_a_real_compile_inside_its_stage(tel):
+    """The run loop's clock is dynamo's own: a torch.compile inside a stage is counted there, a stage that only
+    calls the compiled function again counts none of it."""
+    import torch
+    from rljob_worker.run_loop import _seconds_compiling
+
+    def scaled(x):
+        return torch.sin(x) * 3 + 1
+
+    fn = torch.compile(scaled, backend="eager")
+    tel.compile_clock = _seconds_compiling
+    with tel.stage("rollout"):
+        fn(torch.ones(4))
+    with tel.stage("actor_update"):
+        fn(torch.ones(4))
+    assert tel.stage_compile_seconds["rollout"] > 0
+    assert tel.stage_compile_seconds["actor_update"] == 0

@@ -346,6 +346,8 @@ class RunLoop:
         while self.step < self.total_steps:
             step_start = time.perf_counter()
             self.step += 1
+            if not self.history:  # this process's first step: which stage compiled what (_log_first_step_compiles)
+                self.telemetry.compile_clock = _seconds_compiling
             metrics = self.train_step()
             metrics["timing/step_s"] = time.perf_counter() - step_start
             if getattr(getattr(self, "engine", None), "compile_decode", False):  # 0 while it compiles beside the steps
@@ -354,6 +356,7 @@ class RunLoop:
             metrics.update(stage_peaks_over_ranks(self.telemetry.pending_stage_peak_bytes(), self.device))
             self.history.append(StepResult(self.step, metrics))
             if len(self.history) == 1:  # this process's first step: what it compiled, kept for the next pod
+                self.telemetry.compile_clock = None
                 self._log_first_step_compiles(metrics["timing/step_s"])
                 self._save_compile_cache()
             elif self._background_compiles_grew():  # the decode step compiled beside the steps: keep it too
@@ -401,10 +404,12 @@ class RunLoop:
         if hits or misses:
             spent = {k: sum(compilation_time_metrics.get(k, ())) for k in
                      ("_compile.compile_inner", "bytecode_tracing", "build_guards", "OutputGraph.call_user_compiler")}
+            by_stage = ", ".join(f"{stage} {secs:.1f}s" for stage, secs in
+                                 self.telemetry.stage_compile_seconds.items() if secs >= 0.05)
             print(f"first step {seconds:.1f}s: {misses} graph(s) compiled, {hits} loaded from the compile cache; "
                   f"{spent['_compile.compile_inner']:.1f}s in torch.compile (tracing {spent['bytecode_tracing']:.1f}s, "
-                  f"guards {spent['build_guards']:.1f}s, backend {spent['OutputGraph.call_user_compiler']:.1f}s)",
-                  flush=True)
+                  f"guards {spent['build_guards']:.1f}s, backend {spent['OutputGraph.call_user_compiler']:.1f}s)"
+                  + (f"; by stage: {by_stage}" if by_stage else ""), flush=True)
 
     def export_final_models(self) -> None:
         """After the last step: the policy in Hugging Face format (checkpoint.exportHf). Collective."""
@@ -518,3 +523,10 @@ def run(trainer: RunLoop) -> int:
         if line:
             print(line, flush=True)
     return 0
+
+
+def _seconds_compiling() -> float:
+    """Seconds this process has spent in torch.compile so far (dynamo's own clock: tracing, guards, backend)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", ()))

@@ -236,6 +236,10 @@ class TrainerTelemetry:
         self._step_durations: collections.deque[float] = collections.deque(maxlen=_STEP_WINDOW)
         self._checkpoint_times: collections.deque[float] = collections.deque(maxlen=_STEP_WINDOW)
         self._pending_stage_seconds: dict[str, float] = collections.defaultdict(float)
+        # set by the run loop for a process's first step: seconds spent compiling so far, so each stage also
+        # counts what it compiled (stage_compile_seconds; nested stages count in both, as their seconds do)
+        self.compile_clock: Callable[[], float] | None = None
+        self.stage_compile_seconds: dict[str, float] = collections.defaultdict(float)
         self._stage_peaks = _cuda_stage_peaks()  # None without CUDA
         self._save_freq = int(save_freq) if save_freq is not None and int(save_freq) > 0 else None
 
@@ -404,11 +408,15 @@ class TrainerTelemetry:
         active.inc()
         if self._stage_peaks is not None:
             self._stage_peaks.enter()
+        clock = self.compile_clock
+        compiled_before = clock() if clock is not None else 0.0
         t0 = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - t0
+            if clock is not None:
+                self.stage_compile_seconds[name] += clock() - compiled_before
             if self._stage_peaks is not None:
                 self._stage_peaks.exit(name)
             active.dec()
