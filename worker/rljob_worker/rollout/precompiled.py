@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -104,6 +105,7 @@ class PrecompiledRegion:
         self._traced: Callable | None = None
         self._ahead: Callable | None = None
         self._refused = False  # a call the artefact's guards refused was logged
+        self._first = threading.Lock()  # two samplers compiling beside the rollouts share the layer region
 
     @property
     def traced(self) -> Callable:
@@ -113,8 +115,9 @@ class PrecompiledRegion:
 
     def __call__(self, *args):
         if self.source is None:
-            self._ahead = self._load() or self._precompile(args)
-            self.source = "traced" if self._ahead is None else self.source
+            with self._first:
+                if self.source is None:  # the callable first, then the word other threads check
+                    self._ahead, self.source = self._load() or self._precompile(args) or (None, "traced")
         if self._ahead is None:
             return self.traced(*args)
         try:
@@ -128,7 +131,7 @@ class PrecompiledRegion:
                             self.name, _guard_reason(str(exc)))
             return self.traced(*args)
 
-    def _load(self) -> Callable | None:
+    def _load(self) -> tuple[Callable, str] | None:
         if self.path is None or not self.path.exists():
             return None
         start = time.perf_counter()
@@ -139,11 +142,10 @@ class PrecompiledRegion:
             log.warning("could not load the precompiled %s from %s (%s: %s); compiling it", self.name, self.path,
                         type(exc).__name__, str(exc)[:200])
             return None
-        self.source = "loaded"
         log.info("loaded the precompiled %s in %.2f s", self.name, time.perf_counter() - start)
-        return loaded
+        return loaded, "loaded"
 
-    def _precompile(self, args: tuple) -> Callable | None:
+    def _precompile(self, args: tuple) -> tuple[Callable, str] | None:
         if self.path is None:
             return None
         start = time.perf_counter()
@@ -153,7 +155,6 @@ class PrecompiledRegion:
             log.warning("precompiling %s failed (%s: %s); it compiles as usual, without a saved artefact",
                         self.name, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
             return None
-        self.source = "precompiled"
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
@@ -162,9 +163,9 @@ class PrecompiledRegion:
         except Exception as exc:  # noqa: BLE001 - this process keeps the compiled region; the next pod compiles
             log.warning("could not save the precompiled %s to %s (%s: %s)", self.name, self.path,
                         type(exc).__name__, str(exc)[:200])
-            return compiled
+            return compiled, "precompiled"
         log.info("precompiled %s in %.1f s (saved to %s)", self.name, time.perf_counter() - start, self.path)
-        return compiled
+        return compiled, "precompiled"
 
 
 def _guard_reason(message: str) -> str:
