@@ -309,10 +309,9 @@ class HFStaticEngine(HFEngine):
         attn = self.layers[0].self_attn
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.groups = self.heads // self.kv_heads
-        self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
-        self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
-        self.dims = LayerDims(self.heads, self.kv_heads, self.head_dim, self.scale, self.qk_norm)
+        self.dims = LayerDims(self.heads, self.kv_heads, self.head_dim,
+                              scale=float(getattr(attn, "scaling", self.head_dim ** -0.5)),
+                              qk_norm=hasattr(attn, "q_norm") and hasattr(attn, "k_norm"))
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
         on_cuda = device.type == "cuda"
         if fuse_projections is None:  # on a GPU, where a small model's decode step is bound by GEMM launches
@@ -356,8 +355,9 @@ class HFStaticEngine(HFEngine):
             self._compiled_steps = {m: torch.compile(f, fullgraph=True, backend=compile_backend)
                                     for m, f in self._eager_steps.items()}
         elif self.compile_decode:
-            self._compiled_layer = self._region(decode_layer, "decode-layer", compile_backend)
-            self._compiled_tails = {m: self._region(f, f"decode-tail-{m}", compile_backend) for m, f in TAILS.items()}
+            region = self._region_compiler(compile_backend)
+            self._compiled_layer = region(decode_layer, "decode-layer")
+            self._compiled_tails = {m: region(f, f"decode-tail-{m}") for m, f in TAILS.items()}
             self._compiled_steps = {m: functools.partial(self._step_in_regions, mode=m) for m in TAILS}
         # each sampler's compile (mode, top_k, top_p: the values a filtered step is specialised on) runs once, before
         # the first rollout that needs it (or beside the rollouts, opt-in: background_compile); a failed one, or one
@@ -367,16 +367,18 @@ class HFStaticEngine(HFEngine):
         self.compiles = BackgroundCompiles(background=compile_in_background,
                                            announce=os.environ.get("RANK", "0") == "0")
 
-    def _region(self, fn, name: str, backend: str):
-        """``fn`` compiled as a region of the decode step: with inductor, precompiled and kept beside the compile
-        cache (`precompiled`: a restored pod loads it without tracing); with another backend (tests), plain."""
+    def _region_compiler(self, backend: str):
+        """``(fn, name) -> fn`` compiled as a region of the decode step: plain torch.compile, or with
+        ``RLJOB_PRECOMPILE=1`` and inductor, precompiled and kept beside the compile cache (`precompiled`: a
+        restored pod loads it without tracing)."""
         folder = precompiled.precompile_folder() if backend == "inductor" else None
         if folder is None:
-            return torch.compile(fn, fullgraph=True, backend=backend)
+            return lambda fn, name: torch.compile(fn, fullgraph=True, backend=backend)
         parts = {"model": self.cfg.to_dict(), "dtype": str(self.dtype), "fused": self.fuse_projections,
                  "sample_in_step": self.sample_in_step}
-        sources = (__name__, fused_projections.__name__, race_sample.__module__)
-        return precompiled.PrecompiledRegion(fn, name, folder, precompiled.artefact_key(parts, sources, self.device))
+        key = precompiled.artefact_key(parts, (__name__, fused_projections.__name__, race_sample.__module__),
+                                       self.device)
+        return lambda fn, name: precompiled.PrecompiledRegion(fn, name, folder, key)
 
     # -- memory
     def release_cache(self) -> None:
@@ -405,16 +407,15 @@ class HFStaticEngine(HFEngine):
             return False
         on = None if self.compiles.background else s
         if self._saved_regions(sampler[0]):
-            return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, s.batch, keys, on),
-                                        f"the decode step ({sampler[0]} sampler)",
-                                        expect="loading its regions precompiled by an earlier pod (about 1 s)")
+            expect = "loading its regions precompiled by an earlier pod (about 1 s)"
+        elif self.compile_scope == "layer":
+            expect = ("by layer: ~25 s with a cold compile cache at 0.5B on an H200, a few s with one restored from "
+                      "the job's storage; rollout.compile: disabled skips it")
+        else:
+            expect = ("the whole step: about 2-5 min with a cold compile cache (0.5B on an H200: 123 s; 7B on an "
+                      "H100: ~270 s), ~20 s restored; rollout.compile: disabled skips it")
         return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, s.batch, keys, on),
-                                    f"the decode step ({sampler[0]} sampler)",
-                                    expect=("by layer: ~25 s with a cold compile cache at 0.5B on an H200, a few s "
-                                            "with one restored from the job's storage" if self.compile_scope == "layer"
-                                            else "the whole step: about 2-5 min with a cold compile cache (0.5B on "
-                                            "an H200: 123 s; 7B on an H100: ~270 s), ~20 s restored")
-                                    + "; rollout.compile: disabled skips it")
+                                    f"the decode step ({sampler[0]} sampler)", expect=expect)
 
     def _saved_regions(self, mode: str) -> bool:
         """Whether the layer and this sampler's tail have precompiled artefacts on disk (a restored pod)."""

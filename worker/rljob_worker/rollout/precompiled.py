@@ -67,7 +67,9 @@ def precompile_folder(environ=None) -> Path | None:
 def artefact_key(parts: dict[str, Any], sources: Iterable[str], device: torch.device) -> str:
     """A short hash of what a saved region depends on: ``parts`` (the model's shape, dtype, engine settings), the
     source files of the modules whose code it traced (a code change must not load an old trace), torch's and
-    CUDA's versions and the device."""
+    CUDA's versions and the device (named as the compile-cache archive names it)."""
+    from rljob_worker.checkpoint.compile_cache import device_name
+
     digest = hashlib.sha256()
     digest.update(json.dumps(parts, sort_keys=True, default=str).encode())
     for name in sorted(sources):
@@ -75,10 +77,7 @@ def artefact_key(parts: dict[str, Any], sources: Iterable[str], device: torch.de
         digest.update(name.encode())
         if path and os.path.exists(path):
             digest.update(Path(path).read_bytes())
-    where = device.type
-    if device.type == "cuda":
-        where += f"-{torch.cuda.get_device_name(device)}-{torch.cuda.get_device_capability(device)}"
-    digest.update(f"{torch.__version__}|{torch.version.cuda}|{where}".encode())
+    digest.update(f"{torch.__version__}|{torch.version.cuda}|{device_name(device)}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -155,12 +154,13 @@ class PrecompiledRegion:
             log.warning("precompiling %s failed (%s: %s); it compiles as usual, without a saved artefact",
                         self.name, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
             return None
+        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
             compiled.save_compiled_function(str(partial))
             os.replace(partial, self.path)  # a reader sees a whole artefact or none (ranks share the folder)
         except Exception as exc:  # noqa: BLE001 - this process keeps the compiled region; the next pod compiles
+            partial.unlink(missing_ok=True)
             log.warning("could not save the precompiled %s to %s (%s: %s)", self.name, self.path,
                         type(exc).__name__, str(exc)[:200])
             return compiled, "precompiled"
