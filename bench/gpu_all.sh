@@ -168,7 +168,7 @@ for s in $SECTIONS; do
       section longtail1 ${LONGTAIL1_LIMIT:-300} bash -c "rm -rf /tmp/longtail1; sed -e 's/gpusPerNode: 2/gpusPerNode: 1/' -e 's/gpu-longtail-sync/gpu-longtail-sync1/' bench/gpu_longtail_sync.yaml > /tmp/longtail1.yaml; RLJOB_SYNTHETIC_LENGTHS=${LONGTAIL_LAW:-lognormal:300:1.0} python3 -m rljob_cli.main run /tmp/longtail1.yaml --workdir /tmp/longtail1 --fresh --steps ${LONGTAIL_STEPS:-4} | grep -E 'step [0-9]+/|rror|Traceback|finished'; python3 bench/summarize_grpo.py /tmp/longtail1/work/metrics.jsonl longtail1; cp /tmp/longtail1/work/metrics.jsonl \$OUT/longtail1_metrics.jsonl" ;;
     refilltests) section refilltests 300 python3 -m pytest tests/worker/test_static_refill.py -v -p no:cacheprovider -rs ;;
     streamtests) section streamtests 300 python3 -m pytest tests/worker/test_static_stream.py -v -p no:cacheprovider -rs ;;
-    warmstart) section warmstart ${WARMSTART_LIMIT:-540} python3 bench/warm_start.py ${WARMSTART_PODS:+--pods $WARMSTART_PODS} ;;
+    warmstart) section warmstart ${WARMSTART_LIMIT:-540} python3 bench/warm_start.py ${WARMSTART_PODS:+--pods $WARMSTART_PODS} ${WARMSTART_ARGS:-} ;;
     offload15) section offload15 ${OFFLOAD_LIMIT:-240} python3 bench/offload.py --model 1.5b ;;
     offload15reg) section offload15reg ${OFFLOAD_LIMIT:-240} env PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 python3 bench/offload.py --model 1.5b --tag _hostregister ;;
     offloadrun) section offloadprep 120 python3 bench/gpu_1_5b_char_prepare.py
