@@ -71,6 +71,12 @@ WHEELS=$(ls .whl/megatron_actor_gpu/*.whl .whl/trl/*.whl 2>/dev/null)
   $WHEELS 2>&1 | grep -v -i "warning" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/operator:$PWD/worker:$PWD/bench
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# The device image sets PYTHONDONTWRITEBYTECODE=1 and ships torch without .pyc files, so every process compiled
+# each module it imported from source (imports, and the compiler's lazy imports inside a first step); the worker
+# image has them (Dockerfile.worker compiles them at build). Bytecode kept under /tmp: the first process of a call
+# writes it, the later ones start as a worker pod does.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 # vLLM (when installed): engine core in this process (the engine sets it too), no FlashInfer sampler JIT
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
