@@ -8,9 +8,11 @@ its own, by compiling and running a tiny function shaped like the regions the ru
 a norm, a GEMM, SwiGLU, a backward) on the run's device.
 
 When: started right after the compile cache is restored (the kernels it loads are the archive's, and its own join
-the archive for the next pod) and joined before the first step. It never runs beside a rollout: a thread tracing
-Python starves the main thread of the GIL (rollout/background_compile) and a CUDA graph capture must not see
-another thread's kernels. A warm-up that fails or hangs costs nothing but the time it would have saved.
+the archive for the next pod) and joined before the first step. It never runs beside a rollout or a CUDA graph
+capture: a thread tracing Python starves the main thread of the GIL (rollout/background_compile), and a capture in
+global mode (vLLM captures while its engine starts, inside the model build) fails on another thread's allocations,
+so whatever is about to capture calls :func:`settle` first. A warm-up that fails or hangs costs nothing but the
+time it would have saved.
 
 ``RLJOB_COMPILE_WARMUP``: ``0`` off, ``1`` on; unset: on when the run compiles anything (the static engine's decode
 step, the trainer's fused kernels).
@@ -86,8 +88,10 @@ class CompileWarmup:
 
     @classmethod
     def start(cls, device) -> CompileWarmup:
+        global _running
         warmup = cls(device)
         warmup._thread.start()
+        _running = warmup
         return warmup
 
     def _run(self) -> None:
@@ -105,3 +109,12 @@ class CompileWarmup:
         if self._thread.is_alive():
             return WarmupOutcome(waited, waited, f"still running after {timeout:.0f}s; left to finish on its own")
         return WarmupOutcome(self._seconds or 0.0, waited, self._error)
+
+
+_running: CompileWarmup | None = None  # the process's warm-up, for settle()
+
+
+def settle(timeout: float = JOIN_TIMEOUT_S) -> None:
+    """Wait for this process's warm-up, if one is running: before a CUDA graph capture in global mode."""
+    if _running is not None:
+        _running.join(timeout)
