@@ -7,10 +7,8 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
 
 - ``cold``: nothing stored yet: the first rollout compiles the decode step (by layer, the default); its caches
   are uploaded after it.
-- ``restored``: a new pod: start-up restores the archive, warms the compiler up beside the model build
-  (runtime/compile_warmup) and the first step traces every region again, loading its kernels from inductor's cache.
-- ``restorednowarm`` / ``coldnowarm``: restored / cold with ``RLJOB_COMPILE_WARMUP=0`` (the first compiled region
-  pays the compiler's set-up, as before the warm-up).
+- ``restored``: a new pod: start-up restores the archive and the first step traces every region again, loading its
+  kernels from inductor's cache.
 - ``restoredpre`` / ``coldpre``: restored / cold with ``RLJOB_PRECOMPILE=1`` and a store of their own (the decode
   regions precompiled ahead of time and loaded without a dynamo trace: rollout/precompiled).
 - ``restarted``: the same pod's folders again (a container restart: the emptyDir kept them).
@@ -18,13 +16,12 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
   allocator and library warm-up).
 - ``coldstep``: cold, the whole decode step compiled as one graph (``RLJOB_COMPILE_SCOPE=step``, the default
   before session 11): the baseline of the by-layer compile, first step and warm step.
-- ``coldbg`` / ``restoredbg``: cold / restored with the compile beside the steps (``RLJOB_COMPILE_IN_BACKGROUND=1``).
-- ``restoredprof`` / ``restoredpreprof`` / ``restorednowarmprof``: another new pod restored from storage, 2 steps,
+- ``restoredprof`` / ``restoredpreprof``: another new pod restored from storage, 2 steps,
   every process under cProfile (bench/profile_site): the worker's profile and its top functions by cumulative
   time go to $OUT/cprofile/.
 
-Each pod also reports ``ready_s``: its start-up phases (the lines ``start-up: <phase> <s>``, plus any wait for the
-warm-up) and its first step together, so that work moved from the first step into start-up is still counted.
+Each pod also reports ``ready_s``: its start-up phases (the lines ``start-up: <phase> <s>``) and its first step
+together, so that work moved from the first step into start-up is still counted.
 
 First-step / warm-step ratios go to results.jsonl; warm = the median of the later steps that ran the compiled
 decode step (``rollout/decode_compiled``), so a pod still compiling is compared with what it will run at.
@@ -97,9 +94,8 @@ def main() -> int:
         profile_dir = Path(os.environ.get("OUT", root)) / "cprofile" / pod
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
-                   "RLJOB_COMPILE_IN_BACKGROUND": "1" if pod.endswith("bg") else "0",
                    "RLJOB_COMPILE_SCOPE": "step" if pod == "coldstep" else "layer",
-                   "RLJOB_PRECOMPILE": "1" if pre else "0", "RLJOB_COMPILE_WARMUP": "0" if "nowarm" in pod else "1"}
+                   "RLJOB_PRECOMPILE": "1" if pre else "0"}
         if profiled:
             profile_dir.mkdir(parents=True, exist_ok=True)
             pod_env["RLJOB_BENCH_CPROFILE_DIR"] = str(profile_dir)
@@ -175,33 +171,13 @@ def main() -> int:
                              rows["coldpre"]["first_s"], "s", card=card,
                              baseline="first step, cold pod, plain torch.compile (RLJOB_PRECOMPILE=0)",
                              baseline_value=rows["cold"]["first_s"], same_run=True)
-    for kind in ("restored", "cold"):
-        if kind in rows and f"{kind}nowarm" in rows:
-            for key, what, metric in (("first_s", "first step", "first_step_s"),
-                                      ("ready_s", "start-up + first step", "ready_s")):
-                bench_results.record(f"{what}, {kind} pod, compiler warmed up beside the model build", shape, metric,
-                                     rows[kind][key], "s", card=card,
-                                     baseline=f"{what}, {kind} pod, no warm-up (RLJOB_COMPILE_WARMUP=0)",
-                                     baseline_value=rows[f"{kind}nowarm"][key], same_run=True)
-    if "restoredwait" in rows and "restored" in rows:
-        bench_results.record("first step, restored pod, decode step compiled beside the steps", shape,
-                             "first_step_s", rows["restored"]["first_s"], "s", card=card,
-                             baseline="first step, restored pod, first rollout waiting for the compile",
-                             baseline_value=rows["restoredwait"]["first_s"], same_run=True)
     return 0
 
 
 def startup_seconds(stdout: str) -> float:
-    """A worker's start-up: the sum of its ``start-up: <phase> <s>s`` lines and of any wait for the compile
-    warm-up (``... (waited <s>s for it)``)."""
-    total = 0.0
-    for line in stdout.splitlines():
-        if not line.startswith("start-up: "):
-            continue
-        waited = re.search(r"\(waited ([0-9.]+)s for it\)", line)
-        phase = re.fullmatch(r"start-up: .+ ([0-9.]+)s", line.strip())
-        total += float(waited.group(1)) if waited else float(phase.group(1)) if phase else 0.0
-    return total
+    """A worker's start-up: the sum of its ``start-up: <phase> <s>s`` lines."""
+    phases = (re.fullmatch(r"start-up: .+ ([0-9.]+)s", line.strip()) for line in stdout.splitlines())
+    return sum(float(m.group(1)) for m in phases if m)
 
 
 def summarize_profiles(profile_dir: Path) -> None:

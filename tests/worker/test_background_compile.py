@@ -52,11 +52,47 @@ def test_a_failed_compile_is_recorded_and_never_retried(caplog):
         "compiling the step failed after 0 s (RuntimeError: inductor: no C++ compiler); it keeps running uncompiled"]
 
 
-def test_the_env_switch_reads_0_and_1_and_refuses_the_rest():
-    assert not background_default({}) and background_default({"RLJOB_COMPILE_IN_BACKGROUND": "1"})
-    assert not background_default({"RLJOB_COMPILE_IN_BACKGROUND": "0"})
-    with pytest.raises(ValueError, match="RLJOB_COMPILE_IN_BACKGROUND='yes': set 1"):
+def test_a_run_compiles_in_front_and_refuses_the_background_switch():
+    assert not background_default({}) and not background_default({"RLJOB_COMPILE_IN_BACKGROUND": "0"})
+    with pytest.raises(ValueError, match="RLJOB_COMPILE_IN_BACKGROUND=1 is refused: a compile on another thread "
+                                         "rewinds the random number generators"):
+        background_default({"RLJOB_COMPILE_IN_BACKGROUND": "1"})
+    with pytest.raises(ValueError, match="RLJOB_COMPILE_IN_BACKGROUND='yes': unset it"):
         background_default({"RLJOB_COMPILE_IN_BACKGROUND": "yes"})
+
+
+def test_a_compile_on_another_thread_rewinds_this_threads_generator_and_default_dtype():
+    """Why the switch is refused (and why no compile runs beside other torch work): torch.compile saves the
+    process's generators and default dtype when a compile starts and restores them when it ends. Random numbers
+    drawn here during another thread's compile come again after it, and a dtype set here meanwhile is undone.
+    The compile waits inside its backend until this thread has drawn, so the overlap is certain."""
+    import torch
+
+    inside, drawn = threading.Event(), threading.Event()
+
+    def waiting_backend(gm, _example_inputs):
+        inside.set()
+        drawn.wait(30)
+        return gm.forward
+
+    def scaled(x):
+        return torch.sin(x) * 3
+
+    thread = threading.Thread(target=lambda: torch.compile(scaled, backend=waiting_backend)(torch.ones(4)))
+    dtype = torch.get_default_dtype()
+    torch.manual_seed(1234)
+    thread.start()
+    assert inside.wait(120)
+    during = torch.rand(8)
+    torch.set_default_dtype(torch.float64)
+    drawn.set()
+    thread.join(60)
+    try:
+        after = torch.rand(8)
+        assert torch.equal(during, after)  # the same draws again: the generator was rewound
+        assert torch.get_default_dtype() == dtype  # the float64 set during the compile was undone
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 class _Loop:

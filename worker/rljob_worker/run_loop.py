@@ -164,9 +164,6 @@ class RunLoop:
         telemetry = getattr(self, "telemetry", None)
         if telemetry is not None:
             telemetry.close()
-        warmup = getattr(self, "compile_warmup", None)
-        if warmup is not None:  # a set-up that failed during the warm-up: no thread left inside a compile at exit
-            warmup.join(timeout=60.0)
 
     # ------------------------------------------------------------------ set-up
     def _phase(self, name: str, since: float) -> float:
@@ -205,7 +202,6 @@ class RunLoop:
             return
         self.compile_cache = self._restore_compile_cache()
         t = self._phase("compile cache", t)
-        self.compile_warmup = self._start_compile_warmup()
         if self.device.type == "cpu":  # (imports megatron: part of the model's build)
             from rljob_worker.megatron.cpu_compat import apply_cpu_patches
 
@@ -216,7 +212,6 @@ class RunLoop:
         signal.signal(signal.SIGTERM, self._request_stop)
         self._resume()
         self._phase("resume", t)
-        self._join_compile_warmup()
         if self.is_main and (self.spec.tracking.mlflow or self.spec.tracking.wandb):
             self._open_trackers()
 
@@ -240,24 +235,6 @@ class RunLoop:
         if self.is_main:
             print(f"compile cache: {words}", flush=True)
         return sync
-
-    def _start_compile_warmup(self):
-        """The compiler's one-time set-up on a thread beside the model build (runtime/compile_warmup), when the run
-        compiles anything: the static engine's decode step or the trainer's fused kernels."""
-        from rljob_worker.megatron.fused_elementwise import fused_elementwise_enabled
-        from rljob_worker.rollout.compile_config import compile_enabled
-        from rljob_worker.runtime.compile_warmup import CompileWarmup, warmup_wanted
-
-        compiles = (compile_enabled(self.spec.rollout.compile, self.device)
-                    or fused_elementwise_enabled(on_gpu=self.device.type == "cuda"))
-        return CompileWarmup.start(self.device) if warmup_wanted(compiles) else None
-
-    def _join_compile_warmup(self) -> None:
-        warmup, self.compile_warmup = getattr(self, "compile_warmup", None), None
-        if warmup is not None:
-            outcome = warmup.join()
-            if self.is_main:
-                print(f"start-up: {outcome.line()}", flush=True)
 
     def _background_compiles(self):
         """The rollout engine's compiles that run beside the steps (rollout/background_compile), if any."""
@@ -423,7 +400,7 @@ class RunLoop:
         if not self.is_main:
             return
         before = getattr(self, "_compiles_before_first_step", {})
-        spent = {k: v - before.get(k, 0) for k, v in compile_totals().items()}  # this step's (not the warm-up's)
+        spent = {k: v - before.get(k, 0) for k, v in compile_totals().items()}  # this step's, not a validation's
         hits, misses = int(spent["fxgraph_cache_hit"]), int(spent["fxgraph_cache_miss"])
         if hits or misses:
             by_stage = ", ".join(f"{stage} {secs:.1f}s" for stage, secs in

@@ -1,9 +1,9 @@
-"""Compiles run once each, in front of the work (the default) or beside it, and never fatal.
+"""Compiles run once each, in front of the work, and never fatal.
 
-A compile can run on a thread of its own while the work goes on uncompiled (the static engine's decode step: still
-CUDA-graphed; the engine switches at the next capture once it is ready), or in the caller, first (the default:
-measured, the background thread cost more than it hid; see `background_default`). Either way a failed compile costs
-nothing but the speed: the step stays uncompiled.
+A compile runs in the caller before the first rollout that needs it; a failed compile costs nothing but the speed:
+the step stays uncompiled. ``BackgroundCompiles(background=True)`` can run one on a thread of its own while the work
+goes on uncompiled, but no run does: ``RLJOB_COMPILE_IN_BACKGROUND=1`` is refused (`background_default`), because a
+compile on another thread is not safe beside sampling.
 
 `BackgroundCompiles` is the bookkeeping (one compile per key, started once, ready / failed / running), free of
 torch, so its threading is tested on its own; the engine supplies what a compile runs.
@@ -18,19 +18,24 @@ from collections.abc import Callable, Hashable
 
 log = logging.getLogger(__name__)
 
-BACKGROUND_ENV = "RLJOB_COMPILE_IN_BACKGROUND"  # 1: compile beside the rollouts (off by default: see below)
+BACKGROUND_ENV = "RLJOB_COMPILE_IN_BACKGROUND"  # refused when 1: see background_default
 
 
 def background_default(environ=None) -> bool:
-    """Compile beside the rollouts only with ``RLJOB_COMPILE_IN_BACKGROUND=1``. Measured on an H200 (bench/NOTES.md,
-    session 11): a thread tracing in Python starves the main thread of the GIL (every torch op releases and
-    re-takes it) and holds dynamo's compile lock, which the trainer's own compiled regions need, so the first
-    steps took longer in all than compiling first."""
+    """False: the compile runs before the first rollout that needs it. ``RLJOB_COMPILE_IN_BACKGROUND=1`` (compile
+    beside the rollouts) is refused. torch.compile saves the process's CPU and CUDA random number generators, default
+    dtype and matmul precision when a compile starts and restores them when it ends, whichever thread runs it, so a
+    compile on another thread rewinds the generators the rollouts beside it sample with (random draws repeat) and
+    undoes a dtype set meanwhile (tests/worker/test_background_compile.py shows both). It was also slower (bench/
+    NOTES.md, session 11: the tracing thread starves the main thread of the GIL)."""
     value = (os.environ if environ is None else environ).get(BACKGROUND_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{BACKGROUND_ENV}={value!r}: set 1 (compile beside the rollouts) or 0 (compile before "
-                         "the first rollout that needs it, the default)")
-    return value == "1"
+    if value == "1":
+        raise ValueError(f"{BACKGROUND_ENV}=1 is refused: a compile on another thread rewinds the random number "
+                         "generators the rollouts sample with (torch.compile restores them when it ends); unset it")
+    if value not in ("", "0"):
+        raise ValueError(f"{BACKGROUND_ENV}={value!r}: unset it (the compile runs before the first rollout that "
+                         "needs it)")
+    return False
 
 
 class BackgroundCompiles:

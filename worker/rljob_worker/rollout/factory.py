@@ -56,9 +56,7 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
             raise RuntimeError("spec.rollout.engine is vllm but vLLM is not installed in the worker image; "
                                "use the rljob GPU worker image or set rollout.engine: hf")
         from rljob_worker.rollout.vllm_engine import VLLMEngine
-        from rljob_worker.runtime.compile_warmup import settle
 
-        settle()  # vLLM captures CUDA graphs while it starts: no warm-up thread beside the capture
         return VLLMEngine(model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                           enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,

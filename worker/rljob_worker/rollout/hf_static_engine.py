@@ -360,8 +360,8 @@ class HFStaticEngine(HFEngine):
             self._compiled_tails = {m: region(f, f"decode-tail-{m}") for m, f in TAILS.items()}
             self._compiled_steps = {m: functools.partial(self._step_in_regions, mode=m) for m in TAILS}
         # each sampler's compile (mode, top_k, top_p: the values a filtered step is specialised on) runs once, before
-        # the first rollout that needs it (or beside the rollouts, opt-in: background_compile); a failed one, or one
-        # still running, leaves the step uncompiled
+        # the first rollout that needs it (beside the rollouts only in tests: background_compile says why); a failed
+        # one leaves the step uncompiled
         if compile_in_background is None:
             compile_in_background = background_default()
         self.compiles = BackgroundCompiles(background=compile_in_background,
@@ -640,8 +640,8 @@ class HFStaticEngine(HFEngine):
     def _capture_buckets(self, s: _Session, sampler: tuple[str, int, float], keys_needed: set[int]) -> None:
         """Capture the decode step's graph for each key bucket a call will read (before its prefill: a capture
         writes wherever the counters point). A failed capture turns graphs off and decoding goes on eagerly. Starts
-        the sampler's compile (in the background by default); graphs captured before it was ready are captured
-        again, compiled, by the first call after."""
+        the sampler's compile (before the capture; on a thread only where a test asks for it, and then graphs
+        captured before it was ready are captured again, compiled, by the first call after)."""
         compiled = self._ensure_compile(sampler, s, min(keys_needed, default=64))
         if not self.use_cuda_graph:
             return
