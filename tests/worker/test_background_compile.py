@@ -55,7 +55,7 @@ def test_a_failed_compile_is_recorded_and_never_retried(caplog):
 def test_a_run_compiles_in_front_and_refuses_the_background_switch():
     assert not background_default({}) and not background_default({"RLJOB_COMPILE_IN_BACKGROUND": "0"})
     with pytest.raises(ValueError, match="RLJOB_COMPILE_IN_BACKGROUND=1 is refused: a compile on another thread "
-                                         "rewinds the random number generators"):
+                                         "resets the process's default generators and dtype"):
         background_default({"RLJOB_COMPILE_IN_BACKGROUND": "1"})
     with pytest.raises(ValueError, match="RLJOB_COMPILE_IN_BACKGROUND='yes': unset it"):
         background_default({"RLJOB_COMPILE_IN_BACKGROUND": "yes"})

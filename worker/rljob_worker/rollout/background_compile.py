@@ -23,15 +23,17 @@ BACKGROUND_ENV = "RLJOB_COMPILE_IN_BACKGROUND"  # refused when 1: see background
 
 def background_default(environ=None) -> bool:
     """False: the compile runs before the first rollout that needs it. ``RLJOB_COMPILE_IN_BACKGROUND=1`` (compile
-    beside the rollouts) is refused. torch.compile saves the process's CPU and CUDA random number generators, default
-    dtype and matmul precision when a compile starts and restores them when it ends, whichever thread runs it, so a
-    compile on another thread rewinds the generators the rollouts beside it sample with (random draws repeat) and
-    undoes a dtype set meanwhile (tests/worker/test_background_compile.py shows both). It was also slower (bench/
-    NOTES.md, session 11: the tracing thread starves the main thread of the GIL)."""
+    beside the rollouts) is refused. torch.compile saves the process's default random number generators (CPU and
+    CUDA), default dtype and matmul precision when a compile starts and restores them when it ends, whichever thread
+    runs it, so a compile on another thread undoes what the main thread changed meanwhile: its draws from those
+    generators come again, a dtype it set is reset (tests/worker/test_background_compile.py shows both; a compile
+    beside a model build crashed a pod on an H200 this way, bench/NOTES.md). The rollouts' own sampling is safe (it
+    draws from the engine's generator, seeded by the trainer per call); the rest of the process is not. It was also
+    slower (session 11: the tracing thread starves the main thread of the GIL)."""
     value = (os.environ if environ is None else environ).get(BACKGROUND_ENV, "").strip()
     if value == "1":
-        raise ValueError(f"{BACKGROUND_ENV}=1 is refused: a compile on another thread rewinds the random number "
-                         "generators the rollouts sample with (torch.compile restores them when it ends); unset it")
+        raise ValueError(f"{BACKGROUND_ENV}=1 is refused: a compile on another thread resets the process's default "
+                         "generators and dtype when it ends, undoing what the main thread set meanwhile; unset it")
     if value not in ("", "0"):
         raise ValueError(f"{BACKGROUND_ENV}={value!r}: unset it (the compile runs before the first rollout that "
                          "needs it)")
