@@ -8,8 +8,11 @@ container command the operator writes into every PyTorchJob.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,3 +225,27 @@ def test_copied_sources_exist(path: Path) -> None:
         words: list[Any] = [w for w in copy.exec_form() if not w.startswith("--")]
         for source in words[:-1]:
             assert (REPO / source).exists(), f"{path.name}:{copy.line}: COPY {source} does not exist"
+
+
+def test_worker_image_makes_bytecode_for_what_it_installs(tmp_path: Path) -> None:
+    """The image sets PYTHONDONTWRITEBYTECODE and its pods run as a user who cannot write site-packages, so bytecode
+    not made at build is never made: every process of every pod compiles each module it imports from source
+    (bench/NOTES.md, session 18). The build's compile step comes after the last install and, run by a Python of
+    its own with the image's PYTHONDONTWRITEBYTECODE set, writes bytecode for a module in its site-packages."""
+    env_values = " ".join(i.value for i in instructions(WORKER, "ENV"))
+    assert "PYTHONDONTWRITEBYTECODE=1" in env_values
+    runs = instructions(WORKER, "RUN")
+    installs = [n for n, r in enumerate(runs) if "pip install" in r.value]
+    compiles = [n for n, r in enumerate(runs) if "compileall" in r.value]
+    assert compiles and installs and compiles[-1] > installs[-1], "compile bytecode after the last pip install"
+    python, flag, code = shlex.split(runs[compiles[-1]].value)
+    assert (python, flag) == ("python", "-c")
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                               check=True, capture_output=True, text=True, timeout=60).stdout.strip())
+    (site / "installed_module.py").write_text("VALUE = 1\n")
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONDONTWRITEBYTECODE": "1"}
+    subprocess.run([str(venv / "bin" / "python"), "-c", code], check=True, env=env, timeout=120)
+    assert list((site / "__pycache__").glob("installed_module.*.pyc"))
