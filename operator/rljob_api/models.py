@@ -408,7 +408,7 @@ class RolloutSpec(ApiModel):
         RolloutCompile.AUTO,
         "Compile the static hf engine's decode step and sampler with torch.compile: auto (on GPUs; not on CPU), "
         "enabled or disabled. Compiled decoding is ~1.8x faster at 0.5B (bench/NOTES.md); the first rollout pays "
-        "the compile (by layer: a cold pod's first step 28-33 s at 0.5B on an H200, 8-12 s with the cache restored "
+        "the compile (by layer: a cold pod's first step 25-33 s at 0.5B on an H200, 8-12 s with the cache restored "
         "from checkpoint.compileCache), later processes of the pod load it from the compile cache the operator "
         "mounts (an emptyDir); a compile that fails leaves decoding uncompiled. The worker env "
         "RLJOB_HF_STATIC_COMPILE=1 or 0 (podTemplate.env) overrides this field.",
