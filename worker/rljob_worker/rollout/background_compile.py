@@ -3,7 +3,7 @@
 A compile runs in the caller before the first rollout that needs it; a failed compile costs nothing but the speed:
 the step stays uncompiled. ``BackgroundCompiles(background=True)`` can run one on a thread of its own while the work
 goes on uncompiled, but no run does: ``RLJOB_COMPILE_IN_BACKGROUND=1`` is refused (`background_default`), because a
-compile on another thread is not safe beside sampling.
+compile on another thread resets process-wide torch state under the work beside it.
 
 `BackgroundCompiles` is the bookkeeping (one compile per key, started once, ready / failed / running), free of
 torch, so its threading is tested on its own; the engine supplies what a compile runs.
