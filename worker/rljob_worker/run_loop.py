@@ -351,7 +351,7 @@ class RunLoop:
                 self._compiles_before_first_step = compile_totals()
             metrics = self.train_step()
             metrics["timing/step_s"] = time.perf_counter() - step_start
-            if getattr(getattr(self, "engine", None), "compile_decode", False):  # 0 while it compiles beside the steps
+            if getattr(getattr(self, "engine", None), "compile_decode", False):  # 0 after a compile that failed
                 metrics["rollout/decode_compiled"] = 1.0 if self._background_compiles().done else 0.0
             metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
             metrics.update(stage_peaks_over_ranks(self.telemetry.pending_stage_peak_bytes(), self.device))
@@ -360,7 +360,7 @@ class RunLoop:
                 self.telemetry.compile_clock = None
                 self._log_first_step_compiles(metrics["timing/step_s"])
                 self._save_compile_cache()
-            elif self._background_compiles_grew():  # the decode step compiled beside the steps: keep it too
+            elif self._background_compiles_grew():  # a sampler compiled since (a validation's): keep it too
                 self._save_compile_cache()
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
             self.telemetry.record_gpu_memory()
@@ -537,6 +537,4 @@ def compile_totals() -> dict[str, float]:
 
 def _seconds_compiling() -> float:
     """Seconds this process has spent in torch.compile so far (dynamo's own clock: tracing, guards, backend)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+    return compile_totals()["_compile.compile_inner"]
