@@ -8,7 +8,9 @@ env (values, fieldRefs, secretKeyRefs read from the API server) and its ConfigMa
 to a local folder. It mirrors the lifecycle into PyTorchJob conditions (Created, Running,
 Restarting, Succeeded, Failed, Suspended), restarts failed replicas under restartPolicy OnFailure
 up to runPolicy.backoffLimit, and on runPolicy.suspend sends SIGTERM to the pods and waits for
-them within terminationGracePeriodSeconds, as kubelet would.
+them within terminationGracePeriodSeconds, as kubelet would. A killed pod loses every process in it,
+torchrun's workers too, though they run in sessions of their own (pod_processes.py), and a pod's
+processes left when its launcher exits are killed, as the container's PID namespace would be.
 
 Local differences from a cluster, on purpose: `torchrun` runs as `python -m torch.distributed.run`
 (same code), the master address is 127.0.0.1 with a free port per start (pods share one host),
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pod_processes
 from cluster import CONFIGMAPS, PYTORCHJOBS, SECRETS, ApiError, KubeClient, free_port
 
 
@@ -41,6 +44,7 @@ class Pod:
     proc: subprocess.Popen
     metrics_port: int
     log: Path
+    marker: str  # in the environment of every process of this pod (pod_processes.py)
 
 
 @dataclass
@@ -76,8 +80,7 @@ class TrainingOperatorStandIn:
 
     def kill_pod(self, job: str, index: int = 0) -> None:
         """SIGKILL one replica, like a node failure or an OOM kill."""
-        pod = self.jobs[job].pods[index]
-        os.killpg(pod.proc.pid, signal.SIGKILL)
+        pod_processes.kill_all(self.jobs[job].pods[index].marker)
 
     def pod_logs(self, job: str) -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob(f"{job}-*/*.log")))
@@ -190,11 +193,12 @@ class TrainingOperatorStandIn:
             "OMP_NUM_THREADS": "1",
             **self.extra_env,
         }
+        marker = env[pod_processes.MARKER] = pod_processes.new_marker(pod_name)
         root.mkdir(parents=True, exist_ok=True)
         log = root / f"start-{start}.log"
         with open(log, "ab") as out:
             proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        return Pod(pod_name, proc, metrics_port, log)
+        return Pod(pod_name, proc, metrics_port, log, marker)
 
     def _materialize_config_maps(self, spec, container, root: Path) -> dict[str, Path]:
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
@@ -228,6 +232,7 @@ class TrainingOperatorStandIn:
         return env
 
     def _terminate(self, pods: list[Pod], grace: float) -> None:
+        """SIGTERM to each pod's entrypoint (it forwards it to its workers), SIGKILL to all left after grace."""
         for pod in pods:
             if pod.proc.poll() is None:
                 os.killpg(pod.proc.pid, signal.SIGTERM)
@@ -236,8 +241,9 @@ class TrainingOperatorStandIn:
             try:
                 pod.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(pod.proc.pid, signal.SIGKILL)
-                pod.proc.wait()
+                pass
+            pod_processes.kill_all(pod.marker)
+            pod.proc.wait()
 
     # -- status
     def _conditions(self, name: str, *conds: tuple[str, str, str], **status: Any) -> None:

@@ -1,0 +1,54 @@
+"""Every process of one local pod, found as a container runtime finds them: by membership, not parentage.
+
+torchrun starts each worker in a session of its own (start_new_session=True), so a kill of the
+launcher's process group misses the workers; once the launcher is dead they are orphans that no
+parent chain leads back to, and they keep their sockets (the metrics port) until a collective
+times out. A container has no such leak: an OOM kill or a node failure kills every process in it,
+and when its PID 1 exits the kernel kills the rest of its PID namespace. Here each pod's
+processes carry a marker in their environment, which every descendant inherits, and a kill
+walks /proc for it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+MARKER = "RLJOB_STANDIN_POD"
+
+
+def new_marker(pod_name: str) -> str:
+    """A marker unique to one start of one pod (a restarted pod is a new container)."""
+    return f"{pod_name}-{uuid.uuid4().hex[:12]}"
+
+
+def pids_of(marker: str) -> list[int]:
+    """Live processes whose environment carries `marker` (zombies have none: they hold no sockets)."""
+    needle = f"\0{MARKER}={marker}\0".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone, or another user's
+            continue
+        if needle in b"\0" + environ:
+            found.append(int(entry.name))
+    return found
+
+
+def kill_all(marker: str, *, timeout: float = 30.0) -> None:
+    """SIGKILL every process of the pod and return once none is left; a straggler is an error."""
+    deadline = time.monotonic() + timeout
+    while pids := pids_of(marker):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {pids} of pod {marker} outlived SIGKILL for {timeout:.0f}s")
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
