@@ -6,7 +6,7 @@ parent chain leads back to, and they keep their sockets (the metrics port) until
 times out. A container has no such leak: an OOM kill or a node failure kills every process in it,
 and when its PID 1 exits the kernel kills the rest of its PID namespace. Here each pod's
 processes carry a marker in their environment, which every descendant inherits, and a kill
-walks /proc for it.
+walks /proc for it, as `rljob run`'s process guard does for a run.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import os
 import signal
 import time
 import uuid
+
+from rljob_worker.runtime.process_guard import processes_marked
 
 MARKER = "RLJOB_STANDIN_POD"
 
@@ -24,20 +26,8 @@ def new_marker(pod_name: str) -> str:
 
 
 def pids_of(marker: str) -> list[int]:
-    """Live processes whose environment carries `marker` (zombies have none: they hold no sockets)."""
-    needle = f"\0{MARKER}={marker}\0".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:  # gone, or another user's
-            continue
-        if needle in b"\0" + environ:
-            found.append(int(entry.name))
-    return found
+    """Live processes of the pod (zombies hold no sockets and are not listed)."""
+    return processes_marked(MARKER, marker)
 
 
 def kill_all(marker: str, *, timeout: float = 30.0) -> None:

@@ -23,7 +23,12 @@ RUN_ID_VAR = "RLJOB_RUN_ID"
 
 def processes_of_run(run_id: str) -> list[int]:
     """PIDs whose initial environment carries RLJOB_RUN_ID=run_id (this process excluded)."""
-    marker = f"{RUN_ID_VAR}={run_id}".encode()
+    return processes_marked(RUN_ID_VAR, run_id)
+
+
+def processes_marked(var: str, value: str) -> list[int]:
+    """PIDs whose initial environment carries var=value (this process excluded; zombies have none)."""
+    marker = f"{var}={value}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
