@@ -54,7 +54,9 @@
 #             actor05e (actor update: compiled RMSNorm/RoPE/SwiGLU on vs off vs HF packed rows; actor15f also
 #             compares them at 1.5B, with MFU) elemtests grporounds (GRPO step vs TRL without checkpointing, run
 #             in turn twice: each round's ratio against its own TRL run) | precompiletests (the precompiled regions'
-#             tests with this image's torch, and the static engine's tests, GPU ones included)
+#             tests with this image's torch, and the static engine's tests, GPU ones included) | enginetests (the GPU
+#             tests of everything built on the static engine: graphs, compiled step, precompiled regions, refilling and
+#             streamed rows, the cache kept between steps)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Every figure is also appended to $OUT/results.jsonl (bench/results.py); pass RLJOB_BENCH_COMMIT=<sha> (the
 # device's copy of the tree has no .git), then `python bench/results.py merge <files_at>/results.jsonl`.
@@ -126,6 +128,7 @@ for s in $SECTIONS; do
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
     rolloutbase) section rolloutbase ${ROLLOUTBASE_LIMIT:-560} python3 bench/rollout.py --hf-generate-baseline --compiled --compile-probe --skip-plain-hf ${ROLLOUT_ARGS:-} ;;
     rolloutbuckets) section rolloutbuckets 300 python3 bench/rollout.py --compiled --whole-cache-row --skip-plain-hf --batches 256 ${ROLLOUT_ARGS:-} ;;
+    enginetests) section enginetests ${ENGINETESTS_LIMIT:-560} python3 -m pytest tests/worker/test_rollout_static.py tests/worker/test_fused_projections.py tests/worker/test_precompiled.py tests/worker/test_static_refill.py tests/worker/test_static_stream.py tests/worker/test_cache_residency.py -v -p no:cacheprovider -rs ;;
     rollouttests) section rollouttests 300 python3 -m pytest tests/worker/test_rollout_static.py -v -p no:cacheprovider -rs ;;
     sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
     gputests) section gputests ${GPUTESTS_LIMIT:-420} python3 -m pytest -m gpu tests -v -p no:cacheprovider -rs ;;

@@ -147,7 +147,7 @@ def test_the_static_engine_with_fused_projections_decodes_as_the_hf_engine(model
           "pad_token_id": VOCAB.index(PAD)}
     ref = HFEngine(str(model_dir), **kw)
     static = HFStaticEngine(str(model_dir), **kw, fuse_projections=True, compile_decode=compile_decode,
-                            sample_in_step=True if compile_decode else None, compile_in_background=False)
+                            sample_in_step=True if compile_decode else None)
     assert static.fused_gemms_saved == 3 * len(static.layers)
     params = SamplingParams(n=1, temperature=0, max_new_tokens=12)
     assert static.generate(prompts, params).response_ids == ref.generate(prompts, params).response_ids

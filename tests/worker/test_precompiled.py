@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 tok = build_char_tokenizer()
 prompts = [tok(s, add_special_tokens=False)["input_ids"] for s in ["12+3=", "9=", "4444 8=", "0", "77+1=2 #"]]
 kw = dict(dtype=torch.float32, device=torch.device("cpu"), eos_token_id=VOCAB.index(EOS), pad_token_id=VOCAB.index(PAD))
-eng = HFStaticEngine(sys.argv[1], compile_decode=True, compile_in_background=False, **kw)
+eng = HFStaticEngine(sys.argv[1], compile_decode=True, **kw)
 greedy = eng.generate(prompts, SamplingParams(n=1, temperature=0, max_new_tokens=8))
 hot = eng.generate(prompts, SamplingParams(n=2, temperature=1.5, max_new_tokens=6, seed=7))
 how = lambda region: getattr(region, "source", "traced")  # a plain torch.compile where precompile is off

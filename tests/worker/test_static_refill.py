@@ -90,8 +90,7 @@ def test_refilled_rows_sample_what_a_fresh_call_samples_across_ring_wraps(model_
     engine's greedy response to its prompt alone, and its log-probs a teacher-forced forward's. Compiled (by
     layer; backend "eager": dynamo's graphs without codegen): the compile runs on the session before its first
     prompts and leaves no trace in them, and every step runs the compiled step."""
-    engine = _engine(model_dir, max_batch=2, **({"compile_decode": True, "compile_backend": "eager",
-                                                 "compile_in_background": False} if compiled else {}))
+    engine = _engine(model_dir, max_batch=2, **({"compile_decode": True, "compile_backend": "eager"} if compiled else {}))
     rows = RefillingRows(engine, SamplingParams(temperature=0), prompt_budget=8, response_budget=20)
     assert engine.compiled_ready(rows.sampler) == compiled
     assert rows.ring == 48 and rows.capacity == 2

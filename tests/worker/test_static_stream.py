@@ -215,7 +215,7 @@ def test_gpu_streamed_agent_loop_equals_turn_batched_through_real_graphs(model_d
     """On a GPU the stream replays real CUDA graphs (compiled or not) between resumes that rewrite the buffers the
     graphs read: the trajectories are the turn-batched HF engine's, token for token."""
     cuda = {**_kw(), "device": torch.device("cuda")}
-    engine = HFStaticEngine(str(model_dir), compile_decode=compiled, max_graphs=8, compile_in_background=False, **cuda)
+    engine = HFStaticEngine(str(model_dir), compile_decode=compiled, max_graphs=8, **cuda)
     assert engine.use_cuda_graph
     for budget in (32, 96):
         batched, _ = _loop(model_dir, stop_token, HFEngine(str(model_dir), **cuda), False, budget=budget)

@@ -236,28 +236,16 @@ class RunLoop:
             print(f"compile cache: {words}", flush=True)
         return sync
 
-    def _background_compiles(self):
-        """The rollout engine's compiles that run beside the steps (rollout/background_compile), if any."""
+    def _engine_compiles(self):
+        """The rollout engine's compiles, one per sampler (rollout/compile_once), if it compiles any."""
         return getattr(getattr(self, "engine", None), "compiles", None)
 
-    def _background_compiles_grew(self) -> bool:
-        compiles = self._background_compiles()
+    def _engine_compiles_grew(self) -> bool:
+        """Whether the engine compiled a sampler since the last call (a validation's, after the first step)."""
+        compiles = self._engine_compiles()
         done = compiles.done if compiles is not None else 0
         grew, self._compiles_seen = done > getattr(self, "_compiles_seen", 0), done
         return grew
-
-    def _finish_background_compiles(self) -> None:
-        """A run that ends before its engine's compile: wait for it (a thread left inside a compile at exit may
-        hang the interpreter's shutdown) and keep what it built for the next run."""
-        compiles = self._background_compiles()
-        if compiles is None or not compiles.running:
-            return
-        if self.is_main:
-            print("waiting for the decode step's compile, which runs beside the steps, to finish before exiting",
-                  flush=True)
-        compiles.wait()
-        if self._background_compiles_grew():
-            self._save_compile_cache()
 
     def _save_compile_cache(self) -> None:
         sync = getattr(self, "compile_cache", None)
@@ -352,7 +340,7 @@ class RunLoop:
             metrics = self.train_step()
             metrics["timing/step_s"] = time.perf_counter() - step_start
             if getattr(getattr(self, "engine", None), "compile_decode", False):  # 0 after a compile that failed
-                metrics["rollout/decode_compiled"] = 1.0 if self._background_compiles().done else 0.0
+                metrics["rollout/decode_compiled"] = 1.0 if self._engine_compiles().done else 0.0
             metrics.update({f"timing/{stage}_s": s for stage, s in self.telemetry.pending_stage_seconds().items()})
             metrics.update(stage_peaks_over_ranks(self.telemetry.pending_stage_peak_bytes(), self.device))
             self.history.append(StepResult(self.step, metrics))
@@ -360,7 +348,7 @@ class RunLoop:
                 self.telemetry.compile_clock = None
                 self._log_first_step_compiles(metrics["timing/step_s"])
                 self._save_compile_cache()
-            elif self._background_compiles_grew():  # a sampler compiled since (a validation's): keep it too
+            elif self._engine_compiles_grew():  # a sampler compiled since (a validation's): keep it too
                 self._save_compile_cache()
             self.telemetry.record_step(self.step, metrics, metrics["timing/step_s"])
             self.telemetry.record_gpu_memory()
@@ -385,7 +373,8 @@ class RunLoop:
                 raise Preempted(f"stopped by SIGTERM after step {self.step}")
         if bar is not None:
             bar.close()
-        self._finish_background_compiles()
+        if self._engine_compiles_grew():  # the last validation's sampler, where no checkpoint saved the cache
+            self._save_compile_cache()
         self.checkpoints.wait()
         if getattr(self, "compile_cache", None) is not None:
             self.compile_cache.wait()

@@ -70,9 +70,11 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
         # falls back to the plain engine, as do models the static engine does not support. On a CPU it runs
         # eagerly and only with RLJOB_HF_STATIC=force (tests of what only it does, e.g. refilling rows).
         from rljob_worker.rollout.compile_config import compile_enabled
+        from rljob_worker.rollout.compile_once import refuse_background_compile
         from rljob_worker.rollout.hf_static_engine import HFStaticEngine
 
         compile_decode = compile_enabled(compile, device)  # before the model loads: a bad env value fails fast
+        refuse_background_compile()  # (here, not in the engine: its ValueError would fall back to HFEngine)
         try:
             return HFStaticEngine(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
                                   pad_token_id=pad_token_id, compile_decode=compile_decode)

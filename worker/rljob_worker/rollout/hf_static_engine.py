@@ -33,7 +33,7 @@ same interface and weights, and changes the decode loop:
   still captures the whole step. Inductor's on-disk cache (compile_config) makes a later process's first
   call cheaper. Batch, cache length and key bucket are symbolic sizes from the first compile, so each
   sampler mode (greedy, temperature, top-k/top-p) compiles once; other batches, lengths and prompt widths
-  do not recompile. A failed compile leaves the uncompiled step (`background_compile`).
+  do not recompile. A failed compile leaves the uncompiled step (`compile_once`).
 
 Linear layers, norms, MLPs and rotary embeddings are the transformers model's modules, so weight
 sync (`update_weights`, inherited) writes into the very tensors the graph reads. On a GPU each layer's q/k/v and
@@ -56,8 +56,8 @@ from typing import NamedTuple
 import torch
 
 from rljob_worker.rollout import fused_projections, precompiled
-from rljob_worker.rollout.background_compile import BackgroundCompiles, background_default
 from rljob_worker.rollout.base import RolloutOutput, SamplingParams
+from rljob_worker.rollout.compile_once import CompileOnce
 from rljob_worker.rollout.hf_engine import HFEngine, rows_to_output
 from rljob_worker.rollout.sampling import greedy_pick, race_sample, sample_next
 
@@ -262,7 +262,6 @@ class _Session:
         self.state = DecodeState(self.pos, self.slot, self.count, self.tok, self.tokens, self.logprobs, self.done,
                                  self.forced, self.stops, self.temperature, self.noise)
         self.graphs: dict[tuple, object] = {}  # (mode, top_k, top_p, keys) -> CUDA graph of one decode step
-        self.graph_compiled: dict[tuple, bool] = {}  # whether that graph replays the compiled step
         self.pool = torch.cuda.graph_pool_handle() if engine.use_cuda_graph else None  # shared by those graphs
         if engine.compile_decode:  # batch and cache length compile as symbols from the start: one compile per sampler
             for t in (*self.k, *self.v):
@@ -287,7 +286,7 @@ class HFStaticEngine(HFEngine):
                  length_multiple: int = 64, check_every: int | None = None,
                  compile_decode: bool | None = None, prefill_bytes: int = 4 * 2**30,
                  sample_in_step: bool | None = None, max_graphs: int = 8, compile_backend: str = "inductor",
-                 compile_in_background: bool | None = None, compile_scope: str | None = None,
+                 compile_scope: str | None = None,
                  fuse_projections: bool | None = None):
         super().__init__(model_dir, dtype=dtype, device=device, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, max_batch=max_batch)
@@ -360,12 +359,9 @@ class HFStaticEngine(HFEngine):
             self._compiled_tails = {m: region(f, f"decode-tail-{m}") for m, f in TAILS.items()}
             self._compiled_steps = {m: functools.partial(self._step_in_regions, mode=m) for m in TAILS}
         # each sampler's compile (mode, top_k, top_p: the values a filtered step is specialised on) runs once, before
-        # the first rollout that needs it (beside the rollouts only in tests: background_compile says why); a failed
-        # one leaves the step uncompiled
-        if compile_in_background is None:
-            compile_in_background = background_default()
-        self.compiles = BackgroundCompiles(background=compile_in_background,
-                                           announce=os.environ.get("RANK", "0") == "0")
+        # the first rollout that needs it (never beside it: compile_once says why); a failed one leaves the step
+        # uncompiled
+        self.compiles = CompileOnce(announce=os.environ.get("RANK", "0") == "0")
 
     def _region_compiler(self, backend: str):
         """``(fn, name) -> fn`` compiled as a region of the decode step: plain torch.compile, or with
@@ -389,7 +385,6 @@ class HFStaticEngine(HFEngine):
             torch.cuda.empty_cache()
 
     def sleep(self) -> None:
-        self.compiles.wait()  # a compile running on these weights must not see them move
         self._session = None  # the graphs and the cache point at device memory that is about to move
         if self.device.type == "cuda":  # a moved view becomes a tensor of its own: fuse again on waking
             fused_projections.unfuse(self.layers)
@@ -400,12 +395,10 @@ class HFStaticEngine(HFEngine):
         return self.compile_decode and self.compiles.ready(sampler)
 
     def _ensure_compile(self, sampler: tuple[str, int, float], s: _Session, keys: int) -> bool:
-        """Start this sampler's compile unless started; True when the compiled step can be used now. Compiled
-        first (the default) it runs on the call's own session before its prefill; beside the rollouts, on scratch
-        buffers of its own."""
+        """Compile this sampler's step unless tried before, on the call's own session before its prefill; True when
+        the compiled step can be used."""
         if not self.compile_decode:
             return False
-        on = None if self.compiles.background else s
         if self._saved_regions(sampler[0]):
             expect = "loading its regions precompiled by an earlier pod (about 1 s)"
         elif self.compile_scope == "layer":
@@ -414,7 +407,7 @@ class HFStaticEngine(HFEngine):
         else:
             expect = ("the whole step: about 2-5 min with a cold compile cache (0.5B on an H200: 123 s; 7B on an "
                       "H100: ~270 s), ~20 s restored; rollout.compile: disabled skips it")
-        return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, s.batch, keys, on),
+        return self.compiles.ensure(sampler, lambda: self._compile_step(sampler, keys, s),
                                     f"the decode step ({sampler[0]} sampler)", expect=expect)
 
     def _saved_regions(self, mode: str) -> bool:
@@ -427,23 +420,14 @@ class HFStaticEngine(HFEngine):
 
     def wait_compiled(self, sampler: tuple[str, int, float], s: _Session, keys: int) -> None:
         """This sampler's compiled step, ready before returning (a session that lives long, e.g. the pool's
-        refilling rows, captures its graphs once and would otherwise keep the uncompiled step). Before the
-        session's first prompts: a compile on it writes wherever its counters point."""
-        if self.compile_decode and not self._ensure_compile(sampler, s, keys):
-            self.compiles.wait(sampler)
+        refilling rows, captures its graphs once). Before the session's first prompts: a compile on it writes
+        wherever its counters point."""
+        self._ensure_compile(sampler, s, keys)
 
-    def _compile_step(self, sampler: tuple[str, int, float], batch: int, keys: int, s: _Session | None) -> None:
+    def _compile_step(self, sampler: tuple[str, int, float], keys: int, s: _Session) -> None:
         """Run the compiled step twice (the compile, then one warm call) on session ``s`` (its buffers are reset
-        by the prefill that follows), or on a scratch session of its own with the real batch (up to 128) and first
-        key bucket as the size hints inductor tunes for. Scratch sizes kept distinct: dynamo gives equal sizes one
-        symbol, and a guard that they are equal would fail for the real sessions."""
+        by the prefill that follows)."""
         mode, top_k, top_p = sampler
-        if s is None:
-            length = 2 * keys
-            batch = max(2, min(batch, 128))
-            while batch in (keys, length):
-                batch += 1
-            s = _Session(self, batch, length)
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(device=self.device) if cuda else None
         if cuda:
@@ -571,7 +555,6 @@ class HFStaticEngine(HFEngine):
         with torch.cuda.graph(graph, pool=s.pool, capture_error_mode="thread_local"):
             self._run_step(s, keys, mode, top_k, top_p, draw=self.noise_in_graph, compiled=compiled)
         s.graphs[(mode, top_k, top_p, keys)] = graph
-        s.graph_compiled[(mode, top_k, top_p, keys)] = compiled
         self.graph_captures += 1
 
     def _session_for(self, batch: int, length: int) -> _Session:
@@ -639,14 +622,13 @@ class HFStaticEngine(HFEngine):
 
     def _capture_buckets(self, s: _Session, sampler: tuple[str, int, float], keys_needed: set[int]) -> None:
         """Capture the decode step's graph for each key bucket a call will read (before its prefill: a capture
-        writes wherever the counters point). A failed capture turns graphs off and decoding goes on eagerly. Starts
-        the sampler's compile (before the capture; on a thread only where a test asks for it, and then graphs
-        captured before it was ready are captured again, compiled, by the first call after)."""
+        writes wherever the counters point). A failed capture turns graphs off and decoding goes on eagerly. The
+        sampler's compile runs first, so the graphs capture the compiled step (the uncompiled one if it failed)."""
         compiled = self._ensure_compile(sampler, s, min(keys_needed, default=64))
         if not self.use_cuda_graph:
             return
         for keys in sorted(keys_needed):
-            if (*sampler, keys) in s.graphs and s.graph_compiled[(*sampler, keys)] == compiled:
+            if (*sampler, keys) in s.graphs:
                 continue
             try:
                 self._capture(s, *sampler, keys, compiled)

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -104,7 +103,6 @@ class PrecompiledRegion:
         self._traced: Callable | None = None
         self._ahead: Callable | None = None
         self._refused = False  # a call the artefact's guards refused was logged
-        self._first = threading.Lock()  # two samplers compiling beside the rollouts share the layer region
 
     @property
     def traced(self) -> Callable:
@@ -113,10 +111,8 @@ class PrecompiledRegion:
         return self._traced
 
     def __call__(self, *args):
-        if self.source is None:
-            with self._first:
-                if self.source is None:  # the callable first, then the word other threads check
-                    self._ahead, self.source = self._load() or self._precompile(args) or (None, "traced")
+        if self.source is None:  # the first call (the samplers' tails and every layer share one region)
+            self._ahead, self.source = self._load() or self._precompile(args) or (None, "traced")
         if self._ahead is None:
             return self.traced(*args)
         try:
