@@ -56,7 +56,8 @@
 #             in turn twice: each round's ratio against its own TRL run) | precompiletests (the precompiled regions'
 #             tests with this image's torch, and the static engine's tests, GPU ones included) | enginetests (the GPU
 #             tests of everything built on the static engine: graphs, compiled step, precompiled regions, refilling and
-#             streamed rows, the cache kept between steps)
+#             streamed rows, the cache kept between steps) | firstcompile (issue 35: a fresh process's first compile
+#             with a warm cache, imports inside it or paid before it, and a profile: bench/first_compile_probe.py)
 # Each section is its own process with its own time limit; a failing section is reported and skipped.
 # Every figure is also appended to $OUT/results.jsonl (bench/results.py); pass RLJOB_BENCH_COMMIT=<sha> (the
 # device's copy of the tree has no .git), then `python bench/results.py merge <files_at>/results.jsonl`.
@@ -128,6 +129,7 @@ for s in $SECTIONS; do
     trlnockpt) section trlnockpt 120 python3 bench/grpo_step.py --variants trl-nockpt --timeout-each 110 --tag _trlnockpt ;;
     rolloutbase) section rolloutbase ${ROLLOUTBASE_LIMIT:-560} python3 bench/rollout.py --hf-generate-baseline --compiled --compile-probe --skip-plain-hf ${ROLLOUT_ARGS:-} ;;
     rolloutbuckets) section rolloutbuckets 300 python3 bench/rollout.py --compiled --whole-cache-row --skip-plain-hf --batches 256 ${ROLLOUT_ARGS:-} ;;
+    firstcompile) section firstcompile 240 python3 bench/first_compile_probe.py ;;
     enginetests) section enginetests ${ENGINETESTS_LIMIT:-560} python3 -m pytest tests/worker/test_rollout_static.py tests/worker/test_fused_projections.py tests/worker/test_precompiled.py tests/worker/test_static_refill.py tests/worker/test_static_stream.py tests/worker/test_cache_residency.py -v -p no:cacheprovider -rs ;;
     rollouttests) section rollouttests 300 python3 -m pytest tests/worker/test_rollout_static.py -v -p no:cacheprovider -rs ;;
     sft) section sft 560 bash bench/sft_gpu.sh ${SFT_JOBS:-} ;;
