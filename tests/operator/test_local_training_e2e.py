@@ -35,12 +35,12 @@ def quickstart(name: str, bucket: str, s3_endpoint: str, *, steps: int, save_fre
 
 
 @pytest.fixture
-def cluster(api_server, kube, operator, ns, s3_server, tmp_path, kubectl_bin):
+def cluster(api_server, kube, operator, ns, s3_server, tmp_path, kubectl_bin, free_port):
     """Namespace with the S3 Secret, the training-operator stand-in running, and a kubectl helper."""
     kube.create(SECRETS, ns, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials"},
                               "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(s3_server.access_key.encode()).decode(),
                                        "AWS_SECRET_ACCESS_KEY": base64.b64encode(s3_server.secret_key.encode()).decode()}})
-    standin = TrainingOperatorStandIn(kube, ns, tmp_path / "pods",
+    standin = TrainingOperatorStandIn(kube, ns, tmp_path / "pods", ports=free_port,
                                       extra_env={"RLJOB_PROGRESS_API_URL": api_server.url,
                                                  "RLJOB_PROGRESS_INTERVAL_S": "1"}).start()
     kubeconfig = operator.kubeconfig

@@ -1,4 +1,5 @@
-"""The stand-in kills a pod as a container runtime does: torchrun-style workers in their own sessions too."""
+"""The stand-in kills a pod as a container runtime does (torchrun-style workers in their own sessions too), and
+why its restarted pods keep ports below the ephemeral range."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pod_processes
 from cluster import free_port, wait_until
@@ -78,3 +80,23 @@ def test_markers_tell_pods_apart():
             pod_processes.kill_all(marker)
         for pod in pods:
             pod.wait(timeout=10)
+
+
+def test_an_outgoing_connections_time_wait_refuses_a_listener_on_its_port():
+    """Why the stand-in's restarted pods bind ports below the ephemeral range: an outgoing connection gets a local
+    port from that range, and once closed its TIME_WAIT (a minute) refuses a listener's bind there, even with
+    SO_REUSEADDR as the worker's metrics server sets it."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client = socket.socket()
+        client.connect(server.getsockname())
+        port = client.getsockname()[1]  # the kernel's pick, from the ephemeral range
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        assert low <= port <= high
+        accepted, _ = server.accept()
+        client.close()  # the client closes first: its side waits in TIME_WAIT
+        time.sleep(0.2)
+        accepted.close()
+        time.sleep(0.2)
+        assert not _port_is_free(port)

@@ -14,7 +14,12 @@ processes left when its launcher exits are killed, as the container's PID namesp
 
 Local differences from a cluster, on purpose: `torchrun` runs as `python -m torch.distributed.run`
 (same code), the master address is 127.0.0.1 with a free port per start (pods share one host),
-and each pod gets its own metrics port and RLJOB_WORKDIR.
+and each pod gets its own metrics port and RLJOB_WORKDIR. A pod's metrics port is kept across its
+restarts and comes from `ports` (the suite's `free_port`: below the kernel's ephemeral range). On a
+cluster each pod has a network namespace of its own; here pods share the host's, and a port in the
+ephemeral range can be taken between a pod's death and its restart by any outgoing connection on
+the host, whose TIME_WAIT then refuses the restarted pod's bind for a minute
+(test_pod_processes.py shows it).
 """
 from __future__ import annotations
 
@@ -26,12 +31,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pod_processes
-from cluster import CONFIGMAPS, PYTORCHJOBS, SECRETS, ApiError, KubeClient, free_port
+from cluster import CONFIGMAPS, PYTORCHJOBS, SECRETS, ApiError, KubeClient
 
 
 def _now() -> str:
@@ -58,8 +64,9 @@ class JobState:
 
 
 class TrainingOperatorStandIn:
-    def __init__(self, kube: KubeClient, namespace: str, workdir: Path, extra_env: dict[str, str] | None = None):
-        self.kube, self.namespace, self.workdir = kube, namespace, workdir
+    def __init__(self, kube: KubeClient, namespace: str, workdir: Path, ports: Callable[[], int],
+                 extra_env: dict[str, str] | None = None):
+        self.kube, self.namespace, self.workdir, self.ports = kube, namespace, workdir, ports
         self.extra_env = extra_env or {}
         self.jobs: dict[str, JobState] = {}
         self._metrics_ports: dict[str, int] = {}  # per pod name: a restarted pod keeps its port
@@ -151,7 +158,7 @@ class TrainingOperatorStandIn:
         for i in range(specs.get("Worker", {}).get("replicas", 0)):
             replicas.append(("worker", i, specs["Worker"]))
         nnodes = len(replicas)
-        master_port = free_port()
+        master_port = self.ports()
         state.starts += 1
         for node_rank, (kind, index, replica) in enumerate(replicas):
             pod_name = f"{name}-{kind}-{index}"
@@ -175,7 +182,9 @@ class TrainingOperatorStandIn:
             command = [sys.executable, *command[1:]]
         for mount_path, local in mounts.items():
             command = [arg.replace(mount_path, str(local), 1) if arg.startswith(mount_path) else arg for arg in command]
-        metrics_port = self._metrics_ports.setdefault(pod_name, free_port())
+        if pod_name not in self._metrics_ports:
+            self._metrics_ports[pod_name] = self.ports()
+        metrics_port = self._metrics_ports[pod_name]
         env = {
             **os.environ,
             **self._container_env(container, pod_name),
