@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pod_processes
-from cluster import free_port, wait_until
+from cluster import wait_until
 
 # A launcher that starts its worker in a new session, as torchrun does; the worker holds a listening port.
 _LAUNCHER = """
@@ -42,7 +42,7 @@ def _start_pod(marker: str, port: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _LAUNCHER, _WORKER, str(port)], env=env, start_new_session=True)
 
 
-def test_a_group_kill_leaves_a_session_worker_holding_its_port_and_kill_all_frees_it():
+def test_a_group_kill_leaves_a_session_worker_holding_its_port_and_kill_all_frees_it(free_port):
     port, marker = free_port(), pod_processes.new_marker("pod")
     launcher = _start_pod(marker, port)
     try:
@@ -65,7 +65,7 @@ def test_a_group_kill_leaves_a_session_worker_holding_its_port_and_kill_all_free
         launcher.wait(timeout=10)
 
 
-def test_markers_tell_pods_apart():
+def test_markers_tell_pods_apart(free_port):
     port_a, port_b = free_port(), free_port()
     marker_a, marker_b = pod_processes.new_marker("a"), pod_processes.new_marker("a")  # a pod restarted
     assert marker_a != marker_b
