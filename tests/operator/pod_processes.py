@@ -1,9 +1,9 @@
 """Every process of one local pod, found as a container runtime finds them: by membership, not parentage.
 
 torchrun starts each worker in a session of its own (start_new_session=True), so a kill of the
-launcher's process group misses the workers; once the launcher is dead they are orphans that no
-parent chain leads back to, and they keep their sockets (the metrics port) until a collective
-times out. A container has no such leak: an OOM kill or a node failure kills every process in it,
+launcher's process group misses the workers; once the launcher is dead, any of them without a
+parent-death signal (the worker sets one; what it starts may not) is an orphan that no parent
+chain leads back to, and keeps its sockets. A container has no such leak: an OOM kill or a node failure kills every process in it,
 and when its PID 1 exits the kernel kills the rest of its PID namespace. Here each pod's
 processes carry a marker in their environment, which every descendant inherits, and a kill
 walks /proc for it, as `rljob run`'s process guard does for a run.

@@ -418,12 +418,6 @@ class HFStaticEngine(HFEngine):
         return all(isinstance(r, precompiled.PrecompiledRegion) and r.path is not None and r.path.exists()
                    for r in regions)
 
-    def wait_compiled(self, sampler: tuple[str, int, float], s: _Session, keys: int) -> None:
-        """This sampler's compiled step, ready before returning (a session that lives long, e.g. the pool's
-        refilling rows, captures its graphs once). Before the session's first prompts: a compile on it writes
-        wherever its counters point."""
-        self._ensure_compile(sampler, s, keys)
-
     def _compile_step(self, sampler: tuple[str, int, float], keys: int, s: _Session) -> None:
         """Run the compiled step twice (the compile, then one warm call) on session ``s`` (its buffers are reset
         by the prefill that follows)."""

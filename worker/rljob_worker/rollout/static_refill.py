@@ -83,8 +83,7 @@ class RefillingRows:
         self.waiting: collections.deque[tuple[Any, list[int], int]] = collections.deque()
         self.count = 1  # tokens recorded per row so far, before wrapping: the next step records index count
         self.version = 0
-        engine.wait_compiled(self.sampler, s, min(self.buckets))  # the session's graphs are captured once
-        with torch.no_grad():
+        with torch.no_grad():  # the step compiles first (before any prompt), then the graphs are captured once
             engine._capture_buckets(s, self.sampler, set(self.buckets))
             self._reset()
 
