@@ -16,6 +16,10 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
   allocator and library warm-up).
 - ``coldstep``: cold, the whole decode step compiled as one graph (``RLJOB_COMPILE_SCOPE=step``, the default
   before session 11): the baseline of the by-layer compile, first step and warm step.
+- ``coldvllm`` / ``restoredvllm``: the same job on the vLLM engine (``gpuMemoryUtilization`` 0.3), with a store
+  of its own: vLLM compiles the model and captures its CUDA graphs while it is built (start-up), so for these
+  pods ``ready_s`` (start-up + first step) is the number to compare, and the start-up lines show the model
+  build's share. The restored pod unpacks the cold pod's archive (vLLM's compile cache under VLLM_CACHE_ROOT).
 - ``restoredprof`` / ``restoredpreprof``: another new pod restored from storage, 2 steps,
   every process under cProfile (bench/profile_site): the worker's profile and its top functions by cumulative
   time go to $OUT/cprofile/.
@@ -90,7 +94,7 @@ def main() -> int:
     for pod in a.pods.split(","):
         cache = root / ("pod-restored" if pod in ("restored", "restarted") else f"pod-{pod}")
         # the pre pods keep a store of their own: an archive with precompiled regions is not the others' path
-        profiled, pre = pod.endswith("prof"), "pre" in pod
+        profiled, pre, vllm = pod.endswith("prof"), "pre" in pod, pod.endswith("vllm")
         profile_dir = Path(os.environ.get("OUT", root)) / "cprofile" / pod
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
@@ -101,10 +105,13 @@ def main() -> int:
             pod_env["RLJOB_BENCH_CPROFILE_DIR"] = str(profile_dir)
             pod_env["PYTHONPATH"] = os.pathsep.join([str(BENCH / "profile_site"), env.get("PYTHONPATH", "")])
         pod_job = job
-        if pod == "coldstep" or pre:  # a store of its own: the default pods' archive is not its cache
-            store = "step" if pod == "coldstep" else "pre"
+        if pod == "coldstep" or pre or vllm:  # a store of its own: the default pods' archive is not its cache
+            store = "step" if pod == "coldstep" else "pre" if pre else "vllm"
             job_doc = yaml.safe_load(job.read_text())
             job_doc["spec"]["checkpoint"]["uri"] = f"file://{root}/store-{store}"
+            if vllm:
+                job_doc["spec"]["rollout"].update(engine="vllm", gpuMemoryUtilization=0.3)
+                job_doc["spec"]["rollout"].pop("compile", None)
             pod_job = root / f"job-{store}.yaml"
             pod_job.write_text(yaml.safe_dump(job_doc))
         steps = 2 if profiled else a.steps
@@ -151,7 +158,7 @@ def main() -> int:
         bench_results.record(f"first step of a new pod ({pod})", shape, "first_step_s", rows[pod]["first_s"], "s",
                              card=card, baseline=f"warm step of the same run ({pod})",
                              baseline_value=rows[pod]["warm_s"], same_run=True)
-    archives = list((root / "store").rglob("compile-cache/*.tar"))
+    archives = [a for store in ("store", "store-vllm") for a in (root / store).rglob("compile-cache/*.tar")]
     sizes = [p.stat().st_size / 2**20 for p in archives]
     print(f"archives: {[p.name for p in archives]} {[round(s, 1) for s in sizes]} MiB", flush=True)
     (Path(os.environ.get("OUT", ".")) / "warm_start.json").write_text(json.dumps(
@@ -161,6 +168,17 @@ def main() -> int:
         bench_results.record("first step, compile cache restored from storage", shape, "first_step_s",
                              rows["restored"]["first_s"], "s", card=card, baseline="first step, cold pod",
                              baseline_value=rows["cold"]["first_s"], same_run=True)
+    if "coldvllm" in rows and "restoredvllm" in rows:  # vLLM compiles while it is built: start-up counts
+        vshape = shape.replace("static engine with the decode step compiled", "vLLM engine (gpuMemoryUtilization 0.3)")
+        for pod in ("coldvllm", "restoredvllm"):
+            bench_results.record(f"start-up + first step of a new pod ({pod})", vshape, "ready_s",
+                                 rows[pod]["ready_s"], "s", card=card,
+                                 baseline=f"warm step of the same run ({pod})", baseline_value=rows[pod]["warm_s"],
+                                 same_run=True)
+        bench_results.record("start-up + first step, vLLM compile cache restored from storage", vshape, "ready_s",
+                             rows["restoredvllm"]["ready_s"], "s", card=card,
+                             baseline="start-up + first step, cold vLLM pod",
+                             baseline_value=rows["coldvllm"]["ready_s"], same_run=True)
     if "restoredpre" in rows and "restored" in rows:
         bench_results.record("first step, restored pod, decode regions precompiled", shape, "first_step_s",
                              rows["restoredpre"]["first_s"], "s", card=card,
