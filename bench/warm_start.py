@@ -128,6 +128,10 @@ def main() -> int:
         wall = time.perf_counter() - t0
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("compile cache:", "first step", "start-up:"))]
         lines += [ln for ln in proc.stderr.splitlines() if "compil" in ln and ("decode step" in ln or "precompiled" in ln)]
+        lines += [ln for ln in (proc.stdout + proc.stderr).splitlines() if any(w in ln for w in VLLM_TIMING_LINES)]
+        logs = Path(os.environ.get("OUT", root)) / "warm_start_logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"{pod}.txt").write_text(f"{proc.stdout}\n--- stderr ---\n{proc.stderr}")
         print(f"== {pod}: rc {proc.returncode}, {wall:.1f}s\n  " + "\n  ".join(lines), flush=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
@@ -155,7 +159,8 @@ def main() -> int:
                      "uncompiled_median_s": statistics.median(t for t, c in zip(times, compiled) if not c)
                      if compiled.count(0.0) > 1 else None, "lines": lines}
         print(json.dumps({k: v for k, v in rows[pod].items() if k != "lines"}), flush=True)
-        bench_results.record(f"first step of a new pod ({pod})", shape, "first_step_s", rows[pod]["first_s"], "s",
+        bench_results.record(f"first step of a new pod ({pod})", vllm_shape(shape) if vllm else shape, "first_step_s",
+                             rows[pod]["first_s"], "s",
                              card=card, baseline=f"warm step of the same run ({pod})",
                              baseline_value=rows[pod]["warm_s"], same_run=True)
     archives = [a for store in ("store", "store-vllm") for a in (root / store).rglob("compile-cache/*.tar")]
@@ -169,7 +174,7 @@ def main() -> int:
                              rows["restored"]["first_s"], "s", card=card, baseline="first step, cold pod",
                              baseline_value=rows["cold"]["first_s"], same_run=True)
     if "coldvllm" in rows and "restoredvllm" in rows:  # vLLM compiles while it is built: start-up counts
-        vshape = shape.replace("static engine with the decode step compiled", "vLLM engine (gpuMemoryUtilization 0.3)")
+        vshape = vllm_shape(shape)
         for pod in ("coldvllm", "restoredvllm"):
             bench_results.record(f"start-up + first step of a new pod ({pod})", vshape, "ready_s",
                                  rows[pod]["ready_s"], "s", card=card,
@@ -190,6 +195,16 @@ def main() -> int:
                              baseline="first step, cold pod, plain torch.compile (RLJOB_PRECOMPILE=0)",
                              baseline_value=rows["cold"]["first_s"], same_run=True)
     return 0
+
+
+def vllm_shape(shape: str) -> str:
+    return shape.replace("static engine with the decode step compiled", "vLLM engine (gpuMemoryUtilization 0.3)")
+
+
+# vLLM's own start-up timings (0.26: the model runner, the engine core and the compile monitor log them)
+VLLM_TIMING_LINES = ("Model loading took", "torch.compile took", "Graph capturing finished", "init engine (",
+                     "Loading weights took", "Dynamo bytecode transform", "Directly load the compiled graph",
+                     "Compiling a graph for")
 
 
 def startup_seconds(stdout: str) -> float:
