@@ -20,7 +20,7 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
   of its own: vLLM compiles the model and captures its CUDA graphs while it is built (start-up), so for these
   pods ``ready_s`` (start-up + first step) is the number to compare, and the start-up lines show the model
   build's share. The restored pod unpacks the cold pod's archive (vLLM's compile cache under VLLM_CACHE_ROOT).
-- ``restoredprof`` / ``restoredpreprof``: another new pod restored from storage, 2 steps,
+- ``restoredprof`` / ``restoredpreprof`` / ``restoredvllmprof``: another new pod restored from storage, 2 steps,
   every process under cProfile (bench/profile_site): the worker's profile and its top functions by cumulative
   time go to $OUT/cprofile/.
 
@@ -94,7 +94,7 @@ def main() -> int:
     for pod in a.pods.split(","):
         cache = root / ("pod-restored" if pod in ("restored", "restarted") else f"pod-{pod}")
         # the pre pods keep a store of their own: an archive with precompiled regions is not the others' path
-        profiled, pre, vllm = pod.endswith("prof"), "pre" in pod, pod.endswith("vllm")
+        profiled, pre, vllm = pod.endswith("prof"), "pre" in pod, "vllm" in pod
         profile_dir = Path(os.environ.get("OUT", root)) / "cprofile" / pod
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
@@ -232,6 +232,9 @@ def summarize_profiles(profile_dir: Path) -> None:
     # the first rollout's parts: the engine's compile, load, capture and prefill, and what torch does under them
     stats.sort_stats("cumulative").print_stats(
         r"hf_static_engine|precompiled|aot_compile|package|convert_frame|codecache|async_compile|graphs\.py", 60)
+    # a vLLM pod's start-up: its engine core's phases (model load, compile, memory profile, KV cache, graphs)
+    stats.sort_stats("cumulative").print_stats(
+        r"vllm_engine|gpu_model_runner|gpu_worker|engine/core|compilation/|cuda_graph|cudagraph", 60)
     (profile_dir / "worker_top.txt").write_text(text.getvalue())
     print(text.getvalue()[:3000], flush=True)
 
