@@ -20,6 +20,8 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
   of its own: vLLM compiles the model and captures its CUDA graphs while it is built (start-up), so for these
   pods ``ready_s`` (start-up + first step) is the number to compare, and the start-up lines show the model
   build's share. The restored pod unpacks the cold pod's archive (vLLM's compile cache under VLLM_CACHE_ROOT).
+  ``coldvllmall`` / ``restoredvllmall``: the same with vLLM's own CUDA-graph sizes (``RLJOB_VLLM_CAPTURE=all``:
+  up to 512 rows, not up to the 256 a step decodes) and a store of their own (the sizes are in vLLM's cache key).
 - ``restoredprof`` / ``restoredpreprof`` / ``restoredvllmprof``: another new pod restored from storage, 2 steps,
   every process under cProfile (bench/profile_site): the worker's profile and its top functions by cumulative
   time go to $OUT/cprofile/.
@@ -99,14 +101,14 @@ def main() -> int:
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
                    "RLJOB_COMPILE_SCOPE": "step" if pod == "coldstep" else "layer",
-                   "RLJOB_PRECOMPILE": "1" if pre else "0"}
+                   "RLJOB_PRECOMPILE": "1" if pre else "0", "RLJOB_VLLM_CAPTURE": "all" if "vllmall" in pod else "rollout"}
         if profiled:
             profile_dir.mkdir(parents=True, exist_ok=True)
             pod_env["RLJOB_BENCH_CPROFILE_DIR"] = str(profile_dir)
             pod_env["PYTHONPATH"] = os.pathsep.join([str(BENCH / "profile_site"), env.get("PYTHONPATH", "")])
         pod_job = job
         if pod == "coldstep" or pre or vllm:  # a store of its own: the default pods' archive is not its cache
-            store = "step" if pod == "coldstep" else "pre" if pre else "vllm"
+            store = "step" if pod == "coldstep" else "pre" if pre else "vllmall" if "vllmall" in pod else "vllm"
             job_doc = yaml.safe_load(job.read_text())
             job_doc["spec"]["checkpoint"]["uri"] = f"file://{root}/store-{store}"
             if vllm:
@@ -163,7 +165,8 @@ def main() -> int:
                              rows[pod]["first_s"], "s",
                              card=card, baseline=f"warm step of the same run ({pod})",
                              baseline_value=rows[pod]["warm_s"], same_run=True)
-    archives = [a for store in ("store", "store-vllm") for a in (root / store).rglob("compile-cache/*.tar")]
+    archives = [a for store in ("store", "store-vllm", "store-vllmall")
+                for a in (root / store).rglob("compile-cache/*.tar")]
     sizes = [p.stat().st_size / 2**20 for p in archives]
     print(f"archives: {[p.name for p in archives]} {[round(s, 1) for s in sizes]} MiB", flush=True)
     (Path(os.environ.get("OUT", ".")) / "warm_start.json").write_text(json.dumps(
@@ -184,6 +187,11 @@ def main() -> int:
                              rows["restoredvllm"]["ready_s"], "s", card=card,
                              baseline="start-up + first step, cold vLLM pod",
                              baseline_value=rows["coldvllm"]["ready_s"], same_run=True)
+    if "restoredvllm" in rows and "restoredvllmall" in rows:
+        bench_results.record("start-up + first step, restored vLLM pod, CUDA graphs up to a step's rows",
+                             vllm_shape(shape), "ready_s", rows["restoredvllm"]["ready_s"], "s", card=card,
+                             baseline="the same, vLLM's own CUDA-graph sizes (RLJOB_VLLM_CAPTURE=all)",
+                             baseline_value=rows["restoredvllmall"]["ready_s"], same_run=True)
     if "restoredpre" in rows and "restored" in rows:
         bench_results.record("first step, restored pod, decode regions precompiled", shape, "first_step_s",
                              rows["restoredpre"]["first_s"], "s", card=card,

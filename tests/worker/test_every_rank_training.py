@@ -65,6 +65,8 @@ def check_shares_and_groups(workdir: Path, nproc: int, prompts: int, steps: int)
         group_prompts = batch["prompts"][::N]
         assert len(group_prompts) == prompts and len(batch["responses"]) == prompts * N
         calls = [per_rank[rank][step] for rank in range(nproc)]
+        # the bound the engine was built with (vLLM's CUDA graphs) holds every training call's rows
+        assert all(len(call["prompts"]) * N <= call["max_rows"] for call in calls), (step, [c["max_rows"] for c in calls])
         # disjoint shares that cover the batch: rank r sampled exactly the prompts at positions shares[r]
         for rank, (call, share) in enumerate(zip(calls, shares)):
             assert call["prompts"] == group_prompts[share], (step, rank)

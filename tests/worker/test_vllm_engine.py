@@ -292,6 +292,50 @@ def test_make_engine_builds_it_from_the_spec_settings(fake_vllm, model_dir):
     assert (kw["tensor_parallel_size"], kw["gpu_memory_utilization"], kw["dtype"]) == (4, 0.3, "float16")
 
 
+@pytest.mark.parametrize(("rows", "bound"), [
+    (None, None), (0, None), (1, 4), (4, 4), (5, 8), (20, 24), (248, 248), (249, 256), (256, 256), (257, 272),
+    (496, 496), (497, None), (4096, None),  # 512 and above: vLLM's own ceiling, its default list
+])
+def test_capture_bound_is_the_rows_on_vllms_grid(rows, bound):
+    from rljob_worker.rollout.vllm_engine import capture_size_bound
+
+    assert capture_size_bound(rows, environ={}) == bound
+
+
+def test_capture_bound_env_keeps_vllms_sizes_or_refuses_a_typo():
+    from rljob_worker.rollout.vllm_engine import capture_size_bound
+
+    assert capture_size_bound(20, environ={"RLJOB_VLLM_CAPTURE": "all"}) is None
+    assert capture_size_bound(20, environ={"RLJOB_VLLM_CAPTURE": "rollout"}) == 24
+    with pytest.raises(ValueError, match="RLJOB_VLLM_CAPTURE='everything'.*rollout.*all"):
+        capture_size_bound(20, environ={"RLJOB_VLLM_CAPTURE": "everything"})
+
+
+def test_vllm_captures_graphs_up_to_a_steps_rows_only(fake_vllm, model_dir, monkeypatch):
+    monkeypatch.delenv("RLJOB_VLLM_CAPTURE", raising=False)
+    engine = make_engine(EngineName.VLLM, model_dir, dtype=torch.float16, device=torch.device("cpu"), eos_token_id=1,
+                         pad_token_id=0, max_rows=256)
+    assert FakeLLM.instances[-1].kwargs["compilation_config"] == {"max_cudagraph_capture_size": 256}
+    release_fake(engine, monkeypatch)
+    new_engine(model_dir)  # no bound given: vLLM's own sizes
+    assert "compilation_config" not in FakeLLM.instances[-1].kwargs
+    release_fake(None, monkeypatch)
+    new_engine(model_dir, max_rows=256, enforce_eager=True)  # no graphs at all
+    assert "compilation_config" not in FakeLLM.instances[-1].kwargs
+    release_fake(None, monkeypatch)
+    explicit = {"cudagraph_capture_sizes": [1, 64]}  # a caller's own compilation config wins
+    new_engine(model_dir, max_rows=256, compilation_config=explicit)
+    assert FakeLLM.instances[-1].kwargs["compilation_config"] == explicit
+
+
+def release_fake(engine, monkeypatch):
+    """The fake, like vLLM 0.26, serves one sleep-mode engine per process: reset its count for the next one."""
+    from rljob_worker.rollout import vllm_engine
+
+    FakeLLM.sleep_mode_engines_in_process = 0
+    monkeypatch.setattr(vllm_engine, "_engines_started_in_process", 0)
+
+
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 

@@ -80,7 +80,8 @@ def record_rollouts(trainer, workdir: Path, rank: int) -> None:
         def generate(prompt_ids, params):
             out = real_generate(prompt_ids, params)
             append(workdir / f"rollouts_rank{rank}.jsonl", {"prompts": prompt_ids, "n": params.n, "seed": params.seed,
-                                                           "responses": out.response_ids})
+                                                           "responses": out.response_ids,
+                                                           "max_rows": kwargs.get("max_rows")})
             return out
 
         engine.generate = generate

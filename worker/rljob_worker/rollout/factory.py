@@ -44,10 +44,10 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
                 max_model_len: int | None = None, enforce_eager: bool = False,
                 max_num_batched_tokens: int | None = None, seed: int = 0, world_size: int = 1,
                 num_params: int | None = None, compile: RolloutCompile | str = RolloutCompile.AUTO,
-                record_routing: bool = False):
+                record_routing: bool = False, max_rows: int | None = None):
     """Build the configured engine (see resolve_engine_name for `auto`; ``compile``: spec.rollout.compile, see
     compile_config.compile_enabled; ``record_routing``: each response carries its routed experts, for MoE
-    routing replay)."""
+    routing replay; ``max_rows``: the most rows one generate call decodes, which bounds vLLM's CUDA graphs)."""
     vllm_available = importlib.util.find_spec("vllm") is not None
     name = resolve_engine_name(name, device, world_size=world_size, rollout_tp=tensor_parallel_size,
                                num_params=num_params)
@@ -60,7 +60,7 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
         return VLLMEngine(model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                           enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
-                          eos_token_id=eos_token_id, seed=seed, record_routing=record_routing)
+                          eos_token_id=eos_token_id, seed=seed, record_routing=record_routing, max_rows=max_rows)
     from rljob_worker.rollout.hf_engine import HFEngine
 
     choice = os.environ.get("RLJOB_HF_STATIC", "1")

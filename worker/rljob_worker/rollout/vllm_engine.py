@@ -88,6 +88,31 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_TP_HEAD_DIM = 64
 
 
+# The CUDA graphs vLLM captures at start-up: by default one per batch size in [1, 2, 4, 8, 16, ..., 248, 256, 272,
+# ..., 512] (51 sizes on a GPU of >= 70 GB, each captured twice in the default FULL_AND_PIECEWISE mode), a server's
+# range. A rollout engine never decodes more rows at once than a training step hands it, so sizes above that are
+# start-up time spent on graphs that never run. RLJOB_VLLM_CAPTURE=all keeps vLLM's own list (benchmarks).
+CAPTURE_ENV = "RLJOB_VLLM_CAPTURE"
+VLLM_MAX_CAPTURE = 512  # vLLM 0.26's own ceiling (min(2 x max_num_seqs, 512))
+
+
+def capture_size_bound(rows: int | None, environ: dict[str, str] | None = None) -> int | None:
+    """The largest batch vLLM should capture a CUDA graph for, given the most rows one generate call decodes at
+    once; None keeps vLLM's default. Rounded up to vLLM's own grid (multiples of 8 below 256, of 16 from 256) so
+    the full batch itself has a graph; a call with more rows than this only decodes its first steps without one."""
+    setting = (os.environ if environ is None else environ).get(CAPTURE_ENV, "rollout").strip() or "rollout"
+    if setting not in ("rollout", "all"):
+        raise ValueError(f"{CAPTURE_ENV}={setting!r}: set rollout (graphs up to the rows a step decodes, the default) "
+                         "or all (vLLM's own sizes, up to 512)")
+    if setting == "all" or not rows or rows <= 0:
+        return None
+    if rows <= 4:
+        return 4
+    grid = 8 if rows < 256 else 16
+    bound = -(-rows // grid) * grid
+    return None if bound >= VLLM_MAX_CAPTURE else bound
+
+
 def check_vllm_version(version: str, tested: tuple[str, str] = TESTED_VLLM) -> None:
     """Refuse a vLLM outside the tested range [tested[0], tested[1]) with an error naming both.
 
@@ -217,13 +242,15 @@ class VLLMEngine:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  eos_token_id: int | None = None, sleep_level: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  distributed_executor_backend: str | None = None, check_complete_sync: bool = True,
-                 record_routing: bool = False, **engine_kwargs: Any):
+                 record_routing: bool = False, max_rows: int | None = None, **engine_kwargs: Any):
         """Start vLLM on ``model_dir`` (an HF folder). Extra keyword arguments go to ``vllm.LLM``.
 
         ``eos_token_id``: when given, generation also stops at it (``stop_token_ids``) whatever the
         model's generation config says, so ``finished`` means the same as in the other engines.
         ``sleep_level``: 1 keeps a CPU copy of the weights (wake without a sync is valid); 2 drops
         them (no CPU copy, no host->device copy on wake; every wake must be followed by a full sync).
+        ``max_rows``: the most rows one generate call decodes at once (a training step's); bounds the CUDA
+        graphs captured at start-up (capture_size_bound).
         """
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
@@ -275,6 +302,9 @@ class VLLMEngine:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if record_routing:
             kwargs["enable_return_routed_experts"] = True
+        capture_bound = None if enforce_eager else capture_size_bound(max_rows)
+        if capture_bound is not None:
+            kwargs["compilation_config"] = {"max_cudagraph_capture_size": capture_bound}
         kwargs.update(engine_kwargs)
         self.engine_kwargs = kwargs
 
@@ -298,8 +328,10 @@ class VLLMEngine:
         _engines_started_in_process += 1
         self.startup_seconds = time.perf_counter() - start
         self._param_names = _model_param_names(self.llm) if check_complete_sync else None
-        log.info("vLLM %s engine up in %.1f s (tp=%d, gpu_memory_utilization=%.2f, backend=%s)", self.vllm_version,
-                 self.startup_seconds, tensor_parallel_size, gpu_memory_utilization, backend or "default")
+        log.info("vLLM %s engine up in %.1f s (tp=%d, gpu_memory_utilization=%.2f, backend=%s, CUDA graphs for "
+                 "batches up to %s)", self.vllm_version, self.startup_seconds, tensor_parallel_size,
+                 gpu_memory_utilization, backend or "default",
+                 "none (enforce_eager)" if enforce_eager else capture_bound or f"vLLM's default ({VLLM_MAX_CAPTURE})")
 
     def shutdown(self) -> None:
         """Stop the engine and drop its memory (benchmarks and tests that start another engine in this process).

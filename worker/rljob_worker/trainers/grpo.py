@@ -215,7 +215,8 @@ class GRPOTrainer(RunLoop):
                                       gpu_memory_utilization=r.gpu_memory_utilization,
                                       max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
                                       enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
-                                      seed=t.seed, compile=r.compile, record_routing=a.routing_replay)
+                                      seed=t.seed, compile=r.compile, record_routing=a.routing_replay,
+                                      max_rows=self.prompts_per_step * r.samples_per_prompt)  # a step's rows, at most
         if self.engine is not None and self.is_main:
             log.info("rollout engine: %s on %s (rollout.engine: %s; %s%s)", type(self.engine).__name__, self.device,
                      r.engine.value, "every rank samples a share" if self.engine_everywhere else "rank 0 samples",
