@@ -61,6 +61,9 @@ MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|
 # the two lists equal), here so that validation refuses an unknown name without the worker's dependencies.
 BUILTIN_MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-hd64", "tiny-qwen2-tools", "tiny-qwen3-moe")
 BUILTIN_MOE_MODEL_NAMES = ("tiny-qwen3-moe",)  # the mixture-of-experts ones (algorithm.routingReplay)
+# The built-in spec.reward.function names (rljob_worker.rewards.registry.BUILTIN_REWARDS holds the functions; a test
+# keeps the two equal), here so that validation refuses an unknown name without the worker's dependencies.
+BUILTIN_REWARD_NAMES = ("gsm8k", "math-boxed", "format", "target-token", "digit-sum", "tool-secret")
 # module.path:function
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
@@ -784,7 +787,7 @@ class RewardRouteSpec(ApiModel):
 class RewardSpec(ApiModel):
     function: str = _f(
         "gsm8k",
-        "Reward function: a built-in name (gsm8k, math-boxed, format, target-token, digit-sum, tool-secret) or "
+        f"Reward function: a built-in name ({', '.join(BUILTIN_REWARD_NAMES)}) or "
         "module.path:function importable in the worker image, called as f(prompt, completion, ground_truth, extra) -> "
         "float. With rollout.agent, completion is the last turn's text and extra['trajectory'] the whole trajectory "
         "(turns, tool calls and outputs). Unused when remote is set.",

@@ -34,6 +34,7 @@ from rljob_api.models import (
     API_VERSION,
     BUILTIN_MODEL_NAMES,
     BUILTIN_MOE_MODEL_NAMES,
+    BUILTIN_REWARD_NAMES,
     KIND,
     MODEL_URI_PATTERN,
     REMOTE_URL_PATTERN,
@@ -542,10 +543,21 @@ def remote_reward_errors(remote, path: str) -> list[FieldError]:
     return errs
 
 
+def reward_function_errors(function: str | None, path: str) -> list[FieldError]:
+    """A reward function the worker resolves: a built-in name, or module.path:function (imported in the pod)."""
+    if function is None or ":" in function or function in BUILTIN_REWARD_NAMES:
+        return []
+    return [FieldError(path, f"{function!r} is not a built-in reward; use one of {', '.join(BUILTIN_REWARD_NAMES)}, "
+                       "or module.path:function for your own")]
+
+
 def reward_errors(spec: RLJobSpec) -> list[FieldError]:
-    """spec.reward.remote and every spec.reward.bySource route: exactly one reward each, endpoints well-formed."""
+    """spec.reward.remote and every spec.reward.bySource route: exactly one reward each, a function the worker
+    resolves (where no remote replaces it), endpoints well-formed."""
     rw = spec.reward
     errs = remote_reward_errors(rw.remote, "spec.reward.remote") if rw.remote is not None else []
+    if rw.remote is None:  # with remote set, function is unused (the worker does not resolve it)
+        errs.extend(reward_function_errors(rw.function, "spec.reward.function"))
     if rw.server is not None and (rw.remote is None or rw.remote.protocol.value != "openai-chat"):
         errs.append(FieldError("spec.reward.server", "the judge it runs is reached by spec.reward.remote with "
                                "protocol openai-chat and a judge; add them (url may stay unset)"))
@@ -559,6 +571,7 @@ def reward_errors(spec: RLJobSpec) -> list[FieldError]:
         if (route.function is None) == (route.remote is None):
             errs.append(FieldError(path, "give exactly one of function (a built-in or module.path:function) and "
                                    "remote (an endpoint)"))
+        errs.extend(reward_function_errors(route.function, f"{path}.function"))
         if route.remote is not None:
             errs.extend(remote_reward_errors(route.remote, f"{path}.remote"))
             if route.remote.url is None:

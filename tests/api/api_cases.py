@@ -225,12 +225,21 @@ CROSS_INVALID = [
      {"spec.checkpoint.exportCritic": ["no spec.critic", "set it false"]}),
     ("cp-with-pp", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2, M + "contextParallelSize": 2},
      {M + "contextParallelSize": ["together with pipelineModelParallelSize 2", "PP 1"]}),
+    # a reward name without ':' must be a built-in (the worker would stop at start-up)
+    ("reward-unknown-builtin", {"spec.reward.function": "math"},
+     {"spec.reward.function": ["'math' is not a built-in reward", "math-boxed", "module.path:function"]}),
+    ("by-source-unknown-builtin", {"spec.reward.bySource": {"gsm8k": {"function": "gsm"}}},
+     {"spec.reward.bySource.gsm8k.function": ["'gsm' is not a built-in reward", "gsm8k"]}),
     # several independent problems are all reported
     ("three-rules-at-once", {M + "sequenceParallel": True, R + "tensorModelParallelSize": 3, R + "valN": 2},
      {M + "sequenceParallel": ["raise TP"], R + "tensorModelParallelSize": ["divide"], R + "valN": ["valTemperature"]}),
 ]
 
 CROSS_VALID = [
+    ("by-source-builtin-and-module", {"spec.reward.bySource": {"a": {"function": "math-boxed"},
+                                                               "b": {"function": "my_pkg.rewards:score"}}}),
+    ("unused-function-beside-remote", {"spec.reward.function": "unused",
+                                       "spec.reward.remote": {"url": "http://verifier.ml.svc:8000/score"}}),
     ("replay-moe-builtin", {"spec.algorithm.routingReplay": True, "spec.model.path": "builtin://tiny-qwen3-moe"}),
     ("replay-s3-model", {"spec.algorithm.routingReplay": True}),  # the worker checks the model at start-up
     ("replay-separate-async", {"spec.algorithm.routingReplay": True, **SEPARATE4, R + "mode": "async"}),

@@ -173,6 +173,13 @@ def test_builtin_names_resolve_to_the_functions():
     assert set(BUILTIN_REWARDS) == {"gsm8k", "math-boxed", "format", "target-token", "digit-sum", "tool-secret"}
 
 
+def test_builtin_reward_names_of_the_api_are_the_registrys():
+    """Validation refuses a reward name the worker cannot resolve from rljob_api's list: keep it the registry's."""
+    from rljob_api.models import BUILTIN_REWARD_NAMES
+
+    assert sorted(BUILTIN_REWARD_NAMES) == sorted(BUILTIN_REWARDS)
+
+
 def test_tool_secret_reward_scores_the_answer_after_a_successful_call():
     fn = resolve_reward("tool-secret")
     called = {"trajectory": {"tool_calls": [{"outcome": "ok"}]}}
