@@ -7,6 +7,7 @@ cross-field rules below are what a per-field schema cannot say.
 from __future__ import annotations
 
 import datetime
+import difflib
 import json
 import math
 import re
@@ -90,6 +91,29 @@ def _loc_to_path(loc: tuple[Any, ...]) -> str:
     return "".join(parts) or "(root)"
 
 
+def _did_you_mean(parent: str, key: str) -> str | None:
+    """The field of `parent` (a dotted path; "rlj" is the RLJob itself) that an unknown `key` most likely meant:
+    its camelCase form, a case-insensitive match, else the closest name (difflib) unless that is only the start of
+    the key (namespace is not name)."""
+    from rljob_api.crd import openapi_schema  # built only when a field is unknown
+
+    node = openapi_schema()
+    for part in parent.split(".")[1 if parent.split(".")[0] == "rlj" else 0:]:
+        node = node.get("items", node)
+        props = node.get("properties") or {}
+        node = props.get(part) or node.get("additionalProperties")  # a map key such as reward.bySource.<source>
+        if not isinstance(node, dict):
+            return None
+    fields = list(node.get("items", node).get("properties") or {})
+    wanted = camel_case(key)
+    by_lower = {name.lower(): name for name in fields}
+    found = wanted if wanted in fields else by_lower.get(key.lower()) or by_lower.get(wanted.lower())
+    if found is None:
+        close = difflib.get_close_matches(wanted, fields, n=1, cutoff=0.6)
+        found = close[0] if close and not wanted.startswith(close[0]) else None
+    return found if found != key else None
+
+
 def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]:
     out = []
     for err in exc.errors(include_url=False):
@@ -98,7 +122,11 @@ def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]
         full = re.sub(r"\[\d+\]", "", f"{prefix}{path}")
         parent = full.rsplit(".", 1)[0] if "." in full else "spec"
         if err["type"] == "extra_forbidden":
+            parent = parent if "." in full else "rlj"  # a top-level key: the RLJob's own fields
             message = f"unknown field; check the spelling (fields are camelCase) against `rljob explain {parent}`"
+            suggestion = _did_you_mean(parent, full.rsplit(".", 1)[-1])
+            if suggestion:
+                message += f"; did you mean {suggestion}?"
             if full.endswith(("rollout.n", "rollout.false")):
                 message = ("unknown field; the group size is rollout.samplesPerPrompt (verl's rollout.n; a bare "
                            "`n:` key is read as the boolean false by kubectl's YAML parser)")

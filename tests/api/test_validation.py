@@ -85,6 +85,17 @@ def test_schema_errors_are_all_reported_together():
     assert {e.path for e in errors_of(doc)} == {"spec.nnodes", R + "engine", M + "tensorParallelSize", "spec.model.path"}
 
 
+def test_unknown_field_hints_name_the_field_meant_and_only_a_close_one():
+    """A capitalised top-level key points at the RLJob's own fields; a key that merely starts with a real name
+    (namespace, name) and one like nothing (replicas) get no guess."""
+    errors = {e.path: e.message for e in errors_of(changed(gpu_job(), {"Spec": gpu_job()["spec"], "spec": DELETE}))}
+    assert "`rljob explain rlj`; did you mean spec?" in errors["Spec"], errors
+    for changes, path in [({"spec.s3.credentialsSecretRef": {"name": "s", "namespace": "x"}},
+                           "spec.s3.credentialsSecretRef.namespace"), ({"spec.replicas": 2}, "spec.replicas")]:
+        [err] = errors_of(changed(gpu_job(), changes))
+        assert err.path == path and "unknown field" in err.message and "did you mean" not in err.message, err
+
+
 def test_quantities_reach_consumers_as_strings():
     job = parse_rljob(changed(gpu_job(), {"spec.podTemplate.resources": {"requests": {"cpu": 4, "memory": "64Gi"}}}))
     assert job.spec.pod_template.resources == {"requests": {"cpu": "4", "memory": "64Gi"}}
