@@ -8,6 +8,9 @@
     rljob render FILE           print the children the operator would create
     rljob run FILE [--local]    run an RLJob on this machine without Kubernetes
 
+Other resources in a file (a Secret beside the RLJob) are skipped by validate, render and run alike
+(`other_kind`); render and run take one RLJob per file.
+
 Heavy imports (operator builders, the worker) happen inside the subcommands so that
 `validate`, `crd` and `explain` need only pydantic and PyYAML.
 """
@@ -15,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from rljob_api.advice import spec_notes, spec_warnings
 from rljob_api.local_checks import local_problems
+from rljob_api.models import API_VERSION, GROUP, KIND
 from rljob_api.validation import RLJobValidationError, critic_takes_turns, name_errors, parse_rljob
 
 from rljob_cli.yaml_load import load_all
@@ -43,12 +48,42 @@ def load_documents(path: str) -> list[Any]:
         raise ValueError(f"{path}: malformed YAML{where}: {problem}") from None
 
 
+def other_kind(doc: Any) -> str | None:
+    """The kind of a document that is another resource (a Secret beside the RLJob), which validate, render and
+    run skip; None for a document to validate as an RLJob: apiVersion rljob.dev/*, kind rljob in any case (so
+    that `kind: rljob` is reported by field), no kind at all, or no mapping."""
+    if not isinstance(doc, dict):
+        return None
+    api, kind = doc.get("apiVersion"), doc.get("kind")
+    if (isinstance(api, str) and api.startswith(f"{GROUP}/")) or kind is None or str(kind).lower() == KIND.lower():
+        return None
+    return str(kind)
+
+
+def rljob_documents(path: str, docs: list[Any], skipped: Callable[[str], None]) -> list[tuple[str, Any]]:
+    """(label, document) of each document to validate as an RLJob; each other resource goes to `skipped` as
+    'skipped FILE#i: Secret (not an RLJob)'. The label is FILE, or FILE#i in a file of several documents."""
+    out = []
+    for index, doc in enumerate(docs):
+        label = path if len(docs) == 1 else f"{path}#{index}"
+        kind = other_kind(doc)
+        if kind is None:
+            out.append((label, doc))
+        else:
+            skipped(f"skipped {label}: {kind} (not an RLJob)")
+    return out
+
+
 def load_rljob(path: str):
-    """The single RLJob in a file, validated. Raises ValueError / RLJobValidationError."""
-    docs = [d for d in load_documents(path) if not (isinstance(d, dict) and d.get("kind") not in (None, "RLJob"))]
-    if len(docs) != 1:
-        raise ValueError(f"{path}: expected exactly one RLJob document, found {len(docs)}")
-    job = parse_rljob(docs[0])
+    """The single RLJob in a file, validated (other resources are skipped, said on stderr). Raises ValueError /
+    RLJobValidationError."""
+    docs = rljob_documents(path, load_documents(path), lambda line: print(line, file=sys.stderr))
+    if not docs:
+        raise ValueError(f"{path}: no RLJob document (apiVersion {API_VERSION}, kind {KIND})")
+    if len(docs) > 1:
+        raise ValueError(f"{path}: expected exactly one RLJob document, found {len(docs)}; render (and run) one "
+                         "RLJob per file: put each in a file of its own")
+    job = parse_rljob(docs[0][1])
     errors = name_errors(job.metadata.name, job.spec)
     if errors:
         raise RLJobValidationError(errors)
@@ -100,8 +135,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if not docs:
             print(f"ERROR {path}: no YAML documents")
             failed += 1
-        for index, doc in enumerate(docs):
-            label = path if len(docs) == 1 else f"{path}#{index}"
+        jobs = rljob_documents(path, docs, print)
+        if docs and not jobs:
+            print(f"ERROR {path}: no RLJob document (apiVersion {API_VERSION}, kind {KIND})")
+            failed += 1
+        for label, doc in jobs:
             try:
                 job = parse_rljob(doc)
                 errors = name_errors(job.metadata.name, job.spec)

@@ -97,8 +97,10 @@ BAD_INPUTS = {
     "comment-only": ("# only a comment\n---\n", ["no YAML documents"]),
     "list": ("- a\n- b\n", ["(root): expected a mapping", "got a list"]),
     "scalar": ("just a string\n", ["(root): expected a mapping", "got a string"]),
-    "wrong-kind": ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n",
-                   ["kind: must be 'RLJob', got 'ConfigMap'", "apiVersion: must be 'rljob.dev/v1alpha1'"]),
+    "wrong-kind": ("apiVersion: rljob.dev/v1\nkind: PyTorchJob\nmetadata: {name: x}\n",
+                   ["kind: must be 'RLJob', got 'PyTorchJob'", "apiVersion: must be 'rljob.dev/v1alpha1'"]),
+    "lowercase-kind": (HEAD.replace("apiVersion: rljob.dev/v1alpha1", "apiVersion: v1").replace("RLJob", "rljob"),
+                       ["kind: must be 'RLJob', got 'rljob'", "apiVersion: must be 'rljob.dev/v1alpha1', got 'v1'"]),
     "wrong-types": (HEAD + "  gpus_per_node: 8\n  rollout: {samplesPerPrompt: '8'}\n  suspend: yes please\n",
                     ["spec.gpus_per_node: unknown field", "spec.rollout.samplesPerPrompt: Input should be a valid integer",
                      "spec.suspend: Input should be a valid boolean"]),
@@ -173,6 +175,29 @@ def test_validate_multi_document_file(tmp_path):
     assert code == 0, out
     assert [ln for ln in out.strip().splitlines() if not ln.lstrip().startswith("note: ")] == [f"OK {both_ok}#0: " + out.split(f"OK {both_ok}#0: ")[1].splitlines()[0],
                                         f"OK {both_ok}#1: " + out.split(f"OK {both_ok}#1: ")[1].splitlines()[0]]
+
+
+SECRET = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials"}, "stringData": {"k": "v"}}
+
+
+def test_validate_and_render_skip_other_resources_alike(tmp_path):
+    """A Secret beside the RLJob is skipped by both with the same line; a file of two RLJobs is one too many for
+    render, and a file with none is an error for both."""
+    path = write(tmp_path, "with-secret.yaml", "---\n".join(yaml.safe_dump(d) for d in (gpu_job(), SECRET)))
+    code, out = rljob("validate", path)
+    assert code == 0 and f"skipped {path}#1: Secret (not an RLJob)" in out and f"OK {path}#0: t:" in out, out
+    code, out = rljob("render", path)
+    assert code == 0 and f"skipped {path}#1: Secret (not an RLJob)" in out and "kind: PyTorchJob" in out, out
+    assert "kind: Secret" not in out, out
+    two = write(tmp_path, "two.yaml", "---\n".join(yaml.safe_dump(changed(gpu_job(), {"metadata.name": n}))
+                                                   for n in ("a", "b")))
+    code, out = rljob("render", two)
+    assert code == 1 and "found 2; render (and run) one RLJob per file" in out, out
+    only_secret = write(tmp_path, "secret.yaml", SECRET)
+    for command in ("validate", "render"):
+        code, out = rljob(command, only_secret)
+        assert code == 1 and f"skipped {only_secret}: Secret (not an RLJob)" in out, out
+        assert f"{only_secret}: no RLJob document" in out, out
 
 
 def test_validate_refuses_gspo_with_token_mean():
