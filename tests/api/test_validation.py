@@ -140,6 +140,14 @@ def test_name_errors_directly():
     assert [e.path for e in name_errors("-bad")] == ["metadata.name"]
 
 
+def test_name_must_start_with_a_letter():
+    """The training-operator's Service <name>-master-0 is a DNS-1035 label: 7b-grpo would fail at its creation."""
+    assert name_errors("grpo-7b") == []
+    [err] = errors_of(changed(gpu_job(), {"metadata.name": "7b-grpo"}))
+    assert err.path == "metadata.name" and "starting with a letter" in err.message, err
+    assert "Service <name>-master-0 must start with a letter" in err.message, err
+
+
 # --------------------------------------------------------------------------- parse_spec (the worker's entry)
 
 
