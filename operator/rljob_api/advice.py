@@ -17,11 +17,25 @@ def _lora_lr_warning(lora: LoraSpec | None, lr: float, lr_path: str, lora_path: 
              f"10x higher (try {lr * 10:g}; at least {LORA_MIN_LR:g}), see `rljob explain {lora_path}`")]
 
 
+def _greedy_group_warning(spec: RLJobSpec) -> list[str]:
+    """rollout.temperature 0 under an estimator without a group baseline (gae, reinforce_plus_plus; grpo and rloo
+    are refused by validation): it still learns, but every prompt's samples are one response computed n times."""
+    from rljob_api.enums import AlgorithmName
+
+    r = spec.rollout
+    if spec.algorithm.name == AlgorithmName.SFT or r.temperature != 0 or r.samples_per_prompt < 2:
+        return []
+    baseline = "the critic's values" if spec.critic is not None else "the batch-whitened returns"
+    return [(f"spec.rollout.temperature: 0 samples greedily, so the samplesPerPrompt={r.samples_per_prompt} responses "
+             f"of a prompt are identical (advantages come from {baseline}, but nothing is explored); use 1.0, or "
+             "samplesPerPrompt: 2 if greedy rollouts are intended")]
+
+
 def spec_warnings(spec: RLJobSpec) -> list[str]:
     warnings = _lora_lr_warning(spec.lora, spec.training.lr, "spec.training.lr", "spec.lora")
     if spec.critic is not None:
         warnings += _lora_lr_warning(spec.critic.lora, spec.critic.lr, "spec.critic.lr", "spec.critic.lora")
-    return warnings
+    return warnings + _greedy_group_warning(spec)
 
 
 def spec_notes(spec: RLJobSpec) -> list[str]:

@@ -519,6 +519,12 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             f"{a.loss_aggregation.value} is not the GSPO objective with importanceLevel sequence (every token of a "
             f"response carries its shared sequence ratio, so a token sum or token-mean weights responses by length); "
             "set lossAggregation: seq-mean-token-mean (or importanceLevel: token)"))
+    if (not sft and r.temperature == 0 and r.samples_per_prompt >= 2
+            and a.advantage_estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO)):
+        errs.append(FieldError("spec.rollout.temperature", f"0 samples greedily, so the samplesPerPrompt="
+                               f"{r.samples_per_prompt} responses of a prompt are identical and the group baseline "
+                               f"(advantageEstimator {a.advantage_estimator.value}) gives each a zero advantage: "
+                               "nothing is learned; use 1.0"))
     if not sft and r.val_n > 1 and r.val_temperature == 0:
         errs.append(FieldError("spec.rollout.valN", "valN > 1 with valTemperature 0 repeats the same greedy answer; raise valTemperature"))
     errs.extend(tool_errors(spec))

@@ -225,6 +225,11 @@ CROSS_INVALID = [
      {"spec.checkpoint.exportCritic": ["no spec.critic", "set it false"]}),
     ("cp-with-pp", {M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2, M + "contextParallelSize": 2},
      {M + "contextParallelSize": ["together with pipelineModelParallelSize 2", "PP 1"]}),
+    # greedy rollouts make every group's samples identical: zero advantages under a group baseline
+    ("greedy-grpo", {R + "temperature": 0}, {R + "temperature": ["samplesPerPrompt=8 responses", "zero advantage",
+                                                                 "use 1.0"]}),
+    ("greedy-rloo", {R + "temperature": 0, "spec.algorithm.advantageEstimator": "rloo"},
+     {R + "temperature": ["advantageEstimator rloo", "use 1.0"]}),
     # a reward name without ':' must be a built-in (the worker would stop at start-up)
     ("reward-unknown-builtin", {"spec.reward.function": "math"},
      {"spec.reward.function": ["'math' is not a built-in reward", "math-boxed", "module.path:function"]}),
@@ -288,6 +293,10 @@ CROSS_VALID = [
     ("name-50-chars", {"metadata.name": "a" * 50}),
     ("name-with-dashes-digits", {"metadata.name": "qwen3-8b-grpo-2"}),
     ("gae-shared-critic-defaults", {**GAE, "spec.critic": {}}),
+    # greedy rollouts still learn from a critic's values or batch-whitened returns (a warning, not an error)
+    ("greedy-ppo-critic", {**GAE, "spec.critic": {}, R + "temperature": 0}),
+    ("greedy-reinforce-plus-plus", {"spec.algorithm.advantageEstimator": "reinforce_plus_plus", R + "temperature": 0}),
+    ("low-temperature-grpo", {R + "temperature": 0.1}),
     ("gae-split-4-4-tp4", {**GAE, M + "tensorModelParallelSize": 4, R + "tensorModelParallelSize": 4,
                            "spec.critic": {**SPLIT4, "megatron": {"tensorModelParallelSize": 4}}}),
     ("gae-split-4-4-tp2-critic-tp1", {**GAE, M + "tensorModelParallelSize": 2, R + "tensorModelParallelSize": 2,

@@ -177,6 +177,16 @@ def test_validate_multi_document_file(tmp_path):
                                         f"OK {both_ok}#1: " + out.split(f"OK {both_ok}#1: ")[1].splitlines()[0]]
 
 
+def test_validate_refuses_greedy_grpo_and_warns_on_greedy_ppo():
+    """rollout.temperature 0: identical samples in every group; an error under GRPO's group baseline, a warning
+    with a critic (its values still make advantages)."""
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(changed(gpu_job(), {"spec.rollout.temperature": 0})))
+    assert code == 1 and "spec.rollout.temperature: 0 samples greedily" in out and "use 1.0" in out, out
+    ppo = changed(gpu_job(), {"spec.algorithm.advantageEstimator": "gae", "spec.critic": {}, "spec.rollout.temperature": 0})
+    code, out = rljob("validate", "-", stdin=yaml.safe_dump(ppo))
+    assert code == 0 and "  warning: spec.rollout.temperature: 0 samples greedily" in out and "use 1.0" in out, out
+
+
 SECRET = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials"}, "stringData": {"k": "v"}}
 
 
