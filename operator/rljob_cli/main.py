@@ -26,7 +26,13 @@ import yaml
 from rljob_api.advice import spec_notes, spec_warnings
 from rljob_api.local_checks import local_problems
 from rljob_api.models import API_VERSION, GROUP, KIND
-from rljob_api.validation import RLJobValidationError, critic_takes_turns, name_errors, parse_rljob
+from rljob_api.validation import (
+    FieldError,
+    RLJobValidationError,
+    critic_takes_turns,
+    name_errors,
+    parse_rljob,
+)
 
 from rljob_cli.yaml_load import load_all
 
@@ -74,6 +80,23 @@ def rljob_documents(path: str, docs: list[Any], skipped: Callable[[str], None]) 
     return out
 
 
+def parse_manifest(doc: Any):
+    """parse_rljob plus what a manifest needs beyond the API server's object: a metadata.name (the model's default
+    is for objects the operator reads, which always have one) that pods and services can take. Raises
+    RLJobValidationError with every problem."""
+    meta = doc.get("metadata", {}) if isinstance(doc, dict) else None  # a non-mapping: parse_rljob reports it
+    missing = ([FieldError("metadata.name", "required; add metadata: {name: my-job}")]
+               if isinstance(meta, dict) and "name" not in meta else [])
+    try:
+        job = parse_rljob(doc)
+    except RLJobValidationError as exc:
+        raise RLJobValidationError(missing + exc.errors) from None
+    errors = missing or name_errors(job.metadata.name, job.spec)
+    if errors:
+        raise RLJobValidationError(errors)
+    return job
+
+
 def load_rljob(path: str):
     """The single RLJob in a file, validated (other resources are skipped, said on stderr). Raises ValueError /
     RLJobValidationError."""
@@ -83,11 +106,7 @@ def load_rljob(path: str):
     if len(docs) > 1:
         raise ValueError(f"{path}: expected exactly one RLJob document, found {len(docs)}; render (and run) one "
                          "RLJob per file: put each in a file of its own")
-    job = parse_rljob(docs[0][1])
-    errors = name_errors(job.metadata.name, job.spec)
-    if errors:
-        raise RLJobValidationError(errors)
-    return job
+    return parse_manifest(docs[0][1])
 
 
 def _critic_summary(s) -> str:
@@ -141,10 +160,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
         for label, doc in jobs:
             try:
-                job = parse_rljob(doc)
-                errors = name_errors(job.metadata.name, job.spec)
-                if errors:
-                    raise RLJobValidationError(errors)
+                job = parse_manifest(doc)
             except RLJobValidationError as exc:
                 failed += 1
                 print(f"INVALID {label}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from api_support import CRD_PATH, EXAMPLE_PATHS, ROOT, changed, gpu_job
+from api_support import CRD_PATH, DELETE, EXAMPLE_PATHS, ROOT, changed, gpu_job
 from rljob_api.models import AlgorithmSpec
 
 
@@ -114,6 +114,7 @@ BAD_INPUTS = {
     "infinite": (HEAD + "  algorithm: {klCoef: .inf}\n", ["spec.algorithm.klCoef: must be a finite number"]),
     "recursive-alias": (HEAD + "  megatron:\n    overrideTransformerConfig: {a: &x [*x]}\n",
                         ["spec.megatron.overrideTransformerConfig.a[0]: refers to itself"]),
+    "no-name": (HEAD.replace("metadata: {name: x}\n", ""), ["metadata.name: required; add metadata: {name: my-job}"]),
     "bad-name": (HEAD.replace("name: x", "name: Bad_Name"), ["metadata.name: must be a DNS label"]),
     "not-utf8": (b"\xff\xfe\x00\x81 not utf-8", ["cannot read", "not UTF-8"]),
     # kubectl refuses a key given twice ("mapping key ... already defined"); PyYAML kept the last one
@@ -185,6 +186,14 @@ def test_validate_refuses_greedy_grpo_and_warns_on_greedy_ppo():
     ppo = changed(gpu_job(), {"spec.algorithm.advantageEstimator": "gae", "spec.critic": {}, "spec.rollout.temperature": 0})
     code, out = rljob("validate", "-", stdin=yaml.safe_dump(ppo))
     assert code == 0 and "  warning: spec.rollout.temperature: 0 samples greedily" in out and "use 1.0" in out, out
+
+
+def test_render_refuses_a_manifest_without_a_name(tmp_path):
+    """The model's default name (rljob) is for objects the operator reads, which always have one; a manifest
+    without one would render children named rljob-*."""
+    code, out = rljob("render", write(tmp_path, "job.yaml", changed(gpu_job(), {"metadata": DELETE})))
+    assert code == 1 and "metadata.name: required; add metadata: {name: my-job}" in out, out
+    assert "kind: PyTorchJob" not in out, out
 
 
 SECRET = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials"}, "stringData": {"k": "v"}}
