@@ -114,6 +114,23 @@ def _did_you_mean(parent: str, key: str) -> str | None:
     return found if found != key else None
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _unquoted(error_type: str, value: Any) -> str | None:
+    """A quoted number or boolean ('8' where an integer belongs) as it should be written; None for other input."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if error_type == "int_type" and re.fullmatch(r"[-+]?\d+", text):
+        return str(int(text))
+    if error_type == "float_type" and _NUMBER.fullmatch(text):
+        return text
+    if error_type == "bool_type" and text.lower() in {"true", "false"}:
+        return text.lower()
+    return None
+
+
 def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]:
     out = []
     for err in exc.errors(include_url=False):
@@ -143,6 +160,10 @@ def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]
             message = _PATTERN_HINTS.get(pattern, message) + f" (got {got!r})"
         elif "input" in err and err["type"] not in {"model_type", "dict_type"}:
             message = f"{message} (got {err['input']!r})"
+            unquoted = _unquoted(err["type"], err["input"])
+            if unquoted is not None:
+                key = path.rsplit(".", 1)[-1]
+                message += f"; write it without quotes ({unquoted if key.endswith(']') else f'{key}: {unquoted}'})"
         out.append(FieldError(f"{prefix}{path}", message))
     return out
 

@@ -419,7 +419,11 @@ SCHEMA_INVALID = [
     ("unknown-top-level-field", {"extra": 1}, "extra", ["unknown field", "`rljob explain rlj`"], True),
     ("unknown-status-field", {"status": {"phase": "Running"}}, "status.phase", ["unknown field"], True),
     # wrong types: no silent coercion (the API server would reject these)
-    ("nnodes-string", {"spec.nnodes": "2"}, "spec.nnodes", ["valid integer", "got '2'"], True),
+    ("nnodes-string", {"spec.nnodes": "2"}, "spec.nnodes", ["valid integer", "got '2'",
+                                                           "; write it without quotes (nnodes: 2)"], True),
+    ("lr-quoted-number", {T + "lr": "1e-6"}, T + "lr", ["valid number", "; write it without quotes (lr: 1e-6)"], True),
+    ("suspend-quoted-true", {"spec.suspend": "True"}, "spec.suspend",
+     ["valid boolean", "; write it without quotes (suspend: true)"], True),
     ("nnodes-word", {"spec.nnodes": "two"}, "spec.nnodes", ["valid integer"], True),
     ("nnodes-fraction", {"spec.nnodes": 1.5}, "spec.nnodes", ["valid integer"], True),
     ("nnodes-bool", {"spec.nnodes": True}, "spec.nnodes", ["valid integer"], True),

@@ -103,6 +103,7 @@ BAD_INPUTS = {
                        ["kind: must be 'RLJob', got 'rljob'", "apiVersion: must be 'rljob.dev/v1alpha1', got 'v1'"]),
     "wrong-types": (HEAD + "  gpus_per_node: 8\n  rollout: {samplesPerPrompt: '8'}\n  suspend: yes please\n",
                     ["spec.gpus_per_node: unknown field", "spec.rollout.samplesPerPrompt: Input should be a valid integer",
+                     "; write it without quotes (samplesPerPrompt: 8)",
                      "spec.suspend: Input should be a valid boolean"]),
     "non-mapping-section": ("apiVersion: rljob.dev/v1alpha1\nkind: RLJob\nmetadata: {name: x}\nspec:\n  megatron: tp2\n",
                             ["spec.model: required field is missing",

@@ -9,7 +9,7 @@ import datetime
 from types import MappingProxyType
 
 import pytest
-from api_cases import CROSS_INVALID, CROSS_VALID, SCHEMA_INVALID, SCHEMA_VALID, M, R
+from api_cases import CROSS_INVALID, CROSS_VALID, SCHEMA_INVALID, SCHEMA_VALID, M, R, T
 from api_support import DELETE, EXAMPLE_PATHS, changed, errors_of, gpu_job, load_yaml
 from rljob_api.models import RLJob
 from rljob_api.validation import (
@@ -94,6 +94,13 @@ def test_unknown_field_hints_name_the_field_meant_and_only_a_close_one():
                            "spec.s3.credentialsSecretRef.namespace"), ({"spec.replicas": 2}, "spec.replicas")]:
         [err] = errors_of(changed(gpu_job(), changes))
         assert err.path == path and "unknown field" in err.message and "did you mean" not in err.message, err
+
+
+def test_only_a_quoted_value_of_the_right_type_is_told_to_lose_its_quotes():
+    for changes, path in [({"spec.nnodes": "two"}, "spec.nnodes"), ({"spec.nnodes": "1.5"}, "spec.nnodes"),
+                          ({"spec.suspend": "yes"}, "spec.suspend"), ({T + "lr": "nan"}, T + "lr")]:
+        [err] = errors_of(changed(gpu_job(), changes))
+        assert err.path == path and "without quotes" not in err.message, err
 
 
 def test_quantities_reach_consumers_as_strings():
