@@ -523,6 +523,13 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         for i, uri in enumerate(uris):
             if not _is_storage_uri(uri):
                 errs.append(FieldError(f"spec.data.{field}[{i}]", f"{uri!r} is not s3://bucket/key, file:///path or /path"))
+            elif m := _NOT_PARQUET.search(uri):
+                builder = {"json": "json", "jsonl": "json", "csv": "csv", "tsv": "csv", "txt": "text"}[m.group(1).lower()]
+                name = uri.rsplit("/", 1)[-1]
+                stem = name[:len(name) - len(m.group(0))]
+                errs.append(FieldError(f"spec.data.{field}[{i}]", (
+                    f"{uri!r} is not parquet: rljob reads parquet files (verl's format); convert it, e.g. with "
+                    f"datasets: load_dataset('{builder}', data_files='{name}')['train'].to_parquet('{stem}.parquet')")))
     if spec.checkpoint.resume_mode == ResumeMode.URI and not spec.checkpoint.resume_from:
         errs.append(FieldError("spec.checkpoint.resumeFrom", "resumeMode uri needs resumeFrom (a step folder URI)"))
     if spec.checkpoint.resume_from and spec.checkpoint.resume_mode != ResumeMode.URI:
@@ -804,6 +811,10 @@ def builtin_model_errors(spec: RLJobSpec) -> list[FieldError]:
                                    + ", ".join(f"builtin://{n}" for n in BUILTIN_MODEL_NAMES)
                                    + ", or give an s3:// or local Hugging Face folder"))
     return errs
+
+
+# Data files the worker cannot read (it reads parquet only, with pyarrow), optionally compressed.
+_NOT_PARQUET = re.compile(r"\.(jsonl?|csv|tsv|txt)(\.(gz|bz2|xz|zst))?$", re.IGNORECASE)
 
 
 def _is_storage_uri(uri: str) -> bool:

@@ -230,6 +230,12 @@ CROSS_INVALID = [
                                                                  "use 1.0"]}),
     ("greedy-rloo", {R + "temperature": 0, "spec.algorithm.advantageEstimator": "rloo"},
      {R + "temperature": ["advantageEstimator rloo", "use 1.0"]}),
+    # the worker reads parquet only
+    ("train-files-jsonl", {"spec.data.trainFiles": ["s3://datasets/gsm8k/train.jsonl"]},
+     {"spec.data.trainFiles[0]": ["is not parquet", "reads parquet files", "load_dataset('json'",
+                                  "to_parquet('train.parquet')"]}),
+    ("val-files-csv-gz", {"spec.data.valFiles": ["/data/val.parquet", "/data/val.CSV.gz"]},
+     {"spec.data.valFiles[1]": ["is not parquet", "load_dataset('csv'", "to_parquet('val.parquet')"]}),
     # a reward name without ':' must be a built-in (the worker would stop at start-up)
     ("reward-unknown-builtin", {"spec.reward.function": "math"},
      {"spec.reward.function": ["'math' is not a built-in reward", "math-boxed", "module.path:function"]}),
@@ -293,6 +299,8 @@ CROSS_VALID = [
     ("name-50-chars", {"metadata.name": "a" * 50}),
     ("name-with-dashes-digits", {"metadata.name": "qwen3-8b-grpo-2"}),
     ("gae-shared-critic-defaults", {**GAE, "spec.critic": {}}),
+    ("data-files-parquet-and-folder", {"spec.data.trainFiles": ["s3://datasets/gsm8k/train.parquet", "/data/shards/"],
+                                       "spec.data.valFiles": ["file:///data/json.parquet"]}),
     # greedy rollouts still learn from a critic's values or batch-whitened returns (a warning, not an error)
     ("greedy-ppo-critic", {**GAE, "spec.critic": {}, R + "temperature": 0}),
     ("greedy-reinforce-plus-plus", {"spec.algorithm.advantageEstimator": "reinforce_plus_plus", R + "temperature": 0}),
