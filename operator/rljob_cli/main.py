@@ -17,6 +17,7 @@ Heavy imports (operator builders, the worker) happen inside the subcommands so t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -291,7 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at interpreter exit
+    except BrokenPipeError:  # the reader went away (`rljob validate ... | head -1`): stop quietly, as shell tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush writes nowhere
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by it
+    return code
 
 
 if __name__ == "__main__":

@@ -64,6 +64,18 @@ def test_validate_examples_one_ok_line_each():
     assert "critic shared, own processes taking turns TP4 PP1" in out  # Trinity's critic block
 
 
+def test_validate_into_a_closed_pipe_exits_141_without_a_traceback():
+    """`rljob validate examples/*.yaml | head -1`: the reader leaves after one line. The output (every example 30
+    times, beyond a pipe's 64 KiB) cannot all fit in the pipe before it closes."""
+    files = [str(p.relative_to(ROOT)) for p in EXAMPLE_PATHS] * 30
+    proc = subprocess.Popen([*rljob_command(), "validate", *files], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.stdout.readline().startswith(b"OK examples/")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
 def test_validate_reports_every_error_with_its_path(tmp_path):
     schema_bad = write(tmp_path, "schema.yaml", changed(gpu_job(), {
         "spec.nnodes": 0, "spec.rollout.engine": "sglang", "spec.megatron.tensorParallelSize": 2,
