@@ -547,6 +547,9 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             f"{a.loss_aggregation.value} is not the GSPO objective with importanceLevel sequence (every token of a "
             f"response carries its shared sequence ratio, so a token sum or token-mean weights responses by length); "
             "set lossAggregation: seq-mean-token-mean (or importanceLevel: token)"))
+    if not sft and spec.device == "cpu" and r.engine == RolloutEngine.VLLM:
+        errs.append(FieldError("spec.rollout.engine", "vllm needs GPUs (the worker runs vLLM's CUDA build, and the CPU "
+                               "image has no vLLM); with device cpu set engine: hf (or auto, which picks hf on a CPU)"))
     if (not sft and r.temperature == 0 and r.samples_per_prompt >= 2
             and a.advantage_estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO)):
         errs.append(FieldError("spec.rollout.temperature", f"0 samples greedily, so the samplesPerPrompt="

@@ -230,6 +230,9 @@ CROSS_INVALID = [
                                                                  "use 1.0"]}),
     ("greedy-rloo", {R + "temperature": 0, "spec.algorithm.advantageEstimator": "rloo"},
      {R + "temperature": ["advantageEstimator rloo", "use 1.0"]}),
+    # vLLM runs on GPUs only
+    ("vllm-on-cpu", {"spec.device": "cpu", R + "engine": "vllm"},
+     {R + "engine": ["vllm needs GPUs", "with device cpu set engine: hf (or auto"]}),
     # the worker reads parquet only
     ("train-files-jsonl", {"spec.data.trainFiles": ["s3://datasets/gsm8k/train.jsonl"]},
      {"spec.data.trainFiles[0]": ["is not parquet", "reads parquet files", "load_dataset('json'",
@@ -299,6 +302,8 @@ CROSS_VALID = [
     ("name-50-chars", {"metadata.name": "a" * 50}),
     ("name-with-dashes-digits", {"metadata.name": "qwen3-8b-grpo-2"}),
     ("gae-shared-critic-defaults", {**GAE, "spec.critic": {}}),
+    ("auto-on-cpu", {"spec.device": "cpu", R + "engine": "auto"}),
+    ("vllm-on-gpu", {R + "engine": "vllm"}),
     ("data-files-parquet-and-folder", {"spec.data.trainFiles": ["s3://datasets/gsm8k/train.parquet", "/data/shards/"],
                                        "spec.data.valFiles": ["file:///data/json.parquet"]}),
     # greedy rollouts still learn from a critic's values or batch-whitened returns (a warning, not an error)

@@ -87,8 +87,8 @@ def build_cases(tmp: Path, s3_server, bucket: str, busy_port: int) -> dict[str, 
     hf_rollout_tp = quickstart_spec()  # the hf engines hold the whole model: they cannot be sharded
     hf_rollout_tp["gpusPerNode"] = 2
     hf_rollout_tp["rollout"].update(engine="hf", tensorModelParallelSize=2)
-    vllm_rank0 = quickstart_spec()
-    vllm_rank0["rollout"].update(engine="vllm", ranks="rank0")
+    vllm_cpu = quickstart_spec()  # (vllm with ranks rank0, refused on GPUs: test_rollout_every_rank)
+    vllm_cpu["rollout"].update(engine="vllm")
     (tmp / "garbage.json").write_text("{not json")
     broken_config = damaged_model(tmp, "broken-config", lambda m: (m / "config.json").write_text('{"model_type": '))
 
@@ -115,7 +115,7 @@ def build_cases(tmp: Path, s3_server, bucket: str, busy_port: int) -> dict[str, 
                                                  also="Secret 'verifier-key' key 'token'"),
         "hf engine with rollout TP 2": Case(hf_rollout_tp, "spec.rollout.tensorModelParallelSize=2",
                                             also="needs spec.rollout.engine: vllm"),
-        "vllm engine on rank 0 only": Case(vllm_rank0, "spec.rollout.ranks: rank0", also="is for the hf engines"),
+        "vllm engine on a CPU": Case(vllm_cpu, "spec.rollout.engine", also="vllm needs GPUs"),
         "ground truth column missing": Case(no_truth, "spec.data.trainFiles[0]",
                                             also="no-truth.parquet: column reward_model is missing"),
         "builtin typo": Case(with_model("builtin://tiny-qwen3"), "spec.model.path", also="builtin://tiny-qwen2"),
@@ -191,7 +191,7 @@ CASE_NAMES = [
     "remote reward unreachable",
     "remote reward secret env missing",
     "hf engine with rollout TP 2",
-    "vllm engine on rank 0 only",
+    "vllm engine on a CPU",
     "ground truth column missing",
     "builtin typo",
     "config.json broken",
