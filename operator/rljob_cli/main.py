@@ -217,7 +217,13 @@ def cmd_render(args: argparse.Namespace) -> int:
         job = load_rljob(args.file)
     except (ValueError, RLJobValidationError) as exc:
         return _report_invalid(args.file, exc)
-    children = build_children(job, OperatorSettings.from_env())
+    try:
+        settings = OperatorSettings.from_env()  # the RLJOB_* variables the chart sets on the operator
+    except ValueError as exc:  # the message names the variable and its value
+        print(f"rljob render: {exc} (render reads the operator's RLJOB_* settings from the environment; fix or "
+              "unset it)", file=sys.stderr)
+        return 1
+    children = build_children(job, settings)
     sys.stdout.write(yaml.safe_dump_all(children, sort_keys=False, width=120))
     return 0
 

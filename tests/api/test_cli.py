@@ -209,6 +209,15 @@ def test_render_refuses_a_manifest_without_a_name(tmp_path):
     assert "kind: PyTorchJob" not in out, out
 
 
+def test_render_names_a_bad_operator_setting_in_one_line(tmp_path):
+    path = write(tmp_path, "job.yaml", gpu_job())
+    proc = subprocess.run([*rljob_command(), "render", str(path)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RLJOB_MASTER_PORT": "abc"}, check=False)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.startswith("rljob render: RLJOB_MASTER_PORT='abc' is not an integer"), proc.stderr
+    assert "unset it" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 SECRET = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials"}, "stringData": {"k": "v"}}
 
 
