@@ -57,6 +57,10 @@ def jsonl(path: Path) -> list[dict]:
 
 
 def check_shares_and_groups(workdir: Path, nproc: int, prompts: int, steps: int) -> None:
+    every_call = [call for rank in range(nproc) for call in jsonl(workdir / f"rollouts_rank{rank}.jsonl")]
+    # the bound the engine was built with (vLLM's CUDA graphs) holds every call's rows, validation's too
+    assert all(len(c["prompts"]) * c["n"] <= c["max_rows"] for c in every_call), [
+        (len(c["prompts"]), c["n"], c["max_rows"]) for c in every_call]
     per_rank = [[r for r in jsonl(workdir / f"rollouts_rank{rank}.jsonl") if r["n"] == N] for rank in range(nproc)]
     batches = jsonl(workdir / "estimator_batches.jsonl")
     assert len(batches) == steps and all(len(calls) == steps for calls in per_rank)
@@ -65,8 +69,6 @@ def check_shares_and_groups(workdir: Path, nproc: int, prompts: int, steps: int)
         group_prompts = batch["prompts"][::N]
         assert len(group_prompts) == prompts and len(batch["responses"]) == prompts * N
         calls = [per_rank[rank][step] for rank in range(nproc)]
-        # the bound the engine was built with (vLLM's CUDA graphs) holds every training call's rows
-        assert all(len(call["prompts"]) * N <= call["max_rows"] for call in calls), (step, [c["max_rows"] for c in calls])
         # disjoint shares that cover the batch: rank r sampled exactly the prompts at positions shares[r]
         for rank, (call, share) in enumerate(zip(calls, shares)):
             assert call["prompts"] == group_prompts[share], (step, rank)

@@ -216,7 +216,7 @@ class GRPOTrainer(RunLoop):
                                       max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
                                       enforce_eager=r.enforce_eager, max_num_batched_tokens=r.max_num_batched_tokens,
                                       seed=t.seed, compile=r.compile, record_routing=a.routing_replay,
-                                      max_rows=self.prompts_per_step * r.samples_per_prompt)  # a step's rows, at most
+                                      max_rows=self._most_rows_per_call())
         if self.engine is not None and self.is_main:
             log.info("rollout engine: %s on %s (rollout.engine: %s; %s%s)", type(self.engine).__name__, self.device,
                      r.engine.value, "every rank samples a share" if self.engine_everywhere else "rank 0 samples",
@@ -225,6 +225,13 @@ class GRPOTrainer(RunLoop):
             log.info("actor update: micro-batches of rows grouped by length, <= %d tokens each (on a GPU with "
                      "training.maxTokensPerMicroBatch unset: microBatchSizePerGpu full rows; 0 keeps "
                      "microBatchSizePerGpu rows)", self.actor_token_budget)
+
+    def _most_rows_per_call(self) -> int:
+        """The most rows one generate call hands the engine: a step's prompts x samples, or the validation set x
+        valN (sampled in one call). An upper bound where replicas share a call; vLLM captures graphs up to it."""
+        r = self.spec.rollout
+        val = len(self.val_set.records) * r.val_n if getattr(self, "val_set", None) is not None else 0
+        return max(self.prompts_per_step * r.samples_per_prompt, val)
 
     @functools.cached_property
     def actor_token_budget(self) -> int | None:
