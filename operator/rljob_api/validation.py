@@ -415,6 +415,11 @@ def pool_ranks(spec: RLJobSpec) -> tuple[list[int], list[int]]:
 
 # A DNS-1035 label: the training-operator names a Service <name>-master-0, and Service names must start with a letter.
 _K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+NAME_MAX_LENGTH = 50
+# What name_errors enforces, in words (its message, and `rljob explain metadata.name`).
+NAME_RULE = (f"a DNS label of at most {NAME_MAX_LENGTH} characters: lowercase letters, digits and '-', starting with "
+             "a letter and ending with a letter or digit (pods are named <name>-worker-N, and the training-operator's "
+             "Service <name>-master-0 must start with a letter)")
 
 
 def name_errors(name: str, spec: RLJobSpec | None = None) -> list[FieldError]:
@@ -422,10 +427,8 @@ def name_errors(name: str, spec: RLJobSpec | None = None) -> list[FieldError]:
 
     With childKind JobSet the pods' hostnames are <name>-trainer-0-<index> (a DNS label of at most
     63 characters), which leaves less room for the name on large jobs."""
-    if not _K8S_NAME.match(name) or len(name) > 50:
-        return [FieldError("metadata.name", "must be a DNS label of at most 50 characters: lowercase letters, digits "
-                           "and '-', starting with a letter (pods are named <name>-worker-N, and the training-operator's "
-                           "Service <name>-master-0 must start with a letter)")]
+    if not _K8S_NAME.match(name) or len(name) > NAME_MAX_LENGTH:
+        return [FieldError("metadata.name", f"must be {NAME_RULE}")]
     if spec is not None and spec.child_kind == ChildKind.JOBSET:
         longest = f"{name}-trainer-0-{spec.nnodes - 1}"
         if len(longest) > 63:

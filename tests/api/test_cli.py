@@ -406,6 +406,39 @@ def test_explain_leaf_and_default_and_rlj_prefix(capsys):
     assert code == 0 and "FIELD: status.conditions <[]object>" in out and "lastTransitionTime" in out, out
 
 
+def test_explain_follows_the_hint_for_an_unknown_key_in_a_map_entry(tmp_path, capsys):
+    """The hint of an unknown key under reward.bySource.<source> names `rljob explain` of that entry, which lists
+    the entry's fields (the values of a map of objects, whatever the key)."""
+    job = changed(yaml.safe_load(HEAD), {"spec.reward.bySource": {"gsm8k": {"fucntion": "gsm8k"}}})
+    code, out = rljob("validate", write(tmp_path, "j.yaml", job))
+    assert code == 1 and "`rljob explain spec.reward.bySource.gsm8k`; did you mean function?" in out, out
+    code, out = in_process(capsys, "explain", "spec.reward.bySource.gsm8k")
+    assert code == 0 and "\n  function <string>" in out and "\n  remote <object>" in out, out
+    code, out = in_process(capsys, "explain", "spec.reward.bySource.gsm8k.remote.url")
+    assert code == 0 and "FIELD: spec.reward.bySource.gsm8k.remote.url <string>" in out, out
+    code, out = in_process(capsys, "explain", "spec.reward.bySource")
+    assert code == 0 and "<map[string]object>" in out and "\n  function <string>" in out, out
+
+
+@pytest.mark.parametrize("prefix", ["rlj", "rljob", "rljobs", "RLJob"])
+def test_explain_takes_the_resource_names_kubectl_takes(capsys, prefix):
+    code, out = in_process(capsys, "explain", f"{prefix}.spec.nnodes")
+    assert code == 0 and f"FIELD: {prefix}.spec.nnodes <integer>" in out, out
+
+
+def test_explain_metadata_name_states_the_rule_validate_enforces(capsys):
+    from rljob_api.validation import NAME_MAX_LENGTH, name_errors
+
+    code, out = in_process(capsys, "explain", "metadata.name")
+    assert code == 0, out
+    assert f"at most {NAME_MAX_LENGTH} characters" in out and "starting with a letter" in out, out
+    assert "ending with a letter or digit" in out and "63 characters" in out, out
+    for bad in ("7b-grpo", "grpo-", "Grpo", "g" * (NAME_MAX_LENGTH + 1)):  # what the text says is what is enforced
+        assert name_errors(bad), bad
+    code, out = in_process(capsys, "explain", "metadata")
+    assert code == 0 and "DESCRIPTION:\n  Standard Kubernetes object metadata" in out and "\n  name <string>" in out, out
+
+
 def test_explain_unknown_field_is_helpful(capsys):
     code, out = rljob("explain", "spec.nope")
     assert code == 1, out
