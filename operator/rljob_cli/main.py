@@ -7,6 +7,7 @@
     rljob explain [FIELD.PATH]  describe spec fields (like `kubectl explain rlj.spec...`)
     rljob render FILE           print the children the operator would create
     rljob run FILE [--local]    run an RLJob on this machine without Kubernetes
+    rljob --version             print the installed rljob version
 
 Other resources in a file (a Secret beside the RLJob) are skipped by validate, render and run alike
 (`other_kind`); render and run take one RLJob per file.
@@ -36,6 +37,8 @@ from rljob_api.validation import (
 )
 
 from rljob_cli.yaml_load import load_all
+
+DISTRIBUTION = "rljob"  # pyproject.toml's [project] name
 
 
 def load_documents(path: str) -> list[Any]:
@@ -197,6 +200,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from rljob_api.explain import explain
 
     if args.markdown:
+        if args.field:  # the Markdown is the whole reference (docs/reference.md), not one field's
+            print(f"rljob explain: --markdown prints the whole spec reference and takes no FIELD.PATH; run "
+                  f"`rljob explain {args.field}` for that field, or `rljob explain --markdown` alone", file=sys.stderr)
+            return 2
         from rljob_api.reference import reference_markdown
 
         sys.stdout.write(reference_markdown())
@@ -266,8 +273,20 @@ def _positive_steps(text: str) -> int:
     return steps
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's [project] version), or 'unknown' when rljob runs from
+    a source tree that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "unknown (not installed; pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rljob", description="RL post-training of LLMs as Kubernetes jobs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="validate RLJob manifests (exit 1 on an invalid or not runnable one)")
     p.add_argument("files", nargs="+", metavar="FILE")
@@ -279,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_crd)
     p = sub.add_parser("explain", help="describe RLJob fields, e.g. `rljob explain spec.algorithm`")
     p.add_argument("field", nargs="?", metavar="FIELD.PATH")
-    p.add_argument("--markdown", action="store_true", help="print the whole spec reference as Markdown")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the whole spec reference as Markdown (docs/reference.md; no FIELD.PATH)")
     p.set_defaults(func=cmd_explain)
     p = sub.add_parser("render", help="print the children (ConfigMap, PyTorchJob, ...) the operator would create")
     p.add_argument("file", metavar="FILE")

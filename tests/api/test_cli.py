@@ -50,6 +50,17 @@ def test_console_script_is_declared():
     assert scripts.get("rljob") == "rljob_cli.main:main", "reinstall: pip install -e . --no-deps"
 
 
+def test_version_is_the_installed_distributions():
+    import tomllib
+    from importlib.metadata import version
+
+    from rljob_cli.main import DISTRIBUTION
+
+    assert DISTRIBUTION == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    code, out = rljob("--version")
+    assert code == 0 and out == f"rljob {version(DISTRIBUTION)}\n", out
+
+
 # --------------------------------------------------------------------------- validate
 
 
@@ -437,6 +448,13 @@ def test_explain_metadata_name_states_the_rule_validate_enforces(capsys):
         assert name_errors(bad), bad
     code, out = in_process(capsys, "explain", "metadata")
     assert code == 0 and "DESCRIPTION:\n  Standard Kubernetes object metadata" in out and "\n  name <string>" in out, out
+
+
+def test_explain_markdown_with_a_field_path_is_refused_in_one_line():
+    """--markdown is the whole reference (docs/reference.md); a FIELD.PATH beside it was silently ignored."""
+    code, out = rljob("explain", "spec.algorithm", "--markdown")
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert "takes no FIELD.PATH" in out and "`rljob explain spec.algorithm`" in out, out
 
 
 def test_explain_unknown_field_is_helpful(capsys):
