@@ -10,7 +10,7 @@ entry point that turns a dict into a validated `RLJob`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.alias_generators import to_camel
@@ -57,10 +57,34 @@ CATEGORIES = ["ml"]
 STORAGE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*)$"
 # A model source additionally accepts builtin://NAME (a tiny model rljob builds from a shipped config).
 MODEL_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*|/.*|builtin://[a-z0-9\-]+)$"
-# The builtin://NAME models the worker builds (rljob_worker.data.builtin_models holds their configs; a test keeps
-# the two lists equal), here so that validation refuses an unknown name without the worker's dependencies.
-BUILTIN_MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-hd64", "tiny-qwen2-tools", "tiny-qwen3-moe")
-BUILTIN_MOE_MODEL_NAMES = ("tiny-qwen3-moe",)  # the mixture-of-experts ones (algorithm.routingReplay)
+
+
+class BuiltinShape(NamedTuple):
+    """The numbers of a built-in model's config that the parallel sizes must fit (the worker refuses the rest at
+    start-up)."""
+
+    attention_heads: int  # megatron TP divides it, and so does a vLLM rollout's TP
+    kv_heads: int  # megatron TP divides it
+    layers: int  # PP x VPP divides it
+    head_dim: int  # a vLLM rollout at TP > 1 needs at least VLLM_MIN_TP_HEAD_DIM
+    experts: int = 0  # EP divides it; 0: a dense model (EP 1)
+
+
+# The builtin://NAME models the worker builds, with their shapes (rljob_worker.data.builtin_models holds their
+# configs; tests/worker/test_builtin_model_shapes.py keeps the two equal), here so that validation refuses an unknown
+# name, and sizes the model cannot be split by, without the worker's dependencies.
+BUILTIN_MODEL_SHAPES = {
+    "tiny-qwen2": BuiltinShape(attention_heads=4, kv_heads=2, layers=2, head_dim=16),
+    "tiny-qwen2-hd64": BuiltinShape(attention_heads=2, kv_heads=1, layers=2, head_dim=64),
+    "tiny-qwen2-tools": BuiltinShape(attention_heads=4, kv_heads=2, layers=2, head_dim=16),
+    "tiny-qwen3-moe": BuiltinShape(attention_heads=4, kv_heads=2, layers=2, head_dim=16, experts=4),
+}
+BUILTIN_MODEL_NAMES = tuple(BUILTIN_MODEL_SHAPES)
+# the mixture-of-experts ones (algorithm.routingReplay)
+BUILTIN_MOE_MODEL_NAMES = tuple(name for name, shape in BUILTIN_MODEL_SHAPES.items() if shape.experts)
+# The narrowest attention head vLLM runs at rollout tensor-parallel > 1 (rljob_worker.rollout.vllm_engine's
+# MIN_TP_HEAD_DIM, which the same test keeps equal).
+VLLM_MIN_TP_HEAD_DIM = 64
 # The built-in spec.reward.function names (rljob_worker.rewards.registry.BUILTIN_REWARDS holds the functions; a test
 # keeps the two equal), here so that validation refuses an unknown name without the worker's dependencies.
 BUILTIN_REWARD_NAMES = ("gsm8k", "math-boxed", "format", "target-token", "digit-sum", "tool-secret")

@@ -34,6 +34,7 @@ from rljob_api.enums import (
 from rljob_api.models import (
     API_VERSION,
     BUILTIN_MODEL_NAMES,
+    BUILTIN_MODEL_SHAPES,
     BUILTIN_MOE_MODEL_NAMES,
     BUILTIN_REWARD_NAMES,
     KIND,
@@ -43,6 +44,7 @@ from rljob_api.models import (
     S3_ENDPOINT_PATTERN,
     SHM_SIZE_PATTERN,
     STORAGE_URI_PATTERN,
+    VLLM_MIN_TP_HEAD_DIM,
     MegatronSpec,
     RLJob,
     RLJobSpec,
@@ -445,7 +447,6 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     m, t, r, a = spec.megatron, spec.training, spec.rollout, spec.algorithm
     errs.extend(critic_pool_errors(spec))
     errs.extend(rollout_pool_errors(spec))
-    errs.extend(builtin_model_errors(spec))
     errs.extend(routing_replay_errors(spec))
     actor_gpus = actor_gpus_per_node(spec)
     if actor_gpus <= 0:  # critic.gpus or rollout.gpus take the whole node: reported above
@@ -571,6 +572,9 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError(
             "spec.s3.credentialsSecretRef",
             "an S3-compatible endpoint is set but no credentials; name a Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"))
+    # Last, one message per field: a size that does not divide the GPUs (TP 3 on 8) is told that first.
+    reported = {e.path for e in errs}
+    errs.extend(e for e in builtin_model_errors(spec) if e.path not in reported)
     return errs
 
 
@@ -805,17 +809,95 @@ def routing_replay_errors(spec: RLJobSpec) -> list[FieldError]:
     return errs
 
 
+def _other_builtins(name: str, fits) -> str:
+    """', or builtin://A or builtin://B': the other built-ins whose shape `fits`; '' when none does."""
+    others = [f"builtin://{n}" for n, shape in BUILTIN_MODEL_SHAPES.items() if n != name and fits(shape)]
+    return ", or " + " or ".join(others) if others else ""
+
+
+def builtin_shape_errors(name: str, m: MegatronSpec, prefix: str) -> list[FieldError]:
+    """The megatron sizes a built-in model cannot be split by, which the worker refuses at start-up (megatron/
+    model_config.check_hf_config: TP divides the attention and KV heads; engine_config.check_layer_split: PP x VPP
+    divides the layers; moe.check_moe_hf_config: EP divides the experts, and a dense model takes EP 1). Pure."""
+    s, errs = BUILTIN_MODEL_SHAPES[name], []
+    tp, pp, ep = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size
+    vpp = m.virtual_pipeline_model_parallel_size if pp > 1 else None  # VPP without PP: megatron_errors says so
+    if s.attention_heads % tp or s.kv_heads % tp:
+        most = math.gcd(s.attention_heads, s.kv_heads)
+        errs.append(FieldError(f"{prefix}.tensorModelParallelSize", (
+            f"builtin://{name} has {s.attention_heads} attention heads and {s.kv_heads} KV "
+            f"head{'s' if s.kv_heads > 1 else ''}, which TP {tp} does not divide: "
+            + (f"use a TP that divides {most}" if most > 1 else "use TP 1") + (_other_builtins(
+                name, lambda o: o.attention_heads % tp == 0 and o.kv_heads % tp == 0)
+                or f", or a model of your own with heads that TP {tp} divides"))))
+    chunks = pp * (vpp or 1)
+    if s.layers % chunks:
+        field, sizes, fix = ((f"{prefix}.virtualPipelineModelParallelSize", f"PP x VPP = {pp}x{vpp} = {chunks}",
+                              f"unset virtualPipelineModelParallelSize (PP {pp} alone divides them)")
+                             if vpp and s.layers % pp == 0 else
+                             (f"{prefix}.pipelineModelParallelSize", f"PP {pp}" + (f" x VPP {vpp}" if vpp else ""),
+                              f"use a PP that divides {s.layers}" + (" (and unset VPP)" if vpp else "")))
+        errs.append(FieldError(field, (
+            f"builtin://{name} has {s.layers} layers, which {sizes} does not divide: {fix}"
+            + (_other_builtins(name, lambda o: o.layers % chunks == 0)
+               or f", or a model of your own with a multiple of {chunks} layers"))))
+    if ep > 1 and not s.experts:
+        errs.append(FieldError(f"{prefix}.expertModelParallelSize", (
+            f"builtin://{name} is dense (no experts to spread): set it to 1"
+            + _other_builtins(name, lambda o: o.experts and o.experts % ep == 0))))
+    elif ep > 1 and s.experts % ep:
+        errs.append(FieldError(f"{prefix}.expertModelParallelSize", (
+            f"builtin://{name} has {s.experts} experts, which EP {ep} does not divide: use an EP that divides "
+            f"{s.experts}" + _other_builtins(name, lambda o: o.experts and o.experts % ep == 0))))
+    return errs
+
+
+def builtin_rollout_errors(name: str, spec: RLJobSpec) -> list[FieldError]:
+    """A vLLM rollout (rollout.engine vllm, or auto on GPUs, which picks vllm at rollout TP > 1) of a built-in at
+    rollout TP > 1: vLLM splits the attention heads over the TP ranks, and the worker refuses heads narrower than
+    VLLM_MIN_TP_HEAD_DIM (vLLM 0.26 hangs in its warm-up on them: rollout/vllm_engine.check_tensor_parallel_shape).
+    Pure."""
+    r, s = spec.rollout, BUILTIN_MODEL_SHAPES[name]
+    rtp, field = r.tensor_model_parallel_size, "spec.rollout.tensorModelParallelSize"
+    engine = r.engine == RolloutEngine.VLLM or (r.engine == RolloutEngine.AUTO and spec.device == "gpu")
+    if rtp == 1 or not engine or spec.algorithm.name == AlgorithmName.SFT or rollout_in_own_pool(spec):
+        return []  # (a separate pool runs hf engines at TP 1: rollout_pool_errors)
+    via = "rollout.engine vllm" if r.engine == RolloutEngine.VLLM else "rollout.engine auto (vllm at rollout TP > 1)"
+    if s.head_dim < VLLM_MIN_TP_HEAD_DIM:
+        return [FieldError(field, (
+            f"{rtp} with {via}: builtin://{name}'s attention heads are {s.head_dim} wide and vLLM needs at least "
+            f"{VLLM_MIN_TP_HEAD_DIM} at tensor-parallel > 1 (it hangs in its start-up warm-up): set it to 1 (the "
+            "model fits one GPU)" + _other_builtins(
+                name, lambda o: o.head_dim >= VLLM_MIN_TP_HEAD_DIM and o.attention_heads % rtp == 0)))]
+    if s.attention_heads % rtp:
+        return [FieldError(field, (
+            f"{rtp} with {via}: builtin://{name} has {s.attention_heads} attention heads, which vLLM splits over the "
+            f"rollout TP ranks: use a rollout TP that divides {s.attention_heads}"))]
+    return []
+
+
 def builtin_model_errors(spec: RLJobSpec) -> list[FieldError]:
-    """A builtin://NAME model source must name a model the worker builds."""
+    """A builtin://NAME model source must name a model the worker builds, and the actor's and the critic's megatron
+    sizes (and a vLLM rollout's TP) must fit its shape. Pure."""
     errs = []
-    paths = [("spec.model.path", spec.model.path)]
+    models = [("spec.model.path", spec.model.path, spec.megatron, "spec.megatron")]
     if spec.critic is not None:
-        paths.append(("spec.critic.model.path", spec.critic.model.path))
-    for where, path in paths:
-        if path and path.startswith("builtin://") and path[len("builtin://"):] not in BUILTIN_MODEL_NAMES:
+        models.append(("spec.critic.model.path", spec.critic.model.path or spec.model.path, spec.critic.megatron,
+                       "spec.critic.megatron"))
+    for where, path, megatron, prefix in models:
+        if not path or not path.startswith("builtin://"):
+            continue
+        name = path[len("builtin://"):]
+        if name not in BUILTIN_MODEL_SHAPES:
+            if where == "spec.critic.model.path" and spec.critic.model.path is None:
+                continue  # the actor's path, reported above
             errs.append(FieldError(where, f"{path} is not a built-in model; choose one of "
                                    + ", ".join(f"builtin://{n}" for n in BUILTIN_MODEL_NAMES)
                                    + ", or give an s3:// or local Hugging Face folder"))
+            continue
+        errs.extend(builtin_shape_errors(name, megatron, prefix))
+        if prefix == "spec.megatron":
+            errs.extend(builtin_rollout_errors(name, spec))
     return errs
 
 

@@ -325,6 +325,53 @@ CROSS_VALID = [
 ]
 
 
+# A builtin:// model's shape against the parallel sizes (the worker's start-up refusals, made offline). Not in the
+# CROSS tables: the CRD's CEL rules do not know model shapes, and test_cel compares those tables' paths with CEL's.
+Q2 = {"spec.model.path": "builtin://tiny-qwen2"}  # 4 attention heads, 2 KV heads, 2 layers, head_dim 16
+HD64 = {"spec.model.path": "builtin://tiny-qwen2-hd64"}  # 2 attention heads, 1 KV head, head_dim 64
+MOE = {"spec.model.path": "builtin://tiny-qwen3-moe"}  # tiny-qwen2's shape with 4 experts
+HEADS = "builtin://tiny-qwen2 has 4 attention heads and 2 KV heads, which TP"
+BUILTIN_SHAPE_INVALID = [
+    ("tp8-over-heads", {**Q2, M + "tensorModelParallelSize": 8},
+     {M + "tensorModelParallelSize": [HEADS + " 8 does not divide", "use a TP that divides 2"]}),
+    ("tp4-over-kv-heads", {**Q2, M + "tensorModelParallelSize": 4},
+     {M + "tensorModelParallelSize": [HEADS + " 4 does not divide", "use a TP that divides 2", "a model of your own"]}),
+    ("hd64-tp2-names-the-built-ins-that-fit", {**HD64, M + "tensorModelParallelSize": 2},
+     {M + "tensorModelParallelSize": ["2 attention heads and 1 KV head,", "use TP 1, or builtin://tiny-qwen2 "]}),
+    ("tp3-told-once-by-the-gpu-rule", {**Q2, M + "tensorModelParallelSize": 3},  # one message per field
+     {M + "tensorModelParallelSize": ["is not divisible by TP x PP x CP"]}),
+    ("pp4-over-layers", {**Q2, M + "pipelineModelParallelSize": 4},
+     {M + "pipelineModelParallelSize": ["builtin://tiny-qwen2 has 2 layers, which PP 4 does not divide",
+                                        "use a PP that divides 2"]}),
+    ("pp2-vpp2-over-layers", {**Q2, M + "pipelineModelParallelSize": 2, M + "virtualPipelineModelParallelSize": 2},
+     {M + "virtualPipelineModelParallelSize": ["PP x VPP = 2x2 = 4 does not divide",
+                                               "unset virtualPipelineModelParallelSize"]}),
+    ("dense-ep2", {**Q2, M + "expertModelParallelSize": 2},
+     {M + "expertModelParallelSize": ["builtin://tiny-qwen2 is dense", "set it to 1, or builtin://tiny-qwen3-moe"]}),
+    ("moe-ep8-over-experts", {**MOE, M + "expertModelParallelSize": 8},
+     {M + "expertModelParallelSize": ["has 4 experts, which EP 8 does not divide", "use an EP that divides 4"]}),
+    ("critic-tp4-over-the-actors-builtin", {**Q2, **GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 4}}},
+     {C + "megatron.tensorModelParallelSize": [HEADS + " 4 does not divide"]}),
+    ("critic-own-builtin-pp4", {**GAE, "spec.critic": {"model": {"path": "builtin://tiny-qwen2"},
+                                                       "megatron": {"pipelineModelParallelSize": 4}}},
+     {C + "megatron.pipelineModelParallelSize": ["has 2 layers, which PP 4 does not divide"]}),
+    ("vllm-rollout-tp2-narrow-heads", {**Q2, R + "engine": "vllm", R + "tensorModelParallelSize": 2},
+     {R + "tensorModelParallelSize": ["2 with rollout.engine vllm", "heads are 16 wide", "at least 64",
+                                      "set it to 1", "builtin://tiny-qwen2-hd64"]}),
+    ("auto-rollout-tp2-narrow-heads", {**Q2, R + "tensorModelParallelSize": 2},
+     {R + "tensorModelParallelSize": ["rollout.engine auto (vllm at rollout TP > 1)", "at least 64"]}),
+    ("vllm-rollout-tp4-over-heads", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 4},
+     {R + "tensorModelParallelSize": ["builtin://tiny-qwen2-hd64 has 2 attention heads", "divides 2"]}),
+]
+BUILTIN_SHAPE_VALID = [
+    ("tp2-pp2", {**Q2, M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2}),
+    ("moe-ep4", {**MOE, M + "expertModelParallelSize": 4}),
+    ("hd64-vllm-rollout-tp2", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 2}),
+    ("auto-rollout-tp2-on-cpu", {**Q2, "spec.device": "cpu", R + "tensorModelParallelSize": 2}),  # hf on a CPU
+    ("critic-tp2", {**Q2, **GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 2}}}),
+]
+
+
 URI_FIX = "must be s3://bucket/prefix, file:///abs/path or /abs/path"
 MODEL_URI_FIX = "must be s3://bucket/prefix, file:///abs/path, /abs/path or builtin://name"
 

@@ -378,6 +378,23 @@ def test_validate_local_names_a_folder_this_user_cannot_write(tmp_path):
     assert code == 1 and f"{locked} is not writable by this user" in out, out
 
 
+@pytest.mark.parametrize(("megatron", "field", "words"), [
+    ({"tensorModelParallelSize": 8}, "tensorModelParallelSize",
+     "builtin://tiny-qwen2 has 4 attention heads and 2 KV heads, which TP 8 does not divide: use a TP that divides 2"),
+    ({"tensorModelParallelSize": 4}, "tensorModelParallelSize", "which TP 4 does not divide: use a TP that divides 2"),
+    ({"pipelineModelParallelSize": 4}, "pipelineModelParallelSize",
+     "builtin://tiny-qwen2 has 2 layers, which PP 4 does not divide: use a PP that divides 2"),
+], ids=["tp8", "tp4", "pp4"])
+def test_validate_refuses_the_quickstart_split_finer_than_its_builtin_model(tmp_path, megatron, field, words):
+    """The worker refused these at start-up; validate now says so offline, in one line naming the field."""
+    job = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    job["spec"].update(gpusPerNode=8, megatron=megatron)
+    code, out = rljob("validate", write(tmp_path, "q.yaml", job))
+    errors = [line for line in out.splitlines() if line.startswith("  ")]
+    assert code == 1 and len(errors) == 1 and errors[0].startswith(f"  spec.megatron.{field}: "), out
+    assert words in errors[0], out
+
+
 # --------------------------------------------------------------------------- crd and explain
 
 

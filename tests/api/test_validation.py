@@ -9,7 +9,17 @@ import datetime
 from types import MappingProxyType
 
 import pytest
-from api_cases import CROSS_INVALID, CROSS_VALID, SCHEMA_INVALID, SCHEMA_VALID, M, R, T
+from api_cases import (
+    BUILTIN_SHAPE_INVALID,
+    BUILTIN_SHAPE_VALID,
+    CROSS_INVALID,
+    CROSS_VALID,
+    SCHEMA_INVALID,
+    SCHEMA_VALID,
+    M,
+    R,
+    T,
+)
 from api_support import DELETE, EXAMPLE_PATHS, changed, errors_of, gpu_job, load_yaml
 from rljob_api.models import RLJob
 from rljob_api.validation import (
@@ -47,6 +57,17 @@ def test_cross_field_rule_rejects(changes, expected):
 
 @pytest.mark.parametrize("changes", [c[1] for c in CROSS_VALID], ids=[c[0] for c in CROSS_VALID])
 def test_cross_field_rule_accepts_boundary(changes):
+    assert_errors(changed(gpu_job(), changes), {})
+
+
+@pytest.mark.parametrize("changes, expected", [c[1:] for c in BUILTIN_SHAPE_INVALID],
+                         ids=[c[0] for c in BUILTIN_SHAPE_INVALID])
+def test_builtin_model_shape_rejects_sizes_it_cannot_be_split_by(changes, expected):
+    assert_errors(changed(gpu_job(), changes), expected)
+
+
+@pytest.mark.parametrize("changes", [c[1] for c in BUILTIN_SHAPE_VALID], ids=[c[0] for c in BUILTIN_SHAPE_VALID])
+def test_builtin_model_shape_accepts_sizes_that_fit(changes):
     assert_errors(changed(gpu_job(), changes), {})
 
 

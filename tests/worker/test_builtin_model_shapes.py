@@ -1,0 +1,70 @@
+"""rljob_api's copy of the builtin:// model shapes (validation refuses sizes they cannot be split by, without the
+worker's dependencies) against the worker's configs and its own start-up checks, so that the two cannot drift."""
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+from rljob_api.models import BUILTIN_MODEL_SHAPES, VLLM_MIN_TP_HEAD_DIM, BuiltinShape, MegatronSpec, RLJobSpec
+from rljob_api.validation import builtin_rollout_errors, builtin_shape_errors
+from rljob_worker.data.builtin_models import BUILTIN_MODELS
+
+
+def test_the_api_shapes_are_the_worker_configs():
+    assert list(BUILTIN_MODEL_SHAPES) == list(BUILTIN_MODELS)
+    for name, cfg in BUILTIN_MODELS.items():
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        assert BUILTIN_MODEL_SHAPES[name] == BuiltinShape(
+            attention_heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
+            layers=cfg["num_hidden_layers"], head_dim=head_dim, experts=cfg.get("num_experts", 0)), name
+
+
+def test_the_api_vllm_head_width_bound_is_the_workers():
+    from rljob_worker.rollout.vllm_engine import MIN_TP_HEAD_DIM
+
+    assert VLLM_MIN_TP_HEAD_DIM == MIN_TP_HEAD_DIM
+
+
+LAYOUTS = [(tp, pp, vpp, ep) for tp, pp, vpp, ep in itertools.product([1, 2, 4, 8], [1, 2, 4], [None, 2], [1, 2, 4, 8])
+           if not (vpp and pp == 1)]  # VPP without PP: a rule of its own (megatron_errors), not the model's
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_MODELS))
+def test_validation_refuses_exactly_the_layouts_the_worker_refuses(name):
+    """The worker's start-up checks (check_hf_config: heads, KV heads, FFN and experts; check_layer_split: layers)
+    against builtin_shape_errors over a grid of TP x PP x VPP x EP."""
+    from rljob_worker.megatron.engine_config import ParallelConfig, check_layer_split
+    from rljob_worker.megatron.model_config import check_hf_config
+
+    config = SimpleNamespace(**BUILTIN_MODELS[name])
+    disagreements = []
+    for tp, pp, vpp, ep in LAYOUTS:
+        try:
+            check_hf_config(config, tp, ep)
+            check_layer_split(config.num_hidden_layers, ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep))
+            worker = None
+        except ValueError as exc:
+            worker = str(exc)
+        m = MegatronSpec.model_validate({"tensorModelParallelSize": tp, "pipelineModelParallelSize": pp,
+                                         "virtualPipelineModelParallelSize": vpp, "expertModelParallelSize": ep})
+        api = builtin_shape_errors(name, m, "spec.megatron")
+        if bool(api) != bool(worker):
+            disagreements.append((tp, pp, vpp, ep, worker, [str(e) for e in api]))
+    assert not disagreements, disagreements[:3]
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_MODELS))
+@pytest.mark.parametrize("rollout_tp", [1, 2, 4])
+def test_validation_refuses_the_vllm_rollout_tp_the_worker_refuses(name, rollout_tp):
+    """Every rollout TP that vllm_engine.check_tensor_parallel_shape refuses is refused by validation too (which also
+    refuses a TP that does not divide the heads: vLLM's own rule)."""
+    from rljob_worker.rollout.vllm_engine import check_tensor_parallel_shape
+    from rljob_worker.startup_errors import StartupError
+
+    spec = RLJobSpec.model_validate({"gpusPerNode": 8, "model": {"path": f"builtin://{name}"},
+                                     "rollout": {"engine": "vllm", "tensorModelParallelSize": rollout_tp}})
+    try:
+        check_tensor_parallel_shape(BUILTIN_MODELS[name], rollout_tp)
+    except StartupError:
+        assert builtin_rollout_errors(name, spec), (name, rollout_tp)
