@@ -165,44 +165,44 @@ def main() -> int:
                              rows[pod]["first_s"], "s",
                              card=card, baseline=f"warm step of the same run ({pod})",
                              baseline_value=rows[pod]["warm_s"], same_run=True)
+        if vllm:  # vLLM compiles while it is built: start-up counts
+            bench_results.record(f"start-up + first step of a new pod ({pod})", vllm_shape(shape), "ready_s",
+                                 rows[pod]["ready_s"], "s", card=card, baseline=f"warm step of the same run ({pod})",
+                                 baseline_value=rows[pod]["warm_s"], same_run=True)
+        record_pairs(rows, pod, shape, card)  # as soon as both pods ran: a later pod cut by a limit loses nothing
     archives = [a for store in ("store", "store-vllm", "store-vllmall")
                 for a in (root / store).rglob("compile-cache/*.tar")]
     sizes = [p.stat().st_size / 2**20 for p in archives]
     print(f"archives: {[p.name for p in archives]} {[round(s, 1) for s in sizes]} MiB", flush=True)
     (Path(os.environ.get("OUT", ".")) / "warm_start.json").write_text(json.dumps(
         {"card": card, "model": a.model, "rows": rows, "archive_mib": sizes}, indent=1))
-
-    if "cold" in rows and "restored" in rows:
-        bench_results.record("first step, compile cache restored from storage", shape, "first_step_s",
-                             rows["restored"]["first_s"], "s", card=card, baseline="first step, cold pod",
-                             baseline_value=rows["cold"]["first_s"], same_run=True)
-    if "coldvllm" in rows and "restoredvllm" in rows:  # vLLM compiles while it is built: start-up counts
-        vshape = vllm_shape(shape)
-        for pod in ("coldvllm", "restoredvllm"):
-            bench_results.record(f"start-up + first step of a new pod ({pod})", vshape, "ready_s",
-                                 rows[pod]["ready_s"], "s", card=card,
-                                 baseline=f"warm step of the same run ({pod})", baseline_value=rows[pod]["warm_s"],
-                                 same_run=True)
-        bench_results.record("start-up + first step, vLLM compile cache restored from storage", vshape, "ready_s",
-                             rows["restoredvllm"]["ready_s"], "s", card=card,
-                             baseline="start-up + first step, cold vLLM pod",
-                             baseline_value=rows["coldvllm"]["ready_s"], same_run=True)
-    if "restoredvllm" in rows and "restoredvllmall" in rows:
-        bench_results.record("start-up + first step, restored vLLM pod, CUDA graphs up to a step's rows",
-                             vllm_shape(shape), "ready_s", rows["restoredvllm"]["ready_s"], "s", card=card,
-                             baseline="the same, vLLM's own CUDA-graph sizes (RLJOB_VLLM_CAPTURE=all)",
-                             baseline_value=rows["restoredvllmall"]["ready_s"], same_run=True)
-    if "restoredpre" in rows and "restored" in rows:
-        bench_results.record("first step, restored pod, decode regions precompiled", shape, "first_step_s",
-                             rows["restoredpre"]["first_s"], "s", card=card,
-                             baseline="first step, restored pod, plain torch.compile (RLJOB_PRECOMPILE=0)",
-                             baseline_value=rows["restored"]["first_s"], same_run=True)
-    if "coldpre" in rows and "cold" in rows:
-        bench_results.record("first step, cold pod, decode regions precompiled and saved", shape, "first_step_s",
-                             rows["coldpre"]["first_s"], "s", card=card,
-                             baseline="first step, cold pod, plain torch.compile (RLJOB_PRECOMPILE=0)",
-                             baseline_value=rows["cold"]["first_s"], same_run=True)
     return 0
+
+
+# (pod, baseline pod, metric, what, baseline's words): each recorded once both pods of the pair have run
+PAIRS = [
+    ("restored", "cold", "first_s", "first step, compile cache restored from storage", "first step, cold pod"),
+    ("restoredvllm", "coldvllm", "ready_s", "start-up + first step, vLLM compile cache restored from storage",
+     "start-up + first step, cold vLLM pod"),
+    ("restoredvllm", "restoredvllmall", "ready_s",
+     ("start-up + first step, restored vLLM pod, CUDA graphs up to a step's rows"),
+     "the same, vLLM's own CUDA-graph sizes (RLJOB_VLLM_CAPTURE=all)"),
+    ("restoredpre", "restored", "first_s", "first step, restored pod, decode regions precompiled",
+     "first step, restored pod, plain torch.compile (RLJOB_PRECOMPILE=0)"),
+    ("coldpre", "cold", "first_s", "first step, cold pod, decode regions precompiled and saved",
+     "first step, cold pod, plain torch.compile (RLJOB_PRECOMPILE=0)"),
+]
+
+
+def record_pairs(rows: dict, pod: str, shape: str, card: str) -> None:
+    """The comparisons that ``pod`` completes (its pair's other pod ran before it)."""
+    import results as bench_results
+
+    for measured, baseline, key, what, words in PAIRS:
+        if pod in (measured, baseline) and measured in rows and baseline in rows:
+            bench_results.record(what, vllm_shape(shape) if "vllm" in measured else shape,
+                                 "first_step_s" if key == "first_s" else key, rows[measured][key], "s", card=card,
+                                 baseline=words, baseline_value=rows[baseline][key], same_run=True)
 
 
 def vllm_shape(shape: str) -> str:
