@@ -92,6 +92,8 @@ BUILTIN_REWARD_NAMES = ("gsm8k", "math-boxed", "format", "target-token", "digit-
 REWARD_FUNCTION_PATTERN = r"^([a-z0-9][a-z0-9\-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 S3_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
 SHM_SIZE_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti)?$"
+# The extended resource the operator sets from spec.gpusPerNode on every training pod of a device gpu job.
+GPU_RESOURCE = "nvidia.com/gpu"
 TOOL_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 TOOL_FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 # An http(s) endpoint without credentials in it (those come from headersSecretRef).

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from rljob_api.enums import ChildKind
-from rljob_api.models import API_VERSION, GROUP, KIND, PLURAL, RLJob
+from rljob_api.models import API_VERSION, GPU_RESOURCE, GROUP, KIND, PLURAL, RLJob
 from rljob_api.pod_layout import (
     COMPILE_CACHE_MOUNT,
     COMPILE_CACHE_VOLUME,
@@ -62,7 +62,6 @@ COMPILE_CACHE_SIZE = "10Gi"
 COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": f"{COMPILE_CACHE_MOUNT}/inductor",
                      "TRITON_CACHE_DIR": f"{COMPILE_CACHE_MOUNT}/triton", "VLLM_CACHE_ROOT": f"{COMPILE_CACHE_MOUNT}/vllm",
                      "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-GPU_RESOURCE = "nvidia.com/gpu"
 
 COMPONENT_TRAINER = "trainer"
 COMPONENT_SPEC = "spec"
