@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from fractions import Fraction
 from typing import Any
 
 import pydantic
@@ -37,6 +38,7 @@ from rljob_api.models import (
     BUILTIN_MODEL_SHAPES,
     BUILTIN_MOE_MODEL_NAMES,
     BUILTIN_REWARD_NAMES,
+    GPU_RESOURCE,
     KIND,
     MODEL_URI_PATTERN,
     REMOTE_URL_PATTERN,
@@ -154,6 +156,8 @@ def _pydantic_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]
         elif err["type"] in {"model_type", "model_attributes_type", "dict_type"}:
             got = _JSON_TYPE_NAMES.get(type(err.get("input")), type(err.get("input")).__name__)
             message = f"must be a mapping of fields, got {got}"
+            if full.startswith(f"{RESOURCES_PATH}."):  # a quantity straight under resources (cpu: "64")
+                message = _resources_key_message(full[len(RESOURCES_PATH) + 1:]) or message
         elif err["type"] == "string_pattern_mismatch":
             pattern = err.get("ctx", {}).get("pattern", "")
             got = err["input"]
@@ -568,6 +572,7 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     pt = spec.pod_template
     errs.extend(FieldError(path, message) for path, message in
                 pod_template_errors(pt.volumes, pt.volume_mounts, on_gpu=spec.device == "gpu"))
+    errs.extend(resources_errors(pt.resources, spec.device == "gpu", spec.gpus_per_node))
     if uses_s3 and spec.s3.credentials_secret_ref is None and spec.s3.endpoint is not None:
         errs.append(FieldError(
             "spec.s3.credentialsSecretRef",
@@ -909,3 +914,100 @@ def _is_storage_uri(uri: str) -> bool:
     if uri.startswith("s3://"):
         return bool(re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/.+", uri))
     return uri.startswith(("file:///", "/"))
+
+
+# ---------------------------------------------------------------------------- podTemplate.resources
+
+RESOURCES_PATH = "spec.podTemplate.resources"
+# apimachinery's resource.Quantity: a signed decimal number, then a binary or decimal SI suffix or an exponent.
+QUANTITY_PATTERN = r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+_QUANTITY = re.compile(QUANTITY_PATTERN)
+_SUFFIX = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "": Fraction(1),
+           **{s: Fraction(1000) ** (i + 1) for i, s in enumerate("kMGTPE")},
+           **{f"{s}i": Fraction(1024) ** (i + 1) for i, s in enumerate("KMGTPE")}}
+# A resource name, not a section: cpu, memory, ephemeral-storage, hugepages-2Mi, vendor.com/gpu.
+_RESOURCE_NAME = re.compile(r"^(cpu|memory|ephemeral-storage|storage|hugepages-.+|gpus?|.+/.+)$", re.IGNORECASE)
+
+
+def parse_quantity(value: str) -> Fraction | None:
+    """The exact value of a Kubernetes quantity ('500m' -> 1/2, '1Gi' -> 2**30, '1e3' -> 1000); None if it is not one."""
+    m = _QUANTITY.match(value)
+    if m is None:
+        return None
+    number, suffix = Fraction(m.group(1)), m.group(2) or ""
+    if suffix[:1] in ("e", "E") and len(suffix) > 1:
+        return number * Fraction(10) ** int(suffix[1:])
+    return number * _SUFFIX[suffix]
+
+
+def _quantity_hint(value: str) -> str:
+    """The quantity most likely meant by an invalid one: '800GB' -> '800G' or '800Gi', '64gi' -> '64Gi'."""
+    m = re.fullmatch(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))\s*([A-Za-z]*)\s*", value)
+    if m is None:
+        return "such as 500m, 64, 800G or 800Gi"
+    number, unit = m.group(1), m.group(2).lower()
+    unit = unit[:-1] if unit.endswith("b") and len(unit) > 1 else unit  # bytes: GB, GiB, kb
+    if _QUANTITY.fullmatch(number + m.group(2)):  # only spaces were wrong
+        return f"'{number}{m.group(2)}'"
+    if len(unit) == 1 and unit in "kmgtpe":
+        decimal = "k" if unit == "k" else unit.upper()
+        return f"'{number}{decimal}' or '{number}{unit.upper()}i'"
+    if len(unit) == 2 and unit[0] in "kmgtpe" and unit[1] == "i":
+        return f"'{number}{unit[0].upper()}i'"
+    return "such as 500m, 64, 800G or 800Gi"
+
+
+def _resources_key_message(key: str) -> str | None:
+    """Why `key` cannot stand directly under podTemplate.resources, and where it belongs; None for a section."""
+    if key in ("requests", "limits"):
+        return None
+    if key == "claims":
+        return ("container resource claims (dynamic resource allocation) need the pod's spec.resourceClaims, which "
+                "podTemplate does not set; remove it")
+    if _RESOURCE_NAME.match(key):
+        return (f"{key} is a resource name, not a section of resources: put it under requests (and limits), "
+                f"e.g. resources: {{requests: {{{key}: ...}}, limits: {{{key}: ...}}}}")
+    close = difflib.get_close_matches(key.lower(), ["requests", "limits"], n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "resources takes requests and limits"
+    return f"unknown field; {hint}"
+
+
+def resources_errors(resources: dict[str, dict[str, str]], on_gpu: bool, gpus_per_node: int,
+                     path: str = RESOURCES_PATH) -> list[FieldError]:
+    """spec.podTemplate.resources as Kubernetes and the operator read it: only requests and limits, every value a
+    quantity, no GPU count other than the one the operator sets from gpusPerNode (rljob_operator.builders._resources),
+    no request above its limit."""
+    errs: list[FieldError] = []
+    parsed: dict[str, dict[str, Fraction]] = {}
+    for key, section in resources.items():
+        message = _resources_key_message(key)
+        if message is not None:
+            errs.append(FieldError(f"{path}.{key}", message))
+        for name, value in section.items():
+            where = f"{path}.{key}.{name}"
+            amount = parse_quantity(value)
+            if amount is None:
+                errs.append(FieldError(where, f"{value!r} is not a Kubernetes quantity (a number with an optional "
+                                       "suffix m, k, M, G, T, P, E or Ki, Mi, Gi, Ti, Pi, Ei); write "
+                                       f"{_quantity_hint(value)}"))
+            elif message is not None:  # the section itself is reported above
+                continue
+            elif amount < 0:
+                errs.append(FieldError(where, f"{value!r} is negative; a resource quantity must be 0 or more"))
+            elif name == GPU_RESOURCE and not on_gpu:
+                errs.append(FieldError(where, f"device cpu runs without GPUs and the operator drops {GPU_RESOURCE}; "
+                                       "remove it (or set device: gpu and gpusPerNode)"))
+            elif name == GPU_RESOURCE and amount != gpus_per_node:
+                fix = (f"set gpusPerNode: {amount} instead of a GPU {key[:-1]}" if amount.denominator == 1 and amount > 0
+                       else "remove it and set gpusPerNode")
+                errs.append(FieldError(where, f"the operator sets {GPU_RESOURCE} from spec.gpusPerNode "
+                                       f"({gpus_per_node}); {fix}"))
+            else:
+                parsed.setdefault(key, {})[name] = amount
+    for name, request in parsed.get("requests", {}).items():
+        limit = parsed.get("limits", {}).get(name)
+        if limit is not None and request > limit:
+            errs.append(FieldError(f"{path}.requests.{name}", (
+                f"{resources['requests'][name]} is more than limits.{name} {resources['limits'][name]}; "
+                "Kubernetes refuses a request above its limit: raise the limit or lower the request")))
+    return errs

@@ -44,7 +44,7 @@ def multinode_doc() -> dict[str, Any]:
     spec["metrics"] = {"port": 9500, "podMonitor": True}
     spec["runPolicy"] = {"backoffLimit": 5, "activeDeadlineSeconds": 86400, "ttlSecondsAfterFinished": 600}
     spec["podTemplate"] = {
-        "resources": {"requests": {"cpu": "32", "memory": "400Gi", "nvidia.com/gpu": "1"},
+        "resources": {"requests": {"cpu": "32", "memory": "400Gi", "nvidia.com/gpu": "8"},
                       "limits": {"memory": "500Gi"}},
         "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -157,6 +157,10 @@ def test_replicas_one_master_and_nnodes_minus_one_workers(nnodes: int, workers: 
 DEVICE_TABLE = [
     # device, gpusPerNode, user resources, expected container resources
     ("gpu", 8, {}, {"limits": {"nvidia.com/gpu": "8"}}),
+    ("gpu", 4, {"requests": {"cpu": "8", "nvidia.com/gpu": "4"}},
+     {"requests": {"cpu": "8", "nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}),
+    # validation refuses these two (a GPU count other than gpusPerNode, a GPU on device cpu); an RLJob stored
+    # before it did still gets gpusPerNode's count
     ("gpu", 4, {"requests": {"cpu": "8", "nvidia.com/gpu": "2"}},
      {"requests": {"cpu": "8", "nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}),
     ("cpu", 2, {}, None),
@@ -169,8 +173,9 @@ def test_gpu_resources_follow_device_and_gpus_per_node(device: str, gpus: int, u
     doc = load_example("quickstart.yaml")
     doc["spec"].update({"device": device, "gpusPerNode": gpus})
     doc["spec"]["training"].update({"trainBatchSizePerNode": 4, "ppoMiniBatchSizePerNode": 4, "microBatchSizePerGpu": 1})
-    doc["spec"]["podTemplate"] = {"resources": user}
-    ptj = builders.build_pytorchjob(job_from(doc), OperatorSettings())
+    job = job_from(doc)
+    job.spec.pod_template.resources = user  # after validation, as a stored object reaches the builder
+    ptj = builders.build_pytorchjob(job, OperatorSettings())
     container = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     assert container.get("resources") == expected
     assert ptj["spec"]["nprocPerNode"] == str(gpus)
