@@ -212,6 +212,30 @@ def test_validate_refuses_greedy_grpo_and_warns_on_greedy_ppo():
     assert code == 0 and "  warning: spec.rollout.temperature: 0 samples greedily" in out and "use 1.0" in out, out
 
 
+@pytest.mark.parametrize(("resources", "line"), [
+    ({"requets": {"cpu": "64"}}, "spec.podTemplate.resources.requets: unknown field; did you mean requests?"),
+    ({"cpu": "64"}, ("spec.podTemplate.resources.cpu: cpu is a resource name, not a section of resources: put it "
+                     "under requests (and limits)")),
+    ({"requests": {"memory": "800GB"}}, ("spec.podTemplate.resources.requests.memory: '800GB' is not a Kubernetes "
+                                         "quantity")),
+    ({"limits": {"nvidia.com/gpu": 4}}, ("spec.podTemplate.resources.limits.nvidia.com/gpu: the operator sets "
+                                         "nvidia.com/gpu from spec.gpusPerNode (8); set gpusPerNode: 4 instead of a "
+                                         "GPU limit")),
+    ({"requests": {"cpu": 64}, "limits": {"cpu": 32}}, ("spec.podTemplate.resources.requests.cpu: 64 is more than "
+                                                         "limits.cpu 32")),
+], ids=["section-typo", "quantity-under-resources", "bad-quantity", "gpu-count", "request-above-limit"])
+def test_validate_refuses_bad_pod_resources_in_one_line(tmp_path, resources, line):
+    """What the API server or the kubelet would refuse far from the user, or the operator would silently
+    override, is one line of `rljob validate` (exit 1); render refuses it too."""
+    path = write(tmp_path, "job.yaml", changed(gpu_job(), {"spec.podTemplate.resources": resources}))
+    code, out = rljob("validate", path)
+    assert code == 1 and f"INVALID {path}" in out, out
+    errors = [ln for ln in out.splitlines() if ln.startswith("  spec.")]
+    assert len(errors) == 1 and errors[0].startswith(f"  {line}"), out
+    code, out = rljob("render", path)
+    assert code == 1 and "kind: PyTorchJob" not in out, out
+
+
 def test_render_refuses_a_manifest_without_a_name(tmp_path):
     """The model's default name (rljob) is for objects the operator reads, which always have one; a manifest
     without one would render children named rljob-*."""
