@@ -26,7 +26,7 @@ def _value_of_map(node: dict[str, Any]) -> dict[str, Any] | None:
     return value if isinstance(value, dict) and value.get("properties") else None
 
 
-def _fields(node: dict[str, Any]) -> dict[str, Any]:
+def fields_of(node: dict[str, Any]) -> dict[str, Any]:
     """The fields under node: its own, its list items', or its map values'."""
     return (node.get("properties") or node.get("items", {}).get("properties")
             or (_value_of_map(node) or {}).get("properties") or {})
@@ -70,7 +70,7 @@ def lookup(path: str) -> dict[str, Any]:
 def explain(path: str) -> str:
     node = lookup(path)
     lines = [f"FIELD: {path} <{_type_of(node)}>", "", "DESCRIPTION:", f"  {node.get('description', '')}"]
-    props = _fields(node)
+    props = fields_of(node)
     if props:
         lines += ["", "FIELDS:"]
         required = set(node.get("required", []))

@@ -99,16 +99,13 @@ def _did_you_mean(parent: str, key: str) -> str | None:
     """The field of `parent` (a dotted path; "rlj" is the RLJob itself) that an unknown `key` most likely meant:
     its camelCase form, a case-insensitive match, else the closest name (difflib) unless that is only the start of
     the key (namespace is not name)."""
-    from rljob_api.crd import openapi_schema  # built only when a field is unknown
+    # here, not at the top: explain imports this module (and the schema is built only when a field is unknown)
+    from rljob_api.explain import fields_of, lookup
 
-    node = openapi_schema()
-    for part in parent.split(".")[1 if parent.split(".")[0] == "rlj" else 0:]:
-        node = node.get("items", node)
-        props = node.get("properties") or {}
-        node = props.get(part) or node.get("additionalProperties")  # a map key such as reward.bySource.<source>
-        if not isinstance(node, dict):
-            return None
-    fields = list(node.get("items", node).get("properties") or {})
+    try:
+        fields = list(fields_of(lookup(parent)))
+    except KeyError:  # a parent under a field that is itself unknown
+        return None
     wanted = camel_case(key)
     by_lower = {name.lower(): name for name in fields}
     found = wanted if wanted in fields else by_lower.get(key.lower()) or by_lower.get(wanted.lower())

@@ -230,7 +230,7 @@ class GRPOTrainer(RunLoop):
         """The most rows one generate call hands the engine: a step's prompts x samples, or the validation set x
         valN (sampled in one call). An upper bound where replicas share a call; vLLM captures graphs up to it."""
         r = self.spec.rollout
-        val = len(self.val_set.records) * r.val_n if getattr(self, "val_set", None) is not None else 0
+        val = len(self.val_set.records) * r.val_n if self.val_set is not None else 0
         return max(self.prompts_per_step * r.samples_per_prompt, val)
 
     @functools.cached_property
