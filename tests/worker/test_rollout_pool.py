@@ -261,9 +261,15 @@ def test_a_killed_async_run_resumes_from_its_last_commit_with_the_staleness_boun
     doc["spec"]["checkpoint"]["saveFreq"] = 4
     proc, work = launch(doc, tmp_path)
     wait_for_step(proc, work, 6)
+    # step 4's commit lands in the background; under load it can trail the training by more than two steps, so the
+    # kill waits for it (the premise: a commit exists to resume from), then the run is past it and mid-flight
+    commit = tmp_path / "ckpt" / "default" / f"pool-killed-{int(refilling)}" / "step_000004" / "COMMIT"
+    deadline = time.monotonic() + 120
+    while not commit.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     proc.kill()
     proc.communicate()
-    assert (tmp_path / "ckpt" / "default" / f"pool-killed-{int(refilling)}" / "step_000004" / "COMMIT").exists()
+    assert commit.exists()
     proc, work = launch(doc, tmp_path)
     out = finish(proc, work)
     assert "resumed from step" in out, out[-3000:]
