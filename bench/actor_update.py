@@ -67,6 +67,9 @@ SHAPES = {
     # per-layer MFU is that of the 7B model (the matmul shapes are the same)
     "7b-half": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 14, "num_attention_heads": 28,
                 "num_key_value_heads": 4, "tie_word_embeddings": False},
+    # all 28 layers: fits one GPU only with its weights frozen (spec.lora: bench/warm_start.py --model 7b --lora 32)
+    "7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "tie_word_embeddings": False},
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2},  # CPU smoke test only
 }

@@ -32,7 +32,10 @@ together, so that work moved from the first step into start-up is still counted.
 First-step / warm-step ratios go to results.jsonl; warm = the median of the later steps that ran the compiled
 decode step (``rollout/decode_compiled``), so a pod still compiling is compared with what it will run at.
 
-    python bench/warm_start.py [--model 0.5b] [--steps 12] [--pods cold,restored,nocompile,coldstep]
+    python bench/warm_start.py [--model 0.5b] [--steps 12] [--pods cold,restored,nocompile,coldstep] [--lora RANK]
+
+``--model 7b --lora 32``: all 28 layers of Qwen2.5-7B's shape on one GPU, its weights frozen (full fine-tuning's
+optimizer state does not fit one GPU; ``7b-half`` is the full fine-tuning stand-in at half the layers).
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--pods", default="cold,restored,nocompile,coldstep")
     ap.add_argument("--timeout-each", type=float, default=420)
+    ap.add_argument("--lora", type=int, default=0, help="spec.lora rank (alpha the same); 0: full fine-tuning")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: 2 prompts x 2, 8 tokens")
     a = ap.parse_args()
 
@@ -81,6 +85,9 @@ def main() -> int:
         spec["device"] = "cpu"
     spec["checkpoint"] = {"uri": f"file://{root}/store", "saveFreq": 0, "exportHf": False}
     spec["rollout"]["compile"] = "enabled"
+    if a.lora:  # the base frozen: a whole 7B model trains on one GPU
+        spec["lora"] = {"rank": a.lora, "alpha": a.lora}
+        spec["training"]["lr"] = 1e-5  # LoRA's range (validation warns below it)
     doc = {"apiVersion": "rljob.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "warmstart"}, "spec": spec}
     job = root / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
@@ -89,7 +96,7 @@ def main() -> int:
 
     import results as bench_results
 
-    shape = (f"{a.model} random init, GRPO 32 prompts x 8, 128 + 256 tokens, bf16, static engine with the decode "
+    shape = (f"{a.model}{f' LoRA rank {a.lora}' if a.lora else ''} random init, GRPO 32 prompts x 8, 128 + 256 tokens, bf16, static engine with the decode "
              f"step compiled, one `rljob run` per pod, {a.steps} steps; warm = median of the "
              "later steps with the compiled decode step")
     rows = {}
@@ -175,7 +182,7 @@ def main() -> int:
     sizes = [p.stat().st_size / 2**20 for p in archives]
     print(f"archives: {[p.name for p in archives]} {[round(s, 1) for s in sizes]} MiB", flush=True)
     (Path(os.environ.get("OUT", ".")) / "warm_start.json").write_text(json.dumps(
-        {"card": card, "model": a.model, "rows": rows, "archive_mib": sizes}, indent=1))
+        {"card": card, "model": a.model, "lora": a.lora, "rows": rows, "archive_mib": sizes}, indent=1))
     return 0
 
 
