@@ -32,8 +32,9 @@ Kueue
 
 Other rules
     - Invalid spec: `Accepted=False, reason InvalidSpec`, the message lists every field with the
-      fix, a Warning event, and nothing is created (existing children of an earlier valid spec are
-      left alone). No exception: an invalid spec is not retried, it waits for an edit.
+      fix, a Warning event, and nothing is created (existing children of an earlier valid spec keep
+      it; only `suspend: true` reaches them, since stopping is always safe, while a resume waits for a
+      valid spec). No exception: an invalid spec is not retried, it waits for an edit.
     - A PyTorchJob that disappears before the job finished is recreated (the worker resumes from
       the last checkpoint); after Succeeded/Failed it is not.
     - A child with our name that this RLJob does not own is never touched: the plan waits for it.
@@ -312,8 +313,21 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     replacing = False  # deleting the PyTorchJob on purpose (a spec edit while suspended)
 
     if job is None:
-        accepted = (c.FALSE, c.REASON_INVALID_SPEC,
-                    _clip("The spec is invalid, so nothing was created: " + "; ".join(errors)))
+        live = ptj is not None and not finished_before and phase not in (PHASE_DELETING, PHASE_SUCCEEDED,
+                                                                          PHASE_FAILED)
+        if ptj is None:
+            lead = "The spec is invalid, so nothing was created: "
+        elif live:
+            lead = (f"The spec is invalid, so {child_label} keeps the last accepted spec (only spec.suspend: true "
+                    "is applied) until it is fixed: ")
+        else:
+            lead = "The spec is invalid: "
+        accepted = (c.FALSE, c.REASON_INVALID_SPEC, _clip(lead + "; ".join(errors)))
+        # Stopping is always safe: spec.suspend (a boolean the CRD schema checks) still suspends a live
+        # child whose RLJob became invalid (an edit, or an operator upgrade with stricter validation).
+        # Resuming waits for a valid spec.
+        if live and suspend_requested and not child_suspended(ptj):
+            patches.append(Patch(ChildRef.of(ptj), _suspend_patch(ptj, True)))
     else:
         desired_hash = builders.spec_hash(job)
         finished = finished_before or phase in (PHASE_SUCCEEDED, PHASE_FAILED)
@@ -635,6 +649,8 @@ def _running_condition(phase: str, ptj_name: str, child_msg: str, succeeded: boo
         return c.FALSE, c.REASON_RESTARTING, child_msg or f"{ptj_name} is restarting failed pods."
     if suspend and phase in (PHASE_SUSPENDED, PHASE_PENDING, PHASE_ABSENT, PHASE_DELETING):
         return c.FALSE, c.REASON_JOB_SUSPENDED, "The job is suspended (spec.suspend is true)."
+    if invalid and queue is None and phase == PHASE_SUSPENDED:
+        return c.FALSE, c.REASON_JOB_SUSPENDED, "The job stays suspended while the spec is invalid (see Accepted)."
     if queue is not None and phase in (PHASE_SUSPENDED, PHASE_PENDING, PHASE_ABSENT):
         return (c.FALSE, c.REASON_QUEUED,
                 (f"{ptj_name} waits for Kueue to admit it from LocalQueue {queue} (after a preemption, "
@@ -660,11 +676,14 @@ def _suspended_condition(phase: str, ptj: Mapping[str, Any] | None, suspend: boo
     was = c.get_condition(old_conds, c.SUSPENDED)
     if finished:
         return c.FALSE, c.REASON_NOT_SUSPENDED, "The job has finished."
-    if suspend and not invalid:
+    if suspend and not (invalid and ptj is None):
         never_started = phase == PHASE_PENDING and child_suspended(ptj)
         if phase in (PHASE_SUSPENDED, PHASE_ABSENT, PHASE_DELETING) or never_started:
             return c.TRUE, c.REASON_SUSPENDED, "spec.suspend is true: the pods are gone; set it false to resume."
         return c.FALSE, c.REASON_SUSPENDING, f"Waiting for {ptj_name} to stop its pods."
+    if invalid and ptj is not None and child_suspended(ptj) and builders.queue_name(ptj) is None:
+        return (c.TRUE, c.REASON_SUSPENDED,
+                "spec.suspend is false, but the spec is invalid (see Accepted): the job stays suspended until it is fixed.")
     if was is not None and (was.get("status") == c.TRUE or was.get("reason") == c.REASON_RESUMED):
         return c.FALSE, c.REASON_RESUMED, "The job was resumed; training continues from the last checkpoint."
     return c.FALSE, c.REASON_NOT_SUSPENDED, "The job is not suspended."

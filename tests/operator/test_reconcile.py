@@ -156,6 +156,47 @@ def test_fixing_an_invalid_spec_accepts_it_and_creates() -> None:
     assert any(cr.body["kind"] == "PyTorchJob" for cr in plan.create)
 
 
+def test_a_running_job_whose_spec_turned_invalid_still_suspends_and_does_not_resume() -> None:
+    """An invalid edit (or an operator upgrade with stricter rules) leaves the running child on its last
+    accepted spec; spec.suspend: true still stops it, and suspend: false does not restart it until the
+    spec is fixed. The conditions say so instead of 'nothing was created' and 'not suspended'."""
+    body = step(stored(), reconcile(stored(), Observed(now=T0), SETTINGS))
+    cm = cm_of(body)
+    running = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    body = step(body, reconcile(body, Observed(now=T0, pytorchjob=running, configmap=cm), SETTINGS))
+    bad = stored(generation=2, status=body["status"], suspend=True, megatron__tensorModelParallelSize=3)
+    plan = reconcile(bad, Observed(now=T1, pytorchjob=running, configmap=cm), SETTINGS)
+    assert [(p.ref.name, p.body) for p in plan.patch] == [("quickstart", {"spec": {"runPolicy": {"suspend": True}}})]
+    assert plan.create == () and plan.delete == ()
+    accepted = cond(plan, c.ACCEPTED)
+    assert accepted["reason"] == c.REASON_INVALID_SPEC and "spec.megatron.tensorModelParallelSize" in accepted["message"]
+    assert "nothing was created" not in accepted["message"] and "PyTorchJob quickstart" in accepted["message"]
+    assert summary(plan)[c.SUSPENDED] == ("False", c.REASON_SUSPENDING)
+    # The training-operator stopped the pods: Suspended.
+    stopped = ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True)  # built from the valid spec
+    body = step(bad, plan)
+    plan = reconcile(body, Observed(now=T1, pytorchjob=stopped, configmap=cm), SETTINGS)
+    assert plan.patch == ()
+    body = step(body, plan)
+    assert (cond(body["status"], c.SUSPENDED)["status"], cond(body["status"], c.SUSPENDED)["reason"]) == (
+        "True", c.REASON_SUSPENDED)
+    # Resuming with the spec still invalid: the child stays suspended, and no condition claims a resume.
+    resumed = stored(generation=3, status=body["status"], megatron__tensorModelParallelSize=3)
+    plan = reconcile(resumed, Observed(now=T2, pytorchjob=stopped, configmap=cm), SETTINGS)
+    assert plan.patch == () and plan.create == () and plan.delete == ()
+    after = step(resumed, plan)["status"]
+    assert (cond(after, c.SUSPENDED)["status"], cond(after, c.SUSPENDED)["reason"]) == ("True", c.REASON_SUSPENDED)
+    assert "invalid" in cond(after, c.SUSPENDED)["message"]
+    assert cond(after, c.RUNNING)["reason"] == c.REASON_JOB_SUSPENDED
+    assert c.REASON_RESUMED not in [e.reason for e in plan.events]
+    assert_valid_status(after)
+    # Fixed: the job resumes.
+    fixed = stored(generation=4, status=after)
+    plan = reconcile(fixed, Observed(now=T2, pytorchjob=stopped, configmap=cm), SETTINGS)
+    assert [p.body for p in plan.patch] == [{"spec": {"runPolicy": {"suspend": False}}}]
+    assert summary(plan)[c.ACCEPTED] == ("True", c.REASON_SPEC_ACCEPTED)
+
+
 # ---------------------------------------------------------------------------- mirroring the PyTorchJob
 
 PTJ_TABLE = [
