@@ -60,6 +60,15 @@ PLURALS: dict[tuple[str, str], str] = {
     (API_VERSION, KIND): PLURAL,
 }
 RETRY_DELAYS = (0.2, 0.5, 1.0)  # in-call retries of transient failures, before the cycle gives up
+# What to do when a create is answered 404 because the kind's API is not served (its CRD is not installed).
+# The cycle is retried with backoff, so the job starts by itself once the CRD is there.
+NOT_SERVED_FIX = {
+    builders.PYTORCHJOB_KIND: ("install the Kubeflow training-operator (CRD pytorchjobs.kubeflow.org), or set "
+                               "spec.childKind: JobSet"),
+    builders.JOBSET_KIND: "install JobSet v1alpha2 (CRD jobsets.jobset.x-k8s.io), or remove spec.childKind (PyTorchJob)",
+    "PodMonitor": ("install the Prometheus Operator's CRDs (podmonitors.monitoring.coreos.com), or set "
+                   "spec.metrics.podMonitor: false"),
+}
 
 
 class ApiError(Exception):
@@ -202,9 +211,14 @@ class KubeApi:
         status, payload = await self._request(
             "create", "POST", path_for(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj,
             content_type="application/json")
-        if status == 404:  # the namespace (or the resource kind) is gone
-            raise ApiError("create", f"{obj['kind']} {meta['name']}", status, "NotFound",
-                           (payload or {}).get("message", ""))
+        if status == 404:  # the namespace is gone, or the kind's API is not served
+            error = ApiError("create", f"{obj['kind']} {meta['name']}", status, "NotFound",
+                             (payload or {}).get("message", ""))
+            if not error.namespace_gone:
+                fix = NOT_SERVED_FIX.get(obj["kind"], f"install the CRD that serves {obj['kind']}")
+                error = ApiError("create", f"{obj['kind']} {meta['name']}", status, "NotFound",
+                                 f"{obj['apiVersion']} {obj['kind']} is not served by this cluster: {fix}")
+            raise error
         return status != 409
 
     async def patch(self, ref: ChildRef, body: Mapping[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
