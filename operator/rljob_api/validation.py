@@ -524,6 +524,7 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.data.trainFiles", "give training parquet files or a synthetic task (data.synthetic)"))
     if spec.data.train_files and spec.data.synthetic is not None:
         errs.append(FieldError("spec.data.synthetic", "set either trainFiles or synthetic, not both"))
+    errs.extend(synthetic_errors(spec))
     for field, uris in (("trainFiles", spec.data.train_files), ("valFiles", spec.data.val_files)):
         for i, uri in enumerate(uris):
             if not _is_storage_uri(uri):
@@ -546,6 +547,12 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError(
             "spec.algorithm.klEstimator",
             "low_var_kl is a loss-side estimator; with klPlacement reward use k1 (or set klPlacement: loss)"))
+    ob = a.overlong_buffer
+    if not sft and ob.enable and ob.length > spec.data.max_response_length:
+        errs.append(FieldError(
+            "spec.algorithm.overlongBuffer.length",
+            f"{ob.length} is longer than data.maxResponseLength={spec.data.max_response_length}: the penalty zone is "
+            f"the last `length` tokens before maxResponseLength; set it to at most {spec.data.max_response_length}"))
     if not sft and a.importance_level.value == "sequence" and a.loss_aggregation.value != "seq-mean-token-mean":
         errs.append(FieldError(
             "spec.algorithm.lossAggregation",
@@ -577,6 +584,29 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     # Last, one message per field: a size that does not divide the GPUs (TP 3 on 8) is told that first.
     reported = {e.path for e in errs}
     errs.extend(e for e in builtin_model_errors(spec) if e.path not in reported)
+    return errs
+
+
+def synthetic_errors(spec: RLJobSpec) -> list[FieldError]:
+    """data.synthetic's generated rows as the worker reads them at start-up: columns prompt (and response, for
+    sft), and at least one training batch of them (its sampler refuses fewer: data/prompts.EpochSampler). Pure."""
+    syn, d, errs = spec.data.synthetic, spec.data, []
+    if syn is None:
+        return errs
+    sft = spec.algorithm.name == AlgorithmName.SFT
+    batch = spec.training.train_batch_size_per_node * spec.nnodes
+    if syn.num_prompts < batch:
+        rows = "sequences" if sft else "prompts"
+        errs.append(FieldError("spec.data.synthetic.numPrompts", (
+            f"{syn.num_prompts} is fewer than one training batch of {batch} {rows} (training.trainBatchSizePerNode "
+            f"{spec.training.train_batch_size_per_node} x nnodes {spec.nnodes}); raise it to at least {batch} or "
+            "lower trainBatchSizePerNode")))
+    if d.prompt_key != "prompt":
+        errs.append(FieldError("spec.data.promptKey", f"{d.prompt_key!r}: data.synthetic writes the prompt under "
+                               "'prompt'; remove promptKey (or give trainFiles with that column)"))
+    if sft and spec.sft is not None and spec.sft.response_key != "response":
+        errs.append(FieldError("spec.sft.responseKey", f"{spec.sft.response_key!r}: data.synthetic writes the "
+                               "response under 'response'; remove responseKey (or give trainFiles with that column)"))
     return errs
 
 
