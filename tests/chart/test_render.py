@@ -357,6 +357,25 @@ def test_watch_mode_args(helm_bin: str) -> None:
     assert not namespaced.all_namespaces and namespaced.namespaces == ["team-a", "team-b"]
 
 
+def test_namespaced_installs_in_two_namespaces_claim_different_cluster_scoped_objects(helm_bin: str) -> None:
+    """One operator per team: the same release name installed in two namespaces, each serving its own
+    (the second leaves the CRD to the first). Helm refuses an object another release owns, so no
+    cluster-scoped name may repeat."""
+    from chart_support import helm
+
+    def cluster_scoped(namespace: str, *sets: str) -> set[tuple[str, str]]:
+        args = ["template", "rljob", str(CHART), "--namespace", namespace, "--set", f"watchNamespaces[0]={namespace}"]
+        for value in sets:
+            args += ["--set", value]
+        docs = [d for d in yaml.safe_load_all(helm(helm_bin, *args).stdout) if d]
+        return {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in CLUSTER_SCOPED}
+
+    first = cluster_scoped("team-a")
+    second = cluster_scoped("team-b", "crds.install=false")
+    assert {kind for kind, _ in first} >= {"ClusterRole", "ClusterRoleBinding"}
+    assert first & second == set()
+
+
 # ---------------------------------------------------------------------------- NOTES.txt
 
 

@@ -39,6 +39,13 @@ def test_unknown_values_are_rejected(helm_bin: str, bad: str) -> None:
     "watchNamespaces[0]=rl-*",
     "image.pullPolicy=Sometimes",
     "metrics.serviceMonitor.interval=30",
+    # names and addresses Kubernetes or the operator would refuse only after the install
+    "fullnameOverride=My_Operator",
+    "nameOverride=RLJob",
+    "serviceAccount.name=Ops Bot",
+    "priorityClassName=High_Priority",
+    "metrics.bindAddress=localhost",
+    "metrics.bindAddress=0.0.0.300",
 ])
 def test_wrong_types_and_values_are_rejected(helm_bin: str, bad: str) -> None:
     err = _template_fails(helm_bin, bad)
@@ -48,6 +55,17 @@ def test_wrong_types_and_values_are_rejected(helm_bin: str, bad: str) -> None:
 def test_good_overrides_are_accepted(helm_bin: str) -> None:
     helm(helm_bin, *template_args(set_values=["watchNamespaces[0]=team-a", "metrics.port=9100",
                                               "operator.logLevel=debug", "global.foo=bar"]))
+    for address in ("127.0.0.1", "::", "::1", "fd00::10"):
+        helm(helm_bin, *template_args(set_values=[f"metrics.bindAddress={address}"]))
+    helm(helm_bin, *template_args(set_values=["fullnameOverride=rl-ops", "serviceAccount.name=rl.ops-bot",
+                                              "priorityClassName=system-cluster-critical"]))
+
+
+def test_metrics_and_health_ports_must_differ(helm_bin: str) -> None:
+    """kopf's /healthz and the operator's /metrics on one port: one of them could not bind."""
+    err = _template_fails(helm_bin, "metrics.port=8081")
+    assert "metrics.port and operator.healthPort" in err, err
+    helm(helm_bin, *template_args(set_values=["metrics.port=8081", "metrics.enabled=false"]))
 
 
 def _schema_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
