@@ -9,9 +9,11 @@ script, in their own process):
 Both record what they saw (request ids, sample ids, headers, the largest number of requests in
 flight) and misbehave on demand: ``faults`` is a list consumed one per request (``"500"``,
 ``"429"``, ``"drop"`` (close the connection without an answer), ``("slow", seconds)``, ``"count"``
-(one score too few), ``"nan-string"`` (a non-number), ``"no-score"`` (a judge reply without a
-score), ``None`` (answer normally)); :meth:`Server.outage` closes the port for a while (connections
-refused) and reopens it.
+(one score too few), ``"nan-string"`` (a non-number), ``"huge-int"`` (an integer no float holds),
+``"deep-json"`` (JSON nested deeper than a parser goes), ``("drip", seconds)`` (the whole answer, status
+line first, one byte every `seconds`: no single read waits long, the answer takes long), ``"no-score"``
+(a judge reply without a score), ``None`` (answer normally)); :meth:`Server.outage` closes the port for a
+while (connections refused) and reopens it.
 
     python tests/worker/reward_servers.py verifier PORTFILE   # serves target-token until killed
 """
@@ -32,6 +34,13 @@ def target_token(sample: dict) -> float:
     """The quickstart's reward, as a verifier team would write it: fraction of positions holding the target."""
     max_len = int(sample["extra_info"].get("max_response_length") or max(len(sample["completion"]), 1))
     return sum(ch == sample["ground_truth"] for ch in sample["completion"][:max_len]) / max_len
+
+
+def dripped_response(body: dict) -> bytes:
+    """The bytes of a ``("drip", seconds)`` answer."""
+    data = json.dumps(body).encode()
+    return (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n").encode() + data
 
 
 class _Quiet(ThreadingHTTPServer):
@@ -130,6 +139,19 @@ class Server:
         handler.end_headers()
         handler.wfile.write(data)
 
+    def _drip(self, handler, body: dict, seconds: float) -> None:
+        """Answer 200 with `body`, every byte of the response (status line and headers too) on its own after
+        `seconds`; stops when the client has gone."""
+        raw = dripped_response(body)
+        self._leave(handler)
+        handler.close_connection = True
+        try:
+            for i in range(len(raw)):
+                time.sleep(seconds)
+                handler.connection.sendall(raw[i:i + 1])
+        except OSError:  # the client cut the connection
+            pass
+
     def _read(self, handler) -> dict:
         length = int(handler.headers.get("Content-Length", 0))
         return json.loads(handler.rfile.read(length) or b"{}")
@@ -185,13 +207,23 @@ class Verifier(Server):
                 scores = scores[:-1]
             elif fault == "nan-string":
                 scores = ["NaN"] + scores[1:]
-            self._record(handler, fault or "ok")
+            elif fault == "deep-json":
+                self._record(handler, fault)
+                self._send(handler, 200, '{"scores": ' + "[" * 100_000 + "]" * 100_000 + "}")
+                return
+            self._record(handler, str(fault or "ok"))
             with self.lock:
                 if samples:
                     self.batch_sizes.append(len(samples))
                 if fault is None:
                     self.scored.update(s["id"] for s in samples)
-            self._send(handler, 200, {"scores": scores})
+            if fault == "huge-int":
+                self._send(handler, 200, json.dumps({"scores": scores[1:]})
+                           .replace('{"scores": [', '{"scores": [1' + "0" * 400 + (", " if scores[1:] else ""), 1))
+            elif isinstance(fault, tuple) and fault[0] == "drip":
+                self._drip(handler, {"scores": scores}, fault[1])
+            else:
+                self._send(handler, 200, {"scores": scores})
         finally:
             self._leave(handler)
 

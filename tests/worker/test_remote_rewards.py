@@ -18,7 +18,7 @@ from rljob_worker.rewards import DEFAULT_ROUTE, RewardError, RewardRouter
 from rljob_worker.rewards.remote import parse_judge_score, render_template
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reward_servers import Judge, Verifier, target_token
+from reward_servers import Judge, Verifier, dripped_response, target_token
 
 SECRET = "sk-test-5f1c0a9e77d2"
 
@@ -90,7 +90,7 @@ def test_rate_limit_spaces_request_starts(verifier):
     r.close()
 
 
-FAULTS = ["500", "429", "drop", "count", "nan-string", ("slow", 4.0)]
+FAULTS = ["500", "429", "drop", "count", "nan-string", "huge-int", "deep-json", ("slow", 4.0)]
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[str(f) for f in FAULTS])
@@ -107,6 +107,24 @@ def test_every_fault_is_retried_and_each_sample_scored_once(verifier, fault):
     counts = out.routes[DEFAULT_ROUTE]
     assert (counts.retries, counts.failures, counts.requests) == (2, 0, 5)
     r.close()
+
+
+def test_a_dripped_answer_is_cut_at_timeout_seconds(verifier):
+    """An answer that comes a byte at a time never lets one read time out; timeoutSeconds still bounds the
+    request: it is cut there and retried, so a misbehaving endpoint costs a retry, never a step forever."""
+    limit, every = 1.0, 0.02  # a read waits ~20 ms, far below the limit, whatever the load
+    verifier.faults = [("drip", every)]
+    batch = samples(16)
+    r = router({"url": verifier.url, "batchSize": 16, "concurrency": 1, "retries": 1, "timeoutSeconds": limit})
+    start = time.monotonic()
+    out = score(r, batch)
+    elapsed = time.monotonic() - start
+    r.close()
+    assert out.scores == expected(batch)
+    counts = out.routes[DEFAULT_ROUTE]
+    assert (counts.requests, counts.retries, counts.failures) == (2, 1, 0)  # the dripped answer was not taken
+    # the drip alone takes its ~200 bytes x 20 ms (~4 s); it was cut at the 1 s limit, then answered at once
+    assert elapsed < len(dripped_response({"scores": out.scores})) * every
 
 
 def test_an_outage_is_ridden_out(verifier):

@@ -5,7 +5,8 @@ One :class:`RemoteScorer` per endpoint. :meth:`RemoteScorer.score` sends the sam
 (``batchSize`` samples each for http-json, one per sample for openai-chat), at most ``concurrency`` in
 flight and ``rateLimit`` started per second, retries a failed request ``retries`` times with
 exponential backoff, and returns one score per sample in order, None for a sample whose request
-failed every try (the trainer applies ``onFailure``). Standard library only (urllib, threads).
+failed every try (the trainer applies ``onFailure``). ``timeoutSeconds`` bounds each request whole, an
+answer that trickles in included. Standard library only (urllib, threads).
 
 Wire format (http-json)::
 
@@ -20,11 +21,13 @@ Header values from the Secret live only in this object and in request headers: e
 """
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import math
 import os
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -33,6 +36,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Self
 
 from rljob_api.enums import JudgeScoreRule, RemoteProtocol
 
@@ -110,6 +114,91 @@ class RateLimiter:
             self._next = slot + self.interval
         if slot > now:
             time.sleep(slot - now)
+
+
+def _is_score(value) -> bool:
+    """A finite JSON number (not a bool; an integer too large for a float is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+class _Deadline:
+    """One request's time limit over all of it. The socket timeout bounds each connect and each read, but an
+    answer dripped in a byte at a time never lets a read time out: at `limit` seconds the watchdog shuts the
+    request's sockets down, which ends the blocked read, and :attr:`expired` tells why it ended."""
+
+    _current = threading.local()
+
+    def __init__(self, limit: float):
+        self.expired = False
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._timer = threading.Timer(limit, self._cut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> Self:
+        _Deadline._current.value = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+        self._timer.join()
+        _Deadline._current.value = None
+
+    @classmethod
+    def connected(cls, sock: socket.socket) -> None:
+        """The current thread's request opened `sock`: watch it, or cut it now if the time is up. (urllib hands
+        the socket to the response and drops it from the connection, so the socket itself is kept.)"""
+        deadline = getattr(cls._current, "value", None)
+        if deadline is not None:
+            with deadline._lock:
+                deadline._sockets.append(sock)
+                if deadline.expired:
+                    _shutdown(sock)
+
+    def _cut(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shutdown(sock)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:  # the plain socket's shutdown, also under TLS: the reading thread sees the connection end
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    def connect(self):
+        super().connect()
+        _Deadline.connected(self.sock)
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    def connect(self):
+        super().connect()
+        _Deadline.connected(self.sock)
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req):
+        return self.do_open(_HTTPConnection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req):
+        extra = {"check_hostname": self._check_hostname} if getattr(self, "_check_hostname", None) is not None else {}
+        return self.do_open(_HTTPSConnection, req, context=self._context, **extra)
+
+
+_OPENER = urllib.request.build_opener(_HTTPHandler, _HTTPSHandler)
 
 
 def parse_judge_score(reply: str, rule: JudgeScoreRule) -> float | None:
@@ -252,10 +341,9 @@ class RemoteScorer:
             if not isinstance(scores, list) or len(scores) != len(chunk):
                 got = f"{len(scores)} scores" if isinstance(scores, list) else f"scores {str(scores)[:40]!r}"
                 raise _Retryable(f"malformed answer: {got} for {len(chunk)} samples")
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in scores):
-                bad = next(v for v in scores if not (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                     and math.isfinite(v)))
-                raise _Retryable(f"malformed answer: score {str(bad)[:40]!r} is not a finite number")
+            bad = [v for v in scores if not _is_score(v)]
+            if bad:
+                raise _Retryable(f"malformed answer: score {str(bad[0])[:40]!r} is not a finite number")
             return [float(v) for v in scores]
         (sample,) = chunk
         judge = self.spec.judge
@@ -279,7 +367,7 @@ class RemoteScorer:
         raw = self._request(url, json.dumps(body).encode(), request_id, counts)
         try:
             answer = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             raise _Retryable(f"malformed answer: not JSON ({raw[:60]!r})") from None
         if not isinstance(answer, dict):
             raise _Retryable("malformed answer: not a JSON object")
@@ -290,8 +378,20 @@ class RemoteScorer:
         request = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET",
                                          headers={**self._headers, "X-Request-Id": request_id})
         counts.add(requests=1)
+        limit = self.spec.timeout_seconds
+        with _Deadline(limit) as deadline:
+            try:
+                raw = self._open(request, limit)
+            except _Retryable:
+                if not deadline.expired:
+                    raise
+        if deadline.expired:  # what came before the cut (a close-delimited body reads as complete) is not the answer
+            raise _Retryable(f"no whole answer within timeoutSeconds={limit:g} s")
+        return raw
+
+    def _open(self, request: urllib.request.Request, limit: float) -> bytes:
         try:
-            with urllib.request.urlopen(request, timeout=self.spec.timeout_seconds) as response:
+            with _OPENER.open(request, timeout=limit) as response:
                 return response.read()
         except urllib.error.HTTPError as exc:
             text = exc.read()[:200].decode("utf-8", "replace") if exc.fp is not None else ""
