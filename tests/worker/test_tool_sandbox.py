@@ -4,8 +4,11 @@ Real subprocesses (the python sandbox), real threads (function tools), a real Pr
 small so each case ends in about a second."""
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -110,6 +113,45 @@ def test_tool_box_outcomes_for_every_bad_tool(tool_module):
     assert results[3].output == '{"sum": 3}' and results[4].output == "42\n"
     assert len(results[5].output) <= 64 * 8
     box.close()
+
+
+@pytest.fixture
+def stuck_tool(tmp_path, monkeypatch):
+    """A function tool stuck until the test lets it go (a client without a timeout on a dead service)."""
+    (tmp_path / "stuck_tools.py").write_text(textwrap.dedent("""
+        import threading
+        RELEASE = threading.Event()
+        def stuck(arguments, context):
+            RELEASE.wait(60)
+            return "late"
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("stuck_tools")
+    yield "stuck_tools:stuck"
+    module.RELEASE.set()
+    sys.modules.pop("stuck_tools", None)
+
+
+def test_sandbox_and_bad_calls_never_wait_behind_hung_function_calls(stuck_tool):
+    """Every thread of the function pool held by a hung call: the python call, an unknown tool and a call that
+    did not parse in the same batch still get their answers, within the hung calls' limit plus the sandbox's."""
+    limit, wall = 0.5, 5.0
+    box = ToolBox([ToolConfig("search", function=stuck_tool, timeout_seconds=limit),
+                   ToolConfig("python", builtin="python", timeout_seconds=wall)], max_workers=2)
+    calls = [ToolCall("search", {}), ToolCall("search", {}), ToolCall("python", {"code": "print(6 * 7)"}),
+             ToolCall("nope", {}), ToolCall(None, error="not valid JSON")]
+    results: list = []
+    runner = threading.Thread(target=lambda: results.extend(box.call_all([(c, {}) for c in calls])), daemon=True)
+    runner.start()
+    # each hung call is given up at its limit (one after the other at worst), the sandbox ends by its wall limit
+    runner.join(timeout=len(calls) * limit + wall)
+    stuck = runner.is_alive()
+    sys.modules["stuck_tools"].RELEASE.set()
+    runner.join(timeout=60)
+    box.close()
+    assert not stuck, "call_all waited for ever behind the hung function calls"
+    assert [r.outcome for r in results] == ["timeout", "timeout", "ok", "unknown_tool", "invalid_call"]
+    assert results[2].output == "42\n"
 
 
 def test_outcomes_are_counted_in_rljob_tool_calls_total():

@@ -9,7 +9,9 @@
   the box's threads away. One long-lived pool, not a thread per call: a call costs microseconds, not a thread
   start.
 - ``builtin: python``: model-written code, run by :mod:`.sandbox` in a fresh subprocess with limits; the call's
-  arguments are ``{"code": "..."}``.
+  arguments are ``{"code": "..."}``. These calls have a pool of their own: every one ends by its wall limit,
+  and none waits behind function calls that hang.
+- a call that cannot run (not parsed, no such tool) is answered at once, in the calling thread.
 
 Each call ends in one outcome (OUTCOMES), counted per tool in ``rljob_tool_calls_total{tool,outcome}``.
 """
@@ -19,7 +21,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -69,6 +71,8 @@ class ToolBox:
         self.truncate = truncate or (lambda text, n: text)
         self.max_workers = max_workers
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rljob-tool")
+        # Sandbox calls apart: behind hung function calls (the pool above) they would wait for ever.
+        self.sandbox_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rljob-sandbox")
 
     def call_all(self, calls: list[tuple[ToolCall, dict]]) -> list[ToolResult]:
         """Run (call, context) pairs concurrently; results in the same order."""
@@ -79,8 +83,10 @@ class ToolBox:
                 started = threading.Event()
                 pending.append((call, tool, started, time.monotonic(),
                                 self.pool.submit(self._run_function, tool, call.arguments, context, started)))
-            else:
-                pending.append((call, None, None, None, self.pool.submit(self.call, call, context)))
+            elif tool is not None:
+                pending.append((call, None, None, None, self.sandbox_pool.submit(self.call, call, context)))
+            else:  # not parsed, or no such tool: the answer needs no thread
+                pending.append((call, None, None, None, _done(self.call(call, context))))
         return [future.result() if tool is None else self._function_result(call, tool, started, queued, future)
                 for call, tool, started, queued, future in pending]
 
@@ -144,6 +150,13 @@ class ToolBox:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sandbox_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _done(result: ToolResult) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
 
 
 def _function_output(tool: ToolConfig, value) -> tuple[str, str]:
