@@ -13,7 +13,8 @@ Immutability policy (README text)
     - Changed while NOT suspended: the change is rejected. `Accepted=False, reason
       SpecChangeRejected`, a Warning event naming the changed fields; the running PyTorchJob and
       its ConfigMap are left exactly as they are. Reverting the edit clears the condition.
-    - Changed while `spec.suspend: true`: the change is applied. The PyTorchJob is deleted (its pods
+    - Changed while `spec.suspend: true`, or while the child is still suspended (an apply that edits
+      the spec and sets `suspend: false` at once): the change is applied. The PyTorchJob is deleted (its pods
       get SIGTERM and save a checkpoint in the grace period), the ConfigMap is rewritten, and a new
       suspended PyTorchJob is created from the new spec; `suspend: false` then starts it and
       training resumes from the last committed checkpoint (`checkpoint.resumeMode: auto`).
@@ -362,18 +363,23 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
                 accepted = (c.FALSE, c.REASON_SPEC_CHANGE_REJECTED,
                             (f"{what} changed after the job finished; a finished RLJob does not run again, "
                             "so create a new RLJob to train with the new spec."))
-            elif job.spec.suspend:
+            elif job.spec.suspend or _stopped(phase, ptj):
+                # Suspended now, or the child still is: the edit that resumes the job (suspend: false in the
+                # same apply) is applied too, and the new child starts at once.
+                starts = "it starts on resume" if job.spec.suspend else "it starts now"
                 deletes.append(Delete(ChildRef.of(ptj), Event(
                     "Normal", c.EVENT_SPEC_CHANGE_APPLIED,
                     f"{what} changed while suspended: replacing {child_label} with one built from the "
-                    "new spec; it starts on resume and continues from the last checkpoint.")))
+                    f"new spec; {starts} and continues from the last checkpoint.")))
                 patches.extend(_configmap_patch(job, settings, cm, desired_hash))
                 requeue = REQUEUE_WAITING
                 phase = PHASE_DELETING
                 replacing = True
             else:
+                state = ("waits in its Kueue queue" if builders.queue_name(ptj) and child_suspended(ptj)
+                         else "runs")
                 accepted = (c.FALSE, c.REASON_SPEC_CHANGE_REJECTED,
-                            (f"{what} changed while the job runs; these fields are fixed at launch. Revert "
+                            (f"{what} changed while the job {state}; these fields are fixed at launch. Revert "
                             "the change, or set spec.suspend: true to apply it (the child is then "
                             "recreated from the new spec and resumes from the last checkpoint)."))
 
@@ -510,6 +516,14 @@ def _configmap_patch(job: RLJob, settings: OperatorSettings, cm: Mapping[str, An
     want = builders.build_spec_configmap(job, settings)
     body = {"metadata": {"annotations": want["metadata"]["annotations"]}, "data": want["data"]}
     return [Patch(ChildRef.of(want), body)]
+
+
+def _stopped(phase: str, child: Mapping[str, Any] | None) -> bool:
+    """A child the user suspended that has no pods: reported Suspended, or suspended before it ever ran.
+    Not a Kueue-managed one: replacing it would give up its place in the queue."""
+    if builders.queue_name(child) is not None:
+        return False
+    return phase == PHASE_SUSPENDED or (phase == PHASE_PENDING and child_suspended(child))
 
 
 def child_suspended(child: Mapping[str, Any] | None) -> bool:

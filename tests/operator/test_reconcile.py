@@ -471,6 +471,45 @@ def test_spec_change_while_suspended_recreates_the_pytorchjob() -> None:
     assert plan.status["pytorchJobName"] == "quickstart"
 
 
+def test_an_edit_that_also_resumes_is_applied_and_the_new_child_starts() -> None:
+    """The usual `kubectl apply` of an edited manifest: a launch-time field changed and suspend: false in
+    one apply. The child is still suspended (no pods), so the edit is applied rather than rejected as a
+    change 'while the job runs' (which left the job suspended while Suspended claimed it had resumed)."""
+    body = step(stored(suspend=True), reconcile(stored(suspend=True), Observed(now=T0), SETTINGS))
+    cm = cm_of(body)
+    for old_ptj in (ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True),
+                    ptj_of(body, ("Created", "PyTorchJobCreated"), suspend=True)):  # suspended before it ran
+        edited = stored(generation=2, status=body["status"], suspend=False, training__lr=0.25)
+        plan = reconcile(edited, Observed(now=T1, pytorchjob=old_ptj, configmap=cm), SETTINGS)
+        assert summary(plan)[c.ACCEPTED] == ("True", c.REASON_SPEC_ACCEPTED)
+        assert [d.ref.kind for d in plan.delete] == ["PyTorchJob"]
+        event = plan.delete[0].event
+        assert event.reason == c.EVENT_SPEC_CHANGE_APPLIED and "spec.training.lr" in event.message
+        assert "starts now" in event.message
+        assert json.loads(plan.patch[0].body["data"]["spec.json"])["training"]["lr"] == 0.25
+    # Next round: the replacement is created running, from the new spec.
+    after = step(edited, plan)
+    new_cm = cm_of(after)
+    plan = reconcile(after, Observed(now=T2, configmap=new_cm), SETTINGS)
+    ptj = next(cr.body for cr in plan.create if cr.body["kind"] == "PyTorchJob")
+    assert ptj["spec"]["runPolicy"]["suspend"] is False
+    assert ptj["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] == new_cm["metadata"]["annotations"][
+        builders.ANNOTATION_SPEC_HASH]
+    # A child with pods is still protected: the same apply against a running child is rejected.
+    running = ptj_of(body, ("Running", "PyTorchJobRunning"))
+    plan = reconcile(edited, Observed(now=T1, pytorchjob=running, configmap=cm), SETTINGS)
+    assert plan.delete == () and summary(plan)[c.ACCEPTED] == ("False", c.REASON_SPEC_CHANGE_REJECTED)
+    # A child waiting in a Kueue queue is not replaced (it would lose its place); the message says where it is.
+    queued = queued_job()
+    queued = step(queued, reconcile(queued, Observed(now=T0), SETTINGS))
+    waiting = ptj_of(queued, ("Suspended", "PyTorchJobSuspended"), suspend=True)
+    edited = stored(generation=2, status=queued["status"], training__lr=0.25)
+    edited["metadata"]["labels"] = queued["metadata"]["labels"]
+    plan = reconcile(edited, Observed(now=T1, pytorchjob=waiting, configmap=cm_of(queued)), SETTINGS)
+    assert plan.delete == () and summary(plan)[c.ACCEPTED] == ("False", c.REASON_SPEC_CHANGE_REJECTED)
+    assert "while the job waits in its Kueue queue" in cond(plan, c.ACCEPTED)["message"]
+
+
 def test_replacement_still_deleting_then_hand_deletion_is_reported_as_missing() -> None:
     body = step(stored(suspend=True), reconcile(stored(suspend=True), Observed(now=T0), SETTINGS))
     old_ptj = ptj_of(body, ("Suspended", "PyTorchJobSuspended"), suspend=True)
