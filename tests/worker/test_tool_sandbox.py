@@ -154,6 +154,20 @@ def test_sandbox_and_bad_calls_never_wait_behind_hung_function_calls(stuck_tool)
     assert results[2].output == "42\n"
 
 
+def test_hung_calls_of_one_batch_time_out_together(stuck_tool):
+    """Calls that start together end at their start plus timeoutSeconds, all of them: a batch of k hung calls
+    costs one limit, not k limits one after the other."""
+    limit, k = 1.0, 4
+    box = ToolBox([ToolConfig("search", function=stuck_tool, timeout_seconds=limit)], max_workers=k)
+    start = time.monotonic()
+    results = box.call_all([(ToolCall("search", {}), {}) for _ in range(k)])
+    elapsed = time.monotonic() - start
+    sys.modules["stuck_tools"].RELEASE.set()
+    box.close()
+    assert [r.outcome for r in results] == ["timeout"] * k
+    assert elapsed < k * limit  # waited one after the other, the batch takes k limits at least
+
+
 def test_outcomes_are_counted_in_rljob_tool_calls_total():
     registry = CollectorRegistry()
     telemetry = TrainerTelemetry(job="j", namespace="ns", rank=0, model="m", algorithm="grpo", nnodes=1,

@@ -80,7 +80,7 @@ class ToolBox:
         for call, context in calls:
             tool = self.tools.get(call.name) if call.error is None else None
             if tool is not None and tool.function:
-                started = threading.Event()
+                started = _Started()
                 pending.append((call, tool, started, time.monotonic(),
                                 self.pool.submit(self._run_function, tool, call.arguments, context, started)))
             elif tool is not None:
@@ -90,20 +90,19 @@ class ToolBox:
         return [future.result() if tool is None else self._function_result(call, tool, started, queued, future)
                 for call, tool, started, queued, future in pending]
 
-    def _run_function(self, tool: ToolConfig, arguments: dict, context: dict, started: threading.Event):
-        started.set()
-        start = time.monotonic()
+    def _run_function(self, tool: ToolConfig, arguments: dict, context: dict, started: _Started):
+        start = started.set()
         try:
             return self.functions[tool.name](arguments, context), None, time.monotonic() - start
         except Exception as exc:  # noqa: BLE001 - the model sees the failure, the run goes on
             return None, exc, time.monotonic() - start
 
-    def _function_result(self, call: ToolCall, tool: ToolConfig, started: threading.Event, queued: float,
+    def _function_result(self, call: ToolCall, tool: ToolConfig, started: _Started, queued: float,
                          future) -> ToolResult:
         limit = tool.timeout_seconds
         if started.wait(timeout=max(0.0, queued + limit - time.monotonic())):
-            try:
-                value, exc, seconds = future.result(timeout=limit)
+            try:  # the limit counts from the call's start: calls of one batch started together end together
+                value, exc, seconds = future.result(timeout=max(0.0, started.at + limit - time.monotonic()))
             except FutureTimeout:
                 value, exc, seconds = None, None, None
         else:  # every thread of the pool is held by hung calls
@@ -151,6 +150,17 @@ class ToolBox:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.sandbox_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Started(threading.Event):
+    """Set when a function call starts; ``at`` is when (time.monotonic)."""
+
+    at: float = 0.0
+
+    def set(self) -> float:
+        self.at = time.monotonic()
+        super().set()
+        return self.at
 
 
 def _done(result: ToolResult) -> Future:
