@@ -148,6 +148,7 @@ class KubeApi:
         self._event_tasks: set[asyncio.Future] = set()
         self._instance = socket.gethostname()
         self._workload_warning_logged = False
+        self.kueue_missing = False  # the last Workload list was a 404: the API is not served
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -266,7 +267,7 @@ class KubeApi:
         if ((body.get("spec") or {}).get("reward") or {}).get("server"):
             judge = await self.get("apps/v1", "Deployment", ns, judge_service_name(name))
         return Observed(now=now, pytorchjob=ptj, configmap=cm, ensure_all=ensure_all, jobset=js, workloads=workloads,
-                        judge=judge)
+                        judge=judge, kueue_missing=workloads is None and self.kueue_missing)
 
     async def list_workloads(self, namespace: str) -> tuple[dict[str, Any], ...] | None:
         """Kueue Workloads in `namespace`; None (logged once) when the Workload CRD is not installed."""
@@ -277,13 +278,15 @@ class KubeApi:
             if exc.status != 403:
                 raise
             status, payload = 403, None
+        self.kueue_missing = status == 404
         if status in (403, 404):
             if not self._workload_warning_logged:
                 self._workload_warning_logged = True
                 why = ("is not installed" if status == 404 else
                        "cannot be read (403: grant get/list/watch on workloads.kueue.x-k8s.io, as the chart does)")
-                log.warning("Kueue's Workload CRD (workloads.kueue.x-k8s.io, %s) %s: queue-labelled children are "
-                            "not checked for a Workload (no NoKueueWorkload condition)", WORKLOAD_API_VERSION, why)
+                log.warning("Kueue's Workload CRD (workloads.kueue.x-k8s.io, %s) %s: %s", WORKLOAD_API_VERSION, why,
+                            "queue-labelled children get NoKueueWorkload (Kueue is not installed)" if status == 404
+                            else "queue-labelled children are not checked for a Workload (no NoKueueWorkload condition)")
             return None
         if status == 409:
             raise ApiError("list", "workloads", status)

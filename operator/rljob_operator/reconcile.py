@@ -52,8 +52,9 @@ Kueue that ignores the child (NoKueueWorkload)
     suspended and no Workload owns it `settings.kueue_workload_grace_seconds` after its creation,
     Kueue does not manage that kind (Kueue >= 0.19 leaves `kubeflow.org/pytorchjob` out of its
     default `integrations.frameworks`): `Admitted=False, reason NoKueueWorkload`, one Warning event
-    naming both fixes, and back to `Queued` as soon as a Workload appears. Where the Workload CRD is
-    absent (`observed.workloads` None) nothing is judged.
+    naming both fixes, and back to `Queued` as soon as a Workload appears. Where the Workload API is
+    not served at all (`observed.kueue_missing`: Kueue is not installed) the same condition says so and
+    names those fixes instead; where it cannot be read (403, `observed.workloads` None) nothing is judged.
 """
 from __future__ import annotations
 
@@ -140,6 +141,9 @@ class Observed:
     workloads: tuple[Mapping[str, Any], ...] | None = None
     # the judge Deployment of spec.reward.server (read only when the spec has one)
     judge: Mapping[str, Any] | None = None
+    # the Workload API (kueue.x-k8s.io/v1beta2) is not served at all (404, not 403): Kueue is not installed
+    # (or older than 0.15), so a queue-labelled child is never admitted
+    kueue_missing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,7 +433,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, settings: OperatorSet
     if wait is not None:
         requeue = wait if requeue is None else min(requeue, wait)
     admitted_cond = _admitted_condition(queue, queued, suspend_requested, succeeded or failed, child_label,
-                                        no_workload)
+                                        no_workload, observed.kueue_missing)
     if admitted_cond is not None:
         put(c.ADMITTED, *admitted_cond)
 
@@ -557,7 +561,8 @@ def owned_workloads(child: Mapping[str, Any] | None,
 def _kueue_ignores(child: Mapping[str, Any] | None, queued: bool, observed: Observed,
                    settings: OperatorSettings) -> tuple[bool, float | None]:
     """(whether Kueue has ignored the queued child past the grace period, seconds until that is decided)."""
-    if not queued or child is None or observed.workloads is None or owned_workloads(child, observed.workloads):
+    workloads = () if observed.kueue_missing else observed.workloads
+    if not queued or child is None or workloads is None or owned_workloads(child, workloads):
         return False, None
     created = _parse_time((child.get("metadata") or {}).get("creationTimestamp"))
     now = _parse_time(observed.now)
@@ -574,13 +579,20 @@ KUEUE_FRAMEWORKS = {builders.PYTORCHJOB_KIND: "kubeflow.org/pytorchjob", builder
 
 
 def _admitted_condition(queue: str | None, queued: bool, suspend: bool, finished: bool,
-                        ptj_name: str, no_workload: bool = False) -> tuple[str, str, str] | None:
+                        ptj_name: str, no_workload: bool = False,
+                        kueue_missing: bool = False) -> tuple[str, str, str] | None:
     """Kueue's admission of a queue-managed job; None (condition left as it is) otherwise or once finished."""
     if queue is None or finished:
         return None
     if suspend:
         return (c.FALSE, c.REASON_SUSPENDED,
                 f"spec.suspend is true; Kueue (LocalQueue {queue}) admits {ptj_name} after a resume.")
+    if queued and no_workload and kueue_missing:
+        return (c.FALSE, c.REASON_NO_KUEUE_WORKLOAD, (
+            f"{ptj_name} carries the kueue.x-k8s.io/queue-name label {queue}, but this cluster serves no Kueue "
+            "Workloads (kueue.x-k8s.io/v1beta2): Kueue is not installed (or is older than 0.15), so nothing will "
+            "un-suspend it. Fix: install Kueue, or delete this RLJob and create it again without the kueue.x-k8s.io "
+            "labels (they are read when the child is created)."))
     if queued and no_workload:
         kind = ptj_name.split(" ", 1)[0]
         return (c.FALSE, c.REASON_NO_KUEUE_WORKLOAD, (

@@ -189,8 +189,8 @@ def test_a_create_of_a_kind_whose_crd_is_missing_names_what_to_install(server: A
 
 def test_workloads_read_as_unknown_with_one_log_line_where_kueue_is_absent(
         server: ApiServerThread, ns: str, caplog: pytest.LogCaptureFixture) -> None:
-    """Without Kueue's Workload CRD the operator cannot tell an ignored child from a queued one: it says so
-    once in its log and concludes nothing (observed.workloads None: no NoKueueWorkload)."""
+    """Without Kueue's Workload CRD there are no Workloads to read: it says so once in its log, and the 404
+    is kept (observe's kueue_missing), so the reconcile can say that Kueue is not installed."""
     from realserver import real
 
     if real():
@@ -203,6 +203,7 @@ def test_workloads_read_as_unknown_with_one_log_line_where_kueue_is_absent(
 
     with caplog.at_level("WARNING", logger="rljob_operator.kube_io"):
         assert asyncio.run(go()) == [None, None, None]
+    assert api.kueue_missing, "a 404 says the Workload API is not served (observe passes it on as kueue_missing)"
     api.close()
     lines = [r.getMessage() for r in caplog.records if "workloads.kueue.x-k8s.io" in r.getMessage()]
     assert len(lines) == 1 and "is not installed" in lines[0], lines
@@ -234,6 +235,7 @@ def test_observe_reads_both_child_kinds_and_the_workloads_of_a_queued_child(serv
     observed = asyncio.run(go())
     assert observed.pytorchjob is None and observed.jobset["metadata"]["uid"] == js["metadata"]["uid"]
     assert observed.workloads == ()  # suspended and queue-labelled: looked up; none yet
+    assert observed.kueue_missing is False
     kube.create_workload(ns, js)
     observed = asyncio.run(go())
     assert [w["metadata"]["ownerReferences"][0]["uid"] for w in observed.workloads] == [js["metadata"]["uid"]]

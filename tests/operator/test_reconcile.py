@@ -789,9 +789,18 @@ def test_no_kueue_workload_after_the_grace_period_is_reported_and_cleared(kind: 
     early = reconcile(body, Observed(workloads=(), **seen), settings)
     assert cond(step(body, early)["status"], c.ADMITTED)["reason"] == c.REASON_QUEUED
     assert early.requeue_after == pytest.approx(31.0)
-    # Unknown (the Workload CRD is absent): nothing is concluded, nothing requeued.
+    # Unknown (the Workloads cannot be read): nothing is concluded, nothing requeued.
     unknown = reconcile(body, Observed(workloads=None, **{**seen, "now": T1}), settings)
     assert cond(step(body, unknown)["status"], c.ADMITTED)["reason"] == c.REASON_QUEUED and unknown.requeue_after is None
+    # No Workload API at all (Kueue not installed): the same wait, then NoKueueWorkload saying so.
+    no_kueue = reconcile(body, Observed(workloads=None, kueue_missing=True, **seen), settings)
+    assert cond(step(body, no_kueue)["status"], c.ADMITTED)["reason"] == c.REASON_QUEUED
+    assert no_kueue.requeue_after == pytest.approx(31.0)
+    no_kueue = reconcile(body, Observed(workloads=None, kueue_missing=True, **{**seen, "now": T1}), settings)
+    admitted = cond(no_kueue, c.ADMITTED)
+    assert (admitted["status"], admitted["reason"]) == ("False", c.REASON_NO_KUEUE_WORKLOAD)
+    assert "Kueue is not installed" in admitted["message"] and "without the kueue.x-k8s.io labels" in admitted["message"]
+    assert [(e.type, e.reason) for e in no_kueue.events] == [("Warning", c.REASON_NO_KUEUE_WORKLOAD)]
     # Past it with no Workload owning the child (another job's does not count): NoKueueWorkload, one Warning.
     other = workload_for({**child, "metadata": {**child["metadata"], "uid": "someone-else"}})
     late = reconcile(body, Observed(workloads=(other,), **{**seen, "now": T1}), settings)
