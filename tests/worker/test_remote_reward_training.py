@@ -114,5 +114,6 @@ def test_remote_faults_during_training_are_counted_and_zeroed(tmp_path):
     one, two = records
     assert (one["reward/remote_requests"], one["reward/remote_retries"], one["reward/remote_failures"]) == (3, 1, 0)
     assert (two["reward/remote_retries"], two["reward/remote_failures"], two["reward/remote_zeroed"]) == (1, 16, 16)
-    assert "16 samples of reward route * (remote http://127.0.0.1" in output
+    assert "16 of 32 samples of reward route * (remote http://127.0.0.1" in output
+    assert "HTTP 500" in output.split("16 of 32 samples of reward route")[1].splitlines()[0]  # the cause
     assert sorted(set(server.scored.values())) == [1] and len(server.scored) == 32 + 16

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from rljob_api.enums import JudgeScoreRule
-from rljob_api.models import RewardSpec
+from rljob_api.models import RewardSpec, secret_header_env
 from rljob_api.validation import RLJobValidationError, parse_spec
 from rljob_worker.algorithms.evaluation import k_values, pass_at_k, sample_metrics
 from rljob_worker.rewards import DEFAULT_ROUTE, RewardError, RewardRouter
@@ -208,6 +208,27 @@ def test_openai_chat_judge_scores_each_sample():
         assert out.routes[DEFAULT_ROUTE].retries == 1
         assert sorted(server.scored.values()) == [1] * 6  # one good answer per request id
         assert 'Grade {"json": true} answer: 1 / reference: 1' in server.prompts  # other braces kept
+        r.close()
+    finally:
+        server.close()
+
+
+def test_zeroed_samples_are_reported_with_their_cause():
+    """onFailure zero keeps training on 0s; the line the trainer logs says why: the endpoint, the server's
+    answer (here an expired key: HTTP 401), and the field to fix."""
+    server = Verifier(required_headers={"Authorization": "Bearer fresh"})
+    try:
+        r = router({"url": server.url + "/score", "batchSize": 4, "retries": 2, "onFailure": "zero",
+                    "headersSecretRef": {"name": "verifier-key", "headers": {"Authorization": "token"}}},
+                   environ={secret_header_env("verifier-key", "token"): "Bearer expired-key-0123"})
+        out = score(r, samples(4))
+        counts = out.routes[DEFAULT_ROUTE]
+        assert out.scores == [0.0] * 4 and (counts.failures, counts.zeroed, counts.requests) == (4, 4, 1)
+        line = r.failure_report(DEFAULT_ROUTE, counts)
+        assert "\n" not in line and "expired-key" not in line
+        assert line.startswith(f"4 of 4 samples of reward route * (remote {server.url}/score) could not be scored "
+                               "(4 scored 0, 0 dropped with their groups)")
+        assert f"{server.url}/score: HTTP 401" in line and "spec.reward.remote.url" in line
         r.close()
     finally:
         server.close()

@@ -35,6 +35,7 @@ class RouteCounts:
     zeroed: int = 0
     dropped: int = 0
     seconds: float = 0.0
+    first_error: str | None = None  # the endpoint and why its first failed request failed
 
 
 @dataclass
@@ -74,7 +75,7 @@ class PendingScores:
             route = self._router.routes[name]
             policy = route.remote.spec.on_failure
             counts = RouteCounts(samples=len(outcome.scores), requests=outcome.requests, retries=outcome.retries,
-                                 failures=outcome.failures, seconds=outcome.seconds)
+                                 failures=outcome.failures, seconds=outcome.seconds, first_error=outcome.first_error)
             if outcome.failures and policy == RemoteFailurePolicy.FAIL:
                 raise RewardError(
                     f"{route.path}.remote: {outcome.failures} of {len(outcome.scores)} samples could not be scored "
@@ -117,6 +118,16 @@ class RewardRouter:
         """The route's reward in words, for log lines (never headers)."""
         r = self.routes[route]
         return f"remote {r.remote.endpoint}" if r.remote is not None else f"function {r.function}"
+
+    def failure_report(self, route: str, counts: RouteCounts, *, validation: bool = False) -> str:
+        """One line for a remote route some of whose samples could not be scored: how many, what became of them,
+        the first error (endpoint and reason) and the fields to look at."""
+        path = self.routes[route].path
+        became = ("validation counts them 0" if validation else
+                  f"{counts.zeroed} scored 0, {counts.dropped} dropped with their groups")
+        return (f"{counts.failures} of {counts.samples} samples of reward route {route} ({self.describe(route)}) could "
+                f"not be scored ({became}): {counts.first_error}; check the service at {path}.remote.url, or its "
+                f"timeoutSeconds and retries")
 
     def probe(self) -> None:
         """Reach every remote endpoint once (rank 0, at start-up); RewardError naming the url field."""

@@ -523,9 +523,7 @@ class GRPOTrainer(RunLoop):
                 # remote routes run side by side: the step waited for the slowest
                 self._step_remote["seconds"] = max(self._step_remote.get("seconds", 0.0), counts.seconds)
                 if counts.failures:
-                    log.warning("step %d: %d samples of reward route %s (%s) failed every retry: %d scored 0, %d "
-                                "dropped with their groups", self.step, counts.failures, route,
-                                self.rewards.describe(route), counts.zeroed, counts.dropped)
+                    log.warning("step %d: %s", self.step, self.rewards.failure_report(route, counts))
         return rewards
 
     def _outcome_advantages(self, scores: torch.Tensor, group_size: int,
@@ -918,6 +916,10 @@ class GRPOTrainer(RunLoop):
         # a remote sample that failed every retry counts as 0 here (onFailure fail still stops the run)
         scored = self.rewards.score([r.prompt_text for r in prompts], texts, [r.ground_truth for r in prompts],
                                     [r.data_source for r in prompts], extras, timeout_s=spec.reward.timeout_seconds)
+        for route, counts in scored.routes.items():
+            if counts.failures:
+                log.warning("validation at step %d: %s", self.step,
+                            self.rewards.failure_report(route, counts, validation=True))
         scores = sanitize_rewards(torch.tensor(scored.scores, dtype=torch.float32))[0].tolist()
         self._validation_rows = [[r.prompt_text, text, str(r.ground_truth), float(score)] for r, text, score in
                                  zip(prompts[:VALIDATION_TABLE_ROWS], texts, scores)]
