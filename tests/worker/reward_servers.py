@@ -186,12 +186,15 @@ class Verifier(Server):
         self.score = score
         self.required_headers = required_headers or {}
         self.batch_sizes: list[int] = []
+        self.bodies: list[dict] = []  # every request body, in arrival order
         super().__init__(**kw)
 
     def _post(self, handler) -> None:
         self._enter(handler)
         try:
             body = self._read(handler)
+            with self.lock:
+                self.bodies.append(body)
             if any(handler.headers.get(k) != v for k, v in self.required_headers.items()):
                 self._record(handler, "401")
                 self._send(handler, 401, {"error": "unauthorized"})

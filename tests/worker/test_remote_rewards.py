@@ -4,6 +4,8 @@ server), retries through every fault with each sample scored exactly once (serve
 onFailure policies, start-up errors naming the field, and header secrets that never leak."""
 from __future__ import annotations
 
+import datetime
+import decimal
 import math
 import sys
 import time
@@ -125,6 +127,21 @@ def test_a_dripped_answer_is_cut_at_timeout_seconds(verifier):
     assert (counts.requests, counts.retries, counts.failures) == (2, 1, 0)  # the dripped answer was not taken
     # the drip alone takes its ~200 bytes x 20 ms (~4 s); it was cut at the 1 s limit, then answered at once
     assert elapsed < len(dripped_response({"scores": out.scores})) * every
+
+
+def test_extra_info_values_json_cannot_hold_go_as_text(verifier):
+    """A dataset's extra_info may hold what parquet gives and JSON lacks (dates, decimals, bytes): the samples
+    are still sent (those values as text) and scored, instead of the step dying on a TypeError."""
+    batch = samples(3)
+    odd = {"when": datetime.date(2024, 1, 2), "price": decimal.Decimal("1.5"), "blob": b"\x00"}
+    batch = (*batch[:4], [{**e, **odd} for e in batch[4]])
+    r = router({"url": verifier.url, "batchSize": 4})
+    out = score(r, batch)
+    r.close()
+    assert out.scores == expected(batch)
+    (request,) = [q for q in verifier.bodies if q["samples"]]
+    assert request["samples"][0]["extra_info"]["when"] == "2024-01-02"
+    assert request["samples"][0]["extra_info"]["price"] == "1.5"
 
 
 def test_an_outage_is_ridden_out(verifier):

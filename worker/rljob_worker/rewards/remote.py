@@ -13,7 +13,8 @@ Wire format (http-json)::
     POST url  {"samples": [{"id", "prompt", "completion", "ground_truth", "data_source", "extra_info"}, ...]}
     200       {"scores": [float, ...]}          same length and order as samples
 
-Every request carries ``X-Request-Id`` (the same on its retries, so a server may de-duplicate) and each
+Values of ``extra_info`` that JSON has no type for (a parquet column's dates, decimals, bytes) are sent as
+their text (``str``). Every request carries ``X-Request-Id`` (the same on its retries, so a server may de-duplicate) and each
 http-json sample an ``id`` (``<request id>/<index in the batch>``).
 
 Header values from the Secret live only in this object and in request headers: errors, logs and
@@ -364,7 +365,8 @@ class RemoteScorer:
         return [value]
 
     def _post_json(self, url: str, body: dict, request_id: str, counts: _Counts) -> dict:
-        raw = self._request(url, json.dumps(body).encode(), request_id, counts)
+        # default=str: a value JSON has no type for (a dataset's date, decimal or bytes in extra_info) goes as text
+        raw = self._request(url, json.dumps(body, default=str).encode(), request_id, counts)
         try:
             answer = json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
