@@ -29,6 +29,7 @@ from rljob_api.enums import (
     RolloutEngine,
     RolloutMode,
     RolloutPlacement,
+    RolloutRanks,
     SFTDataFormat,
     ToolCallFormat,
 )
@@ -562,6 +563,15 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
     if not sft and spec.device == "cpu" and r.engine == RolloutEngine.VLLM:
         errs.append(FieldError("spec.rollout.engine", "vllm needs GPUs (the worker runs vLLM's CUDA build, and the CPU "
                                "image has no vLLM); with device cpu set engine: hf (or auto, which picks hf on a CPU)"))
+    hf_engine = r.engine == RolloutEngine.HF or (r.engine == RolloutEngine.AUTO and spec.device == "cpu")
+    if not sft and hf_engine and r.tensor_model_parallel_size > 1 and not rollout_in_own_pool(spec):
+        via = "hf" if r.engine == RolloutEngine.HF else "auto, which picks hf with device cpu"
+        errs.append(FieldError("spec.rollout.tensorModelParallelSize", (
+            f"{r.tensor_model_parallel_size} with rollout.engine {via}: the hf engines keep the whole model on each "
+            "sampling GPU and are not sharded; set it to 1" + (", or use engine: vllm" if spec.device == "gpu" else ""))))
+    if not sft and r.engine == RolloutEngine.VLLM and r.ranks == RolloutRanks.RANK0:
+        errs.append(FieldError("spec.rollout.ranks", "rank0 is for the hf engines; the vllm engine samples on every "
+                               "rollout tensor-parallel group: use auto or every-rank, or rollout.engine: hf"))
     if (not sft and r.temperature == 0 and r.samples_per_prompt >= 2
             and a.advantage_estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO)):
         errs.append(FieldError("spec.rollout.temperature", f"0 samples greedily, so the samplesPerPrompt="

@@ -288,6 +288,9 @@ CROSS_INVALID = [
     ("sft-synthetic-fewer-sequences-than-a-batch", {**SYNTHETIC, "spec.algorithm.name": "sft", "spec.sft": {},
                                                     "spec.data.synthetic": {"task": "digit-sum", "numPrompts": 8}},
      {"spec.data.synthetic.numPrompts": ["one training batch of 64 sequences"]}),
+    # vllm samples on every rollout TP group (the hf engines' rollout TP: ENGINE_LAYOUT_INVALID)
+    ("vllm-rank0", {R + "engine": "vllm", R + "ranks": "rank0"},
+     {R + "ranks": ["rank0 is for the hf engines", "use auto or every-rank"]}),
     # DAPO's overlong penalty zone lies inside the response
     ("overlong-buffer-beyond-response", {"spec.algorithm.overlongBuffer": {"enable": True, "length": 2049}},
      {"spec.algorithm.overlongBuffer.length": ["2049 is longer than data.maxResponseLength=2048",
@@ -341,6 +344,7 @@ CROSS_VALID = [
     ("synthetic-one-batch", {**SYNTHETIC, "spec.data.synthetic": {"task": "digit-sum", "numPrompts": 64}}),
     ("sft-synthetic", {**SYNTHETIC, "spec.algorithm.name": "sft", "spec.sft": {}}),
     ("prompt-key-with-files", {"spec.data.promptKey": "question"}),
+    ("hf-engine-rank0", {R + "engine": "hf", R + "ranks": "rank0"}),
     ("overlong-buffer-whole-response", {"spec.algorithm.overlongBuffer": {"enable": True, "length": 2048}}),
     ("overlong-buffer-off-beyond-response", {"spec.algorithm.overlongBuffer": {"length": 4096}}),
     ("synthetic-with-empty-train-files", {"spec.data.trainFiles": [], "spec.data.synthetic": {"task": "digit-sum"}}),
@@ -382,6 +386,28 @@ CROSS_VALID = [
     ("pod-mount-under-the-spec-folder-and-of-dshm", {PT + "volumeMounts": [{"name": "dshm", "mountPath": "/scratch"}]}),
     ("pod-compile-cache-name-free-on-cpu", {"spec.device": "cpu", PT + "volumes": [{"name": "compile-cache",
                                                                                     "emptyDir": {}}]}),
+]
+
+
+# The rollout engine against the rollout TP (the worker's start-up refusal, made offline). Not in the CROSS tables: the
+# error's path is that of the CRD's CEL rule on rollout TP (it divides gpusPerNode), which does not know engines.
+ENGINE_LAYOUT_INVALID = [
+    ("hf-engine-rollout-tp2", {R + "engine": "hf", R + "tensorModelParallelSize": 2},
+     {R + "tensorModelParallelSize": ["2 with rollout.engine hf", "not sharded", "set it to 1, or use engine: vllm"]}),
+    ("auto-engine-on-cpu-rollout-tp2", {"spec.device": "cpu", R + "engine": "auto", R + "tensorModelParallelSize": 2},
+     {R + "tensorModelParallelSize": ["auto, which picks hf with device cpu", "set it to 1"]}),
+    # a builtin's narrow heads are vLLM's concern (builtin_rollout_errors): on a CPU only the hf rule speaks
+    ("auto-engine-on-cpu-rollout-tp2-builtin", {"spec.model.path": "builtin://tiny-qwen2", "spec.device": "cpu",
+                                                R + "tensorModelParallelSize": 2},
+     {R + "tensorModelParallelSize": ["auto, which picks hf with device cpu", "set it to 1"]}),
+]
+
+ENGINE_LAYOUT_VALID = [
+    ("auto-engine-on-gpu-rollout-tp2", {R + "engine": "auto", R + "tensorModelParallelSize": 2}),  # picks vllm
+    ("vllm-rollout-tp2", {R + "engine": "vllm", R + "tensorModelParallelSize": 2}),
+    ("hf-separate-pool-with-trainer-tp2", {**SEPARATE4, R + "engine": "hf", M + "tensorModelParallelSize": 2}),
+    ("sft-ignores-rollout-tp", {**SYNTHETIC, "spec.algorithm.name": "sft", "spec.sft": {}, R + "engine": "hf",
+                                R + "tensorModelParallelSize": 2}),
 ]
 
 
@@ -427,7 +453,6 @@ BUILTIN_SHAPE_VALID = [
     ("tp2-pp2", {**Q2, M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2}),
     ("moe-ep4", {**MOE, M + "expertModelParallelSize": 4}),
     ("hd64-vllm-rollout-tp2", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 2}),
-    ("auto-rollout-tp2-on-cpu", {**Q2, "spec.device": "cpu", R + "tensorModelParallelSize": 2}),  # hf on a CPU
     ("critic-tp2", {**Q2, **GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 2}}}),
 ]
 

@@ -14,6 +14,8 @@ from api_cases import (
     BUILTIN_SHAPE_VALID,
     CROSS_INVALID,
     CROSS_VALID,
+    ENGINE_LAYOUT_INVALID,
+    ENGINE_LAYOUT_VALID,
     SCHEMA_INVALID,
     SCHEMA_VALID,
     M,
@@ -68,6 +70,17 @@ def test_builtin_model_shape_rejects_sizes_it_cannot_be_split_by(changes, expect
 
 @pytest.mark.parametrize("changes", [c[1] for c in BUILTIN_SHAPE_VALID], ids=[c[0] for c in BUILTIN_SHAPE_VALID])
 def test_builtin_model_shape_accepts_sizes_that_fit(changes):
+    assert_errors(changed(gpu_job(), changes), {})
+
+
+@pytest.mark.parametrize("changes, expected", [c[1:] for c in ENGINE_LAYOUT_INVALID],
+                         ids=[c[0] for c in ENGINE_LAYOUT_INVALID])
+def test_rollout_engine_rejects_a_rollout_tp_it_cannot_shard(changes, expected):
+    assert_errors(changed(gpu_job(), changes), expected)
+
+
+@pytest.mark.parametrize("changes", [c[1] for c in ENGINE_LAYOUT_VALID], ids=[c[0] for c in ENGINE_LAYOUT_VALID])
+def test_rollout_engine_accepts_a_rollout_tp_it_serves(changes):
     assert_errors(changed(gpu_job(), changes), {})
 
 
