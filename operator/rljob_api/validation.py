@@ -25,6 +25,8 @@ from rljob_api.enums import (
     AlgorithmName,
     ChildKind,
     CriticPlacement,
+    RecomputeGranularity,
+    RecomputeMethod,
     ResumeMode,
     RolloutEngine,
     RolloutMode,
@@ -857,10 +859,16 @@ def _other_builtins(name: str, fits) -> str:
     return ", or " + " or ".join(others) if others else ""
 
 
+def sizes_of(pp: int, vpp: int | None) -> str:
+    """'PP 2' or 'PP x VPP = 2x2': the pipeline chunks the layers are split into, in words."""
+    return f"PP x VPP = {pp}x{vpp}" if vpp else f"PP {pp}"
+
+
 def builtin_shape_errors(name: str, m: MegatronSpec, prefix: str) -> list[FieldError]:
     """The megatron sizes a built-in model cannot be split by, which the worker refuses at start-up (megatron/
     model_config.check_hf_config: TP divides the attention and KV heads; engine_config.check_layer_split: PP x VPP
-    divides the layers; moe.check_moe_hf_config: EP divides the experts, and a dense model takes EP 1). Pure."""
+    divides the layers; moe.check_moe_hf_config: EP divides the experts, and a dense model takes EP 1;
+    model_config.recompute_kwargs: full recompute's recomputeNumLayers fits the layers of a pipeline chunk). Pure."""
     s, errs = BUILTIN_MODEL_SHAPES[name], []
     tp, pp, ep = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size
     vpp = m.virtual_pipeline_model_parallel_size if pp > 1 else None  # VPP without PP: megatron_errors says so
@@ -883,6 +891,17 @@ def builtin_shape_errors(name: str, m: MegatronSpec, prefix: str) -> list[FieldE
             f"builtin://{name} has {s.layers} layers, which {sizes} does not divide: {fix}"
             + (_other_builtins(name, lambda o: o.layers % chunks == 0)
                or f", or a model of your own with a multiple of {chunks} layers"))))
+    recompute_overridden = any(k.startswith("recompute_") for k in m.override_transformer_config)
+    if m.recompute_granularity == RecomputeGranularity.FULL and not recompute_overridden and s.layers % chunks == 0:
+        per_chunk, n = s.layers // chunks, m.recompute_num_layers  # megatron recomputes within each model chunk
+        uniform = m.recompute_method == RecomputeMethod.UNIFORM
+        if (per_chunk % n) if uniform else n > per_chunk:
+            what = f"groups of {n} layers" if uniform else f"{n} layers of each stage"
+            errs.append(FieldError(f"{prefix}.recomputeNumLayers", (
+                f"{n}: full recompute with recomputeMethod {m.recompute_method.value} recomputes {what}, and "
+                f"builtin://{name} has {per_chunk} layer{'s' if per_chunk > 1 else ''} per pipeline "
+                f"{'chunk' if vpp else 'stage'} ({s.layers} layers / {sizes_of(pp, vpp)}): set it to "
+                + ("a divisor of" if uniform else "at most") + f" {per_chunk}")))
     if ep > 1 and not s.experts:
         errs.append(FieldError(f"{prefix}.expertModelParallelSize", (
             f"builtin://{name} is dense (no experts to spread): set it to 1"

@@ -448,12 +448,32 @@ BUILTIN_SHAPE_INVALID = [
      {R + "tensorModelParallelSize": ["rollout.engine auto (vllm at rollout TP > 1)", "at least 64"]}),
     ("vllm-rollout-tp4-over-heads", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 4},
      {R + "tensorModelParallelSize": ["builtin://tiny-qwen2-hd64 has 2 attention heads", "divides 2"]}),
+    # full recompute's layer count against the layers of a pipeline stage (chunk)
+    ("recompute-uniform-3-over-2-layers", {**Q2, M + "recomputeGranularity": "full", M + "recomputeNumLayers": 3},
+     {M + "recomputeNumLayers": ["recomputes groups of 3 layers", "has 2 layers per pipeline stage",
+                                 "a divisor of 2"]}),
+    ("recompute-uniform-2-over-pp2", {**Q2, M + "pipelineModelParallelSize": 2, M + "recomputeGranularity": "full",
+                                      M + "recomputeNumLayers": 2},
+     {M + "recomputeNumLayers": ["has 1 layer per pipeline stage (2 layers / PP 2)", "a divisor of 1"]}),
+    ("recompute-block-3-over-2-layers", {**Q2, M + "recomputeGranularity": "full", M + "recomputeMethod": "block",
+                                         M + "recomputeNumLayers": 3},
+     {M + "recomputeNumLayers": ["recomputes 3 layers of each stage", "at most 2"]}),
+    ("critic-recompute-4-over-2-layers", {**Q2, **GAE, "spec.critic": {"megatron": {
+        "recomputeGranularity": "full", "recomputeNumLayers": 4}}},
+     {C + "megatron.recomputeNumLayers": ["groups of 4 layers", "a divisor of 2"]}),
 ]
 BUILTIN_SHAPE_VALID = [
     ("tp2-pp2", {**Q2, M + "tensorModelParallelSize": 2, M + "pipelineModelParallelSize": 2}),
     ("moe-ep4", {**MOE, M + "expertModelParallelSize": 4}),
     ("hd64-vllm-rollout-tp2", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 2}),
     ("critic-tp2", {**Q2, **GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 2}}}),
+    ("recompute-uniform-2-layers", {**Q2, M + "recomputeGranularity": "full", M + "recomputeNumLayers": 2}),
+    ("recompute-block-2-layers", {**Q2, M + "recomputeGranularity": "full", M + "recomputeMethod": "block",
+                                  M + "recomputeNumLayers": 2}),
+    ("recompute-layers-unused-by-selective", {**Q2, M + "recomputeGranularity": "selective",
+                                              M + "recomputeNumLayers": 3}),
+    ("recompute-left-to-the-overrides", {**Q2, M + "recomputeGranularity": "full", M + "recomputeNumLayers": 3,
+                                         M + "overrideTransformerConfig": {"recompute_num_layers": 1}}),
 ]
 
 

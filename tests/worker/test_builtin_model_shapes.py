@@ -68,3 +68,27 @@ def test_validation_refuses_the_vllm_rollout_tp_the_worker_refuses(name, rollout
         check_tensor_parallel_shape(BUILTIN_MODELS[name], rollout_tp)
     except StartupError:
         assert builtin_rollout_errors(name, spec), (name, rollout_tp)
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_MODELS))
+def test_validation_refuses_exactly_the_full_recompute_layer_counts_the_worker_refuses(name):
+    """model_config.recompute_kwargs (as the engine calls it: layers per model chunk) against builtin_shape_errors'
+    spec.megatron.recomputeNumLayers over method x layers x PP x VPP, on layouts that split the layers."""
+    from rljob_worker.megatron.model_config import recompute_kwargs
+
+    layers, disagreements = BUILTIN_MODELS[name]["num_hidden_layers"], []
+    for method, n, pp, vpp in itertools.product(["uniform", "block"], [1, 2, 3, 4], [1, 2], [None, 2]):
+        if (vpp and pp == 1) or layers % (pp * (vpp or 1)):
+            continue  # refused for the layout itself (megatron_errors, the PP rule above)
+        try:
+            recompute_kwargs("full", method, n, total_layers=layers, pp=pp * (vpp or 1))
+            worker = None
+        except ValueError as exc:
+            worker = str(exc)
+        m = MegatronSpec.model_validate({"pipelineModelParallelSize": pp, "virtualPipelineModelParallelSize": vpp,
+                                         "recomputeGranularity": "full", "recomputeMethod": method,
+                                         "recomputeNumLayers": n})
+        api = [e for e in builtin_shape_errors(name, m, "spec.megatron") if e.path.endswith("recomputeNumLayers")]
+        if bool(api) != bool(worker):
+            disagreements.append((method, n, pp, vpp, worker, [str(e) for e in api]))
+    assert not disagreements, disagreements[:3]
