@@ -239,3 +239,31 @@ def test_start_up_names_each_phase_and_a_finished_job_stops_before_building_the_
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "nothing to train: the newest committed step is 2 of 2" in again.stdout, again.stdout[-3000:]
     assert "start-up: checkpoint store" in again.stdout and "start-up: model build" not in again.stdout, again.stdout
+
+
+def test_a_seed_at_the_last_step_says_to_raise_the_steps_not_to_delete_the_jobs_folder(tmp_path):
+    """resumeFrom a step at or past where the run stops: nothing to train, and the hint named the job's own
+    checkpoint folder (empty: deleting it, or --fresh, changes nothing, the next run starts from the seed again).
+    Now it names resumeFrom and the step count to raise."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    env["OMP_NUM_THREADS"] = "1"
+
+    def run(name: str, **checkpoint) -> subprocess.CompletedProcess:
+        job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+        job["metadata"]["name"] = name
+        job["spec"]["metrics"]["enabled"] = False
+        job["spec"]["checkpoint"].update(exportHf=False, **checkpoint)
+        job["spec"]["training"].update(testFreq=-1, valBeforeTrain=False)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(job))
+        proc = subprocess.run([sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir",
+                               str(tmp_path / name), "--checkpoint-uri", f"file://{tmp_path / 'ckpt'}", "--steps", "1"],
+                              env=env, check=False, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    run("seed")
+    seed = f"file://{tmp_path / 'ckpt'}/default/seed/step_000001"
+    out = run("from-seed", resumeMode="uri", resumeFrom=seed).stdout
+    assert f"nothing to train: spec.checkpoint.resumeFrom {seed} is at step 1 and this run stops at step 1" in out, out
+    assert "raise training.totalTrainingSteps above 1" in out and "delete that checkpoint folder" not in out, out

@@ -312,7 +312,13 @@ class RunLoop:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[StepResult]:
         spec, t = self.spec, self.spec.training
-        if self.step >= self.total_steps and self.is_main and getattr(self, "finished_at", None) is None:
+        seed = getattr(self.checkpoints, "seed_uri", None)
+        if self.step >= self.total_steps and self.is_main and seed is not None:
+            # (deleting the job's own folder would change nothing: the next run starts from the seed again)
+            print(f"nothing to train: spec.checkpoint.resumeFrom {seed} is at step {self.step} and this run stops at "
+                  f"step {self.total_steps} (steps count on from the seed's); raise training.totalTrainingSteps "
+                  f"above {self.step} to train more", flush=True)
+        elif self.step >= self.total_steps and self.is_main and getattr(self, "finished_at", None) is None:
             print(f"nothing to train: resumed at step {self.step} of {self.total_steps} from {self.checkpoints.uri}; "
                   "delete that checkpoint folder (or `rljob run --fresh`) to train again", flush=True)
         if getattr(self, "finished_at", None) is not None:

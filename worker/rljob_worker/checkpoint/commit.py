@@ -679,7 +679,8 @@ def _mode_name(mode: Any) -> str:
     return str(getattr(mode, "value", mode)).strip().lower()
 
 
-def _is_own(manager: CheckpointManager, ref: CheckpointRef) -> bool:
+def is_own_step(manager: CheckpointManager, ref: CheckpointRef) -> bool:
+    """Whether ``ref`` is a step under the job's own prefix (not a resumeFrom seed from elsewhere)."""
     base = manager._key()
     return ref.store is manager.store and (not base or ref.key.startswith(base + "/"))
 
@@ -717,7 +718,7 @@ def restore_for_resume(manager: CheckpointManager, mode: Any, resume_from: str |
         if ref is None:
             _refuse_lost_progress(manager)
             return None
-        own = _is_own(manager, ref)
+        own = is_own_step(manager, ref)
         if own and spec_fields is not None:
             changes = changed_spec_fields(ref.spec_fields, spec_fields)
             if changes:

@@ -18,6 +18,7 @@ from typing import Any
 from rljob_worker.checkpoint.commit import (
     CheckpointError,
     CheckpointManager,
+    is_own_step,
     restore_for_resume,
     spec_hash,
     step_dirname,
@@ -121,6 +122,7 @@ class RunCheckpoints:
         self.spec_fields = resume_fixed_fields(spec_json)
         self.multi_node = spec.nnodes > 1
         self.last_ref = None
+        self.seed_uri: str | None = None  # the step resume() loaded when it is resumeFrom's, not the job's own
         self.last_committed: dict[str, Any] | None = None  # {"step", "uri", "time"} of the newest commit (rank 0)
         self._pending = None  # SaveHandle of the upload in flight (rank 0, one node)
         self._fresh = False  # a commit nobody has polled yet
@@ -229,7 +231,8 @@ class RunCheckpoints:
                 self.lease.acquire()
                 self._remove_stale_temp_files()
                 ref = restore_for_resume(self.manager, ck.resume_mode.value, ck.resume_from, local, self.spec_fields)
-                choice = {"uri": ref.uri if ref is not None else None}
+                choice = {"uri": ref.uri if ref is not None else None,
+                          "seed": ref is not None and not is_own_step(self.manager, ref)}
             except (StorageError, ValueError) as e:  # the other ranks stop too instead of waiting forever
                 broadcast_object({"error": str(e)})
                 raise
@@ -239,6 +242,7 @@ class RunCheckpoints:
         uri = choice["uri"]
         if uri is None:
             return None
+        self.seed_uri = uri if choice["seed"] else None  # resumeFrom's step, not one of the job's own
         if self.env.local_rank == 0 and self.env.rank != 0:  # the other nodes download the chosen step
             shutil.rmtree(local, ignore_errors=True)
             self.manager.restore(uri, local)
