@@ -80,6 +80,9 @@ BUILTIN_MODEL_SHAPES = {
     "tiny-qwen3-moe": BuiltinShape(attention_heads=4, kv_heads=2, layers=2, head_dim=16, experts=4),
 }
 BUILTIN_MODEL_NAMES = tuple(BUILTIN_MODEL_SHAPES)
+# the ones whose tokenizer has the tool-call tags as single tokens (rollout.agent: the engines stop a turn on
+# </tool_call>); the same test keeps this equal to the worker's tokenizers
+BUILTIN_TOOL_MODEL_NAMES = ("tiny-qwen2-tools",)
 # the mixture-of-experts ones (algorithm.routingReplay)
 BUILTIN_MOE_MODEL_NAMES = tuple(name for name, shape in BUILTIN_MODEL_SHAPES.items() if shape.experts)
 # The narrowest attention head vLLM runs at rollout tensor-parallel > 1 (rljob_worker.rollout.vllm_engine's

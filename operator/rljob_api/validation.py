@@ -41,6 +41,7 @@ from rljob_api.models import (
     BUILTIN_MODEL_SHAPES,
     BUILTIN_MOE_MODEL_NAMES,
     BUILTIN_REWARD_NAMES,
+    BUILTIN_TOOL_MODEL_NAMES,
     GPU_RESOURCE,
     KIND,
     MODEL_URI_PATTERN,
@@ -643,6 +644,13 @@ def tool_errors(spec: RLJobSpec) -> list[FieldError]:
         if tool.name in seen:
             errs.append(FieldError(f"spec.tools[{i}].name", f"{tool.name!r} is used by an earlier tool; names must be unique"))
         seen.add(tool.name)
+    path = spec.model.path or ""
+    name = path[len("builtin://"):] if path.startswith("builtin://") and not spec.model.tokenizer_path else None
+    if agent is not None and name in BUILTIN_MODEL_SHAPES and name not in BUILTIN_TOOL_MODEL_NAMES:
+        errs.append(FieldError("spec.model.path", (
+            f"{path}'s tokenizer has no <tool_call> tags, and rollout.agent stops a turn on </tool_call> as one "
+            "token: use " + " or ".join(f"builtin://{n}" for n in BUILTIN_TOOL_MODEL_NAMES)
+            + ", a model whose tokenizer has them (Qwen2.5, Qwen3), or remove rollout.agent")))
     if agent is not None and agent.tool_call_format == ToolCallFormat.BARE and len(tools) > 1:
         errs.append(FieldError("spec.rollout.agent.toolCallFormat", f"bare passes the call's text to the job's only "
                                f"tool, and spec.tools has {len(tools)}; use hermes"))

@@ -448,6 +448,10 @@ BUILTIN_SHAPE_INVALID = [
      {R + "tensorModelParallelSize": ["rollout.engine auto (vllm at rollout TP > 1)", "at least 64"]}),
     ("vllm-rollout-tp4-over-heads", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 4},
      {R + "tensorModelParallelSize": ["builtin://tiny-qwen2-hd64 has 2 attention heads", "divides 2"]}),
+    # multi-turn rollouts stop a turn on </tool_call> as one token of the builtin's tokenizer
+    ("agent-on-a-builtin-without-tool-tags", {**Q2, R + "agent": {}, "spec.tools": [PY_TOOL]},
+     {"spec.model.path": ["builtin://tiny-qwen2's tokenizer has no <tool_call> tags", "builtin://tiny-qwen2-tools",
+                          "or remove rollout.agent"]}),
     # full recompute's layer count against the layers of a pipeline stage (chunk)
     ("recompute-uniform-3-over-2-layers", {**Q2, M + "recomputeGranularity": "full", M + "recomputeNumLayers": 3},
      {M + "recomputeNumLayers": ["recomputes groups of 3 layers", "has 2 layers per pipeline stage",
@@ -467,6 +471,10 @@ BUILTIN_SHAPE_VALID = [
     ("moe-ep4", {**MOE, M + "expertModelParallelSize": 4}),
     ("hd64-vllm-rollout-tp2", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 2}),
     ("critic-tp2", {**Q2, **GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 2}}}),
+    ("agent-on-the-tools-builtin", {"spec.model.path": "builtin://tiny-qwen2-tools", R + "agent": {},
+                                    "spec.tools": [PY_TOOL]}),
+    ("agent-on-a-builtin-with-a-tokenizer-of-its-own", {**Q2, "spec.model.tokenizerPath": "/models/qwen-tokenizer",
+                                                        R + "agent": {}, "spec.tools": [PY_TOOL]}),
     ("recompute-uniform-2-layers", {**Q2, M + "recomputeGranularity": "full", M + "recomputeNumLayers": 2}),
     ("recompute-block-2-layers", {**Q2, M + "recomputeGranularity": "full", M + "recomputeMethod": "block",
                                   M + "recomputeNumLayers": 2}),

@@ -6,9 +6,16 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
-from rljob_api.models import BUILTIN_MODEL_SHAPES, VLLM_MIN_TP_HEAD_DIM, BuiltinShape, MegatronSpec, RLJobSpec
+from rljob_api.models import (
+    BUILTIN_MODEL_SHAPES,
+    BUILTIN_TOOL_MODEL_NAMES,
+    VLLM_MIN_TP_HEAD_DIM,
+    BuiltinShape,
+    MegatronSpec,
+    RLJobSpec,
+)
 from rljob_api.validation import builtin_rollout_errors, builtin_shape_errors
-from rljob_worker.data.builtin_models import BUILTIN_MODELS
+from rljob_worker.data.builtin_models import BUILTIN_MODELS, materialize_builtin
 
 
 def test_the_api_shapes_are_the_worker_configs():
@@ -92,3 +99,14 @@ def test_validation_refuses_exactly_the_full_recompute_layer_counts_the_worker_r
         if bool(api) != bool(worker):
             disagreements.append((method, n, pp, vpp, worker, [str(e) for e in api]))
     assert not disagreements, disagreements[:3]
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_MODELS))
+def test_the_api_tool_models_are_those_whose_tokenizer_has_the_end_tag_as_one_token(name, tmp_path):
+    """Validation refuses rollout.agent on a builtin outside BUILTIN_TOOL_MODEL_NAMES; the worker refuses a tokenizer
+    that splits </tool_call> (the engines stop a turn on one token). The tokenizer materialize_builtin writes."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(materialize_builtin(name, tmp_path / name))
+    one_token = len(tokenizer("</tool_call>", add_special_tokens=False)["input_ids"]) == 1
+    assert one_token == (name in BUILTIN_TOOL_MODEL_NAMES)

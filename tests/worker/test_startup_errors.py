@@ -89,6 +89,11 @@ def build_cases(tmp: Path, s3_server, bucket: str, busy_port: int) -> dict[str, 
     hf_rollout_tp["rollout"].update(engine="hf", tensorModelParallelSize=2)
     vllm_cpu = quickstart_spec()  # (vllm with ranks rank0, refused on GPUs: test_rollout_every_rank)
     vllm_cpu["rollout"].update(engine="vllm")
+    secret_tool = yaml.safe_load((REPO / "examples" / "secret-tool.yaml").read_text())["spec"]
+    secret_tool["metrics"]["enabled"] = False
+    bad_tool = {**secret_tool, "tools": [{**secret_tool["tools"][0], "function": "no_such_tool_module:run"}]}
+    plain_tokenizer = materialize_builtin("tiny-qwen2", tmp / "plain-tokenizer")  # no <tool_call> tags
+    untagged = {**secret_tool, "model": {**secret_tool["model"], "tokenizerPath": str(plain_tokenizer)}}
     (tmp / "garbage.json").write_text("{not json")
     broken_config = damaged_model(tmp, "broken-config", lambda m: (m / "config.json").write_text('{"model_type": '))
 
@@ -130,6 +135,9 @@ def build_cases(tmp: Path, s3_server, bucket: str, busy_port: int) -> dict[str, 
         "parquet is not parquet": Case(parquet_spec(not_parquet), "spec.data.trainFiles[0]", also="not readable parquet"),
         "prompt key missing": Case(no_key, "spec.data.promptKey", also="'question'"),
         "reward does not import": Case(bad_reward, "spec.reward.function", also="no_such_reward_module"),
+        "tool does not import": Case(bad_tool, "spec.tools[0].function", also="no_such_tool_module"),
+        "tool-call end tag not one token": Case(untagged, "spec.rollout.agent.toolCallFormat",
+                                                also="'</tool_call>' is 0 tokens in this tokenizer"),
         "spec file missing": Case(None, "--spec", spec_file="no-such-spec.json", also="No such file"),
         "spec file not JSON": Case(None, "--spec", spec_file="garbage.json"),
         "TP 3 on 1 GPU": Case(bad_tp, "spec.megatron.tensorModelParallelSize", also="not divisible"),
@@ -203,6 +211,8 @@ CASE_NAMES = [
     "parquet is not parquet",
     "prompt key missing",
     "reward does not import",
+    "tool does not import",
+    "tool-call end tag not one token",
     "spec file missing",
     "spec file not JSON",
     "TP 3 on 1 GPU",

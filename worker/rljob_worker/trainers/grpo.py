@@ -83,6 +83,7 @@ from rljob_worker.rollout.weight_sync import plan_rollout_layout
 from rljob_worker.run_health import sanitize_rewards
 from rljob_worker.run_loop import RunLoop
 from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
+from rljob_worker.startup_errors import StartupError
 from rljob_worker.telemetry.flops import active_parameters
 
 log = logging.getLogger("rljob.trainer")
@@ -1012,9 +1013,9 @@ def _build_agent(spec, tokenizer) -> _Agent:
     parser = make_parser(a.tool_call_format.value, [t.name for t in spec.tools])
     end = tokenizer(parser.end_marker, add_special_tokens=False)["input_ids"]
     if len(end) != 1:
-        raise ValueError(f"spec.rollout.agent.toolCallFormat {a.tool_call_format.value}: {parser.end_marker!r} is "
-                         f"{len(end)} tokens in this tokenizer; the engines stop a turn on one token, so pick a "
-                         "tokenizer that has it as one (Qwen2.5 / Qwen3 do)")
+        raise StartupError(f"spec.rollout.agent.toolCallFormat {a.tool_call_format.value}: {parser.end_marker!r} is "
+                           f"{len(end)} tokens in this tokenizer; the engines stop a turn on one token, so pick a "
+                           "tokenizer that has it as one (Qwen2.5 / Qwen3 do; builtin://tiny-qwen2-tools)")
 
     def truncate(text: str, max_tokens: int) -> str:
         # a token holds at least one UTF-8 byte (byte-level BPE, SentencePiece with byte fallback, characters), plus
@@ -1028,9 +1029,13 @@ def _build_agent(spec, tokenizer) -> _Agent:
 
     tools = [ToolConfig(name=t.name, function=t.function, builtin=t.builtin, timeout_seconds=t.timeout_seconds,
                         max_output_tokens=t.max_output_tokens, memory_mb=t.memory_mb) for t in spec.tools]
+    try:
+        box = ToolBox(tools, truncate=truncate)
+    except ValueError as exc:  # a spec.tools[i].function that does not import: one line, as the reward's
+        raise StartupError(str(exc)) from None
     return _Agent(AgentConfig(max_turns=a.max_turns, max_tool_calls_per_turn=a.max_tool_calls_per_turn,
                               max_response_length=spec.data.max_response_length),
-                  parser, _SharedToolBox(ToolBox(tools, truncate=truncate)), ToolResponseRenderer(tokenizer), end[0])
+                  parser, _SharedToolBox(box), ToolResponseRenderer(tokenizer), end[0])
 
 
 class _SharedToolBox:
