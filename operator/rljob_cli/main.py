@@ -133,12 +133,20 @@ def _rollout_summary(s) -> str:
     return f", rollout pool {r.gpus}/node {mode}"
 
 
+def _algorithm_summary(s) -> str:
+    """'grpo', 'grpo (rloo)', 'ppo (gae)' or 'sft': the algorithm with the advantage estimator it runs."""
+    name, estimator = s.algorithm.name.value, s.algorithm.advantage_estimator.value
+    if s.critic:
+        return "ppo (gae)"
+    return name if name == "sft" or estimator == "grpo" else f"{name} ({estimator})"
+
+
 def summarize(job) -> str:
     s = job.spec
     m = s.megatron
     data = f"synthetic:{s.data.synthetic.task}" if s.data.synthetic else f"{len(s.data.train_files)} train file(s)"
     return (
-        f"{job.metadata.name}: {'ppo (gae)' if s.critic else s.algorithm.name.value} on {s.model.path}, {s.nnodes}x{s.gpus_per_node} {s.device}, "
+        f"{job.metadata.name}: {_algorithm_summary(s)} on {s.model.path}, {s.nnodes}x{s.gpus_per_node} {s.device}, "
         f"TP{m.tensor_model_parallel_size} PP{m.pipeline_model_parallel_size} CP{m.context_parallel_size} "
         + (f"EP{m.expert_model_parallel_size}, {data}" if s.algorithm.name.value == "sft" else
            f"EP{m.expert_model_parallel_size}, samplesPerPrompt={s.rollout.samples_per_prompt}, {data}"

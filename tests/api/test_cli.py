@@ -95,9 +95,11 @@ def test_validate_reports_every_error_with_its_path(tmp_path):
         "spec.megatron.tensorModelParallelSize": 3, "spec.rollout.tensorModelParallelSize": 3,
         "spec.checkpoint.resumeMode": "uri", "metadata.name": "ok-name"}))
     good = write(tmp_path, "good.yaml", gpu_job())
-    code, out = rljob("validate", good, schema_bad, cross_bad)
+    rloo = write(tmp_path, "rloo.yaml", changed(gpu_job(), {"spec.algorithm.advantageEstimator": "rloo"}))
+    code, out = rljob("validate", good, rloo, schema_bad, cross_bad)
     assert code == 1, out
     assert f"OK {good}: t: grpo on /models/qwen" in out
+    assert f"OK {rloo}: t: grpo (rloo) on /models/qwen" in out  # the estimator it runs, not plain grpo
     assert f"INVALID {schema_bad}" in out and f"INVALID {cross_bad}" in out
     for expected in [
         "  spec.nnodes: Input should be greater than or equal to 1",
