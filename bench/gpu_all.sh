@@ -31,7 +31,8 @@
 #             | grpopp2 (digit-sum GRPO, 2 GPUs, pipeline parallel 2) | grpocompiled (static vs compiled engine)
 #             grpotp2pp2 + gpu4tests (4 GPUs: TP2 x PP2 GRPO learning; mixed layouts vs one GPU)
 #             with vLLM installed (bench/vllm_carry.sh install first): vllmtests (the real-vLLM GPU tests),
-#             vllmtp2tests (the TP2 engine test, 2 GPUs),
+#             vllmtp2tests (the TP2 engine test, 2 GPUs), grpovllmval (digit-sum on vLLM with validations: the
+#             engine's sleep between steps and its state after a validation),
 #             grpovllm1 (digit-sum GRPO, engine: vllm, 1 GPU), grpovllmtp2 (same at rollout TP2, 2 GPUs, after
 #             bench/vllm_tp2_probe.py: the engine alone; stacks dumped where either stalls),
 #             grpovllm (GRPO step: static engine vs vLLM [+ TRL: GRPOVLLM_VARIANTS]), rolloutvllm (rollout
@@ -143,6 +144,7 @@ for s in $SECTIONS; do
     lossmbs1|lossmbs4) m=${s#lossmbs}; section $s ${LOSSMBS_LIMIT:-540} bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_mbs$m.yaml --workdir /tmp/mbs$m --fresh | grep -E 'step (1|100|200|300)/|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/mbs$m/work/metrics.jsonl grpo-digit-sum-mbs$m" ;;
     gpu4tests) section gpu4tests ${GPU4_LIMIT:-300} python3 -m pytest tests/worker/test_megatron_gpu.py -k "${GPU4_K:-four_gpu}" -v -p no:cacheprovider -rs ;;
     vllmtests) section vllmtests ${VLLMTESTS_LIMIT:-240} bash -c "for f in tests/worker/test_vllm_gpu_fp32.py tests/worker/test_vllm_gpu.py tests/worker/test_vllm_gpu_moe.py tests/worker/test_vllm_gpu_graphs.py; do python3 -m pytest \$f -v -s -p no:cacheprovider -rs; done; python3 -m pytest tests/worker/test_vllm_engine.py -m vllm -v -p no:cacheprovider -rs" ;;
+    grpovllmval) section grpovllmval ${GRPOVLLMVAL_LIMIT:-150} bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm_val.yaml --workdir /tmp/vllmval --fresh 2>&1 | grep -E 'step (1|100|200|300)/|validation|rollout engine|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/vllmval/work/metrics.jsonl grpo-digit-sum-vllm-val" ;;
     grpovllm1) section grpovllm1 180 bash -c "python3 -m rljob_cli.main run bench/gpu_digit_sum_vllm.yaml --workdir /tmp/vllm1 --fresh | grep -E 'step (1|100|300|500|700)/|rollout engine|rror|Traceback|finished' ; python3 bench/summarize_grpo.py /tmp/vllm1/work/metrics.jsonl grpo-digit-sum-vllm" ;;
     vllmtp2tests) section vllmtp2tests 260 python3 -m pytest tests/worker/test_vllm_gpu_tp2.py -v -p no:cacheprovider -rs ;;
     grpovllmtp2) section grpovllmtp2 ${VLLMTP2_LIMIT:-570} bash bench/vllm_tp2_run.sh ;;

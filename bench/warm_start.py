@@ -20,6 +20,8 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, VLLM_CACHE_ROOT) and one sha
   of its own: vLLM compiles the model and captures its CUDA graphs while it is built (start-up), so for these
   pods ``ready_s`` (start-up + first step) is the number to compare, and the start-up lines show the model
   build's share. The restored pod unpacks the cold pod's archive (vLLM's compile cache under VLLM_CACHE_ROOT).
+  ``restoredvllmkeep``: restored, the engine keeping a host copy of its weights while asleep
+  (``RLJOB_VLLM_SLEEP_LEVEL=1``; the default, level 2, drops them and the weight sync refills them).
   ``coldvllmall`` / ``restoredvllmall``: the same with vLLM's own CUDA-graph sizes (``RLJOB_VLLM_CAPTURE=all``:
   up to 512 rows, not up to the 256 a step decodes) and a store of their own (the sizes are in vLLM's cache key).
 - ``restoredprof`` / ``restoredpreprof`` / ``restoredvllmprof``: another new pod restored from storage, 2 steps,
@@ -108,7 +110,8 @@ def main() -> int:
         pod_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
                    "VLLM_CACHE_ROOT": str(cache / "vllm"), "RLJOB_HF_STATIC_COMPILE": "0" if pod == "nocompile" else "1",
                    "RLJOB_COMPILE_SCOPE": "step" if pod == "coldstep" else "layer",
-                   "RLJOB_PRECOMPILE": "1" if pre else "0", "RLJOB_VLLM_CAPTURE": "all" if "vllmall" in pod else "rollout"}
+                   "RLJOB_PRECOMPILE": "1" if pre else "0", "RLJOB_VLLM_CAPTURE": "all" if "vllmall" in pod else "rollout",
+                   "RLJOB_VLLM_SLEEP_LEVEL": "1" if pod.endswith("keep") else "2"}
         if profiled:
             profile_dir.mkdir(parents=True, exist_ok=True)
             pod_env["RLJOB_BENCH_CPROFILE_DIR"] = str(profile_dir)
@@ -151,6 +154,8 @@ def main() -> int:
         compiled = [s.get("rollout/decode_compiled", 1.0) for s in steps]  # absent: compile off
         times = [s["timing/step_s"] for s in steps]
         rollout = [s.get("timing/rollout_s") for s in steps]
+        # engine vs trainer log-probs after each weight sync: a sync that left a weight wrong shows here
+        mismatch = [round(s["rollout/logprob_mismatch_mean"], 4) for s in steps if "rollout/logprob_mismatch_mean" in s]
         later = [i for i in range(1, len(steps)) if compiled[i]]
         if profiled:  # profiled: its times are not the pod's
             print(json.dumps({"first_s": times[0], "first_rollout_s": rollout[0]}), flush=True)
@@ -164,7 +169,8 @@ def main() -> int:
         rows[pod] = {"first_s": times[0], "warm_s": warm, "ratio": times[0] / warm, "wall_s": wall,
                      "startup_s": startup, "ready_s": startup + times[0],
                      "first_rollout_s": rollout[0], "warm_rollout_s": statistics.median(rollout[i] for i in later),
-                     "uncompiled_steps": compiled.count(0.0), "step2_s": times[1] if len(times) > 1 else None,
+                     "uncompiled_steps": compiled.count(0.0), "step2_s": times[1] if len(times) > 1 else None, "logprob_mismatch": mismatch,
+                     "sync_s": [s.get("timing/weight_sync_s") for s in steps],
                      "uncompiled_median_s": statistics.median(t for t, c in zip(times, compiled) if not c)
                      if compiled.count(0.0) > 1 else None, "lines": lines}
         print(json.dumps({k: v for k, v in rows[pod].items() if k != "lines"}), flush=True)
@@ -194,6 +200,8 @@ PAIRS = [
     ("restoredvllm", "restoredvllmall", "ready_s",
      ("start-up + first step, restored vLLM pod, CUDA graphs up to a step's rows"),
      "the same, vLLM's own CUDA-graph sizes (RLJOB_VLLM_CAPTURE=all)"),
+    ("restoredvllm", "restoredvllmkeep", "first_s", "first step, restored vLLM pod, weights dropped while asleep",
+     "the same, a host copy of the weights kept while asleep (RLJOB_VLLM_SLEEP_LEVEL=1)"),
     ("restoredpre", "restored", "first_s", "first step, restored pod, decode regions precompiled",
      "first step, restored pod, plain torch.compile (RLJOB_PRECOMPILE=0)"),
     ("coldpre", "cold", "first_s", "first step, cold pod, decode regions precompiled and saved",

@@ -292,6 +292,28 @@ def test_make_engine_builds_it_from_the_spec_settings(fake_vllm, model_dir):
     assert (kw["tensor_parallel_size"], kw["gpu_memory_utilization"], kw["dtype"]) == (4, 0.3, "float16")
 
 
+@pytest.mark.parametrize(("setting", "level"), [(None, 2), ("2", 2), ("1", 1)])
+def test_a_made_engine_drops_its_weights_asleep_unless_told_to_keep_a_host_copy(fake_vllm, model_dir, monkeypatch,
+                                                                               setting, level):
+    """The trainer refills every weight after each sleep (its weight sync), so by default the engine keeps no host
+    copy (level 2); RLJOB_VLLM_SLEEP_LEVEL=1 keeps one, and the trainer then syncs LoRA's changed weights only."""
+    if setting is None:
+        monkeypatch.delenv("RLJOB_VLLM_SLEEP_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("RLJOB_VLLM_SLEEP_LEVEL", setting)
+    engine = make_engine(EngineName.VLLM, model_dir, dtype=torch.float16, device=torch.device("cpu"), eos_token_id=1,
+                         pad_token_id=0)
+    engine.sleep()
+    assert engine.sleep_level == level and FakeLLM.instances[-1].log == [f"sleep({level})"]
+
+
+def test_a_sleep_level_typo_is_refused_by_name(fake_vllm, model_dir, monkeypatch):
+    monkeypatch.setenv("RLJOB_VLLM_SLEEP_LEVEL", "3")
+    with pytest.raises(ValueError, match=r"RLJOB_VLLM_SLEEP_LEVEL='3': set 2 .* or 1"):
+        make_engine(EngineName.VLLM, model_dir, dtype=torch.float16, device=torch.device("cpu"), eos_token_id=1,
+                    pad_token_id=0)
+
+
 @pytest.mark.parametrize(("rows", "bound"), [
     (None, None), (0, None), (1, 4), (4, 4), (5, 8), (20, 24), (248, 248), (249, 256), (256, 256), (257, 272),
     (496, 496), (497, None), (4096, None),  # 512 and above: vLLM's own ceiling, its default list

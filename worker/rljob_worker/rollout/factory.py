@@ -55,12 +55,13 @@ def make_engine(name: EngineName, model_dir: str, *, dtype: torch.dtype, device:
         if not vllm_available:
             raise RuntimeError("spec.rollout.engine is vllm but vLLM is not installed in the worker image; "
                                "use the rljob GPU worker image or set rollout.engine: hf")
-        from rljob_worker.rollout.vllm_engine import VLLMEngine
+        from rljob_worker.rollout.vllm_engine import VLLMEngine, sleep_level_setting
 
         return VLLMEngine(model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                           enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
-                          eos_token_id=eos_token_id, seed=seed, record_routing=record_routing, max_rows=max_rows)
+                          eos_token_id=eos_token_id, seed=seed, record_routing=record_routing, max_rows=max_rows,
+                          sleep_level=sleep_level_setting())
     from rljob_worker.rollout.hf_engine import HFEngine
 
     choice = os.environ.get("RLJOB_HF_STATIC", "1")

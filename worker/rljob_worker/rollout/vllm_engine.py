@@ -113,6 +113,22 @@ def capture_size_bound(rows: int | None, environ: dict[str, str] | None = None) 
     return None if bound >= VLLM_MAX_CAPTURE else bound
 
 
+# A colocated engine sleeps while the actor trains. Level 1 copies its weights to pinned host memory at every sleep
+# and back at every wake, and its first sleep pins a host buffer the size of the model (3.5 s of a 7B pod's first
+# step on an H200, bench/NOTES.md session 21); level 2 drops them, and the trainer's weight sync refills every
+# parameter before the engine samples again anyway. RLJOB_VLLM_SLEEP_LEVEL=1 keeps the host copy.
+SLEEP_LEVEL_ENV = "RLJOB_VLLM_SLEEP_LEVEL"
+
+
+def sleep_level_setting(environ: dict[str, str] | None = None) -> int:
+    """The sleep level a colocated engine uses: 2 unless RLJOB_VLLM_SLEEP_LEVEL says 1."""
+    setting = (os.environ if environ is None else environ).get(SLEEP_LEVEL_ENV, "2").strip() or "2"
+    if setting not in ("1", "2"):
+        raise ValueError(f"{SLEEP_LEVEL_ENV}={setting!r}: set 2 (drop the weights while asleep; the weight sync "
+                         "refills them, the default) or 1 (keep a copy in host memory)")
+    return int(setting)
+
+
 def check_vllm_version(version: str, tested: tuple[str, str] = TESTED_VLLM) -> None:
     """Refuse a vLLM outside the tested range [tested[0], tested[1]) with an error naming both.
 

@@ -587,13 +587,14 @@ class GRPOTrainer(RunLoop):
         generated = sum(sum(m) for m in loss_masks) if self.agent is not None else sum(len(r) for r in out.response_ids)
         return records, responses, rewards, seconds, float(generated)
 
-    def _rollout(self, records, params: SamplingParams):
-        """Sample params.n responses per record: one turn, or the agent loop (spec.rollout.agent).
+    def _rollout(self, records, params: SamplingParams, release: bool = True):
+        """Sample params.n responses per record: one turn, or the agent loop (spec.rollout.agent). ``release``:
+        free the engine's memory afterwards.
 
         Returns (RolloutOutput (N,), final texts (N,), trajectories as dicts or None, loss masks (N,) or [None]s).
         """
         if self.agent is None:
-            out = self._generate([r.prompt_ids for r in records], params)
+            out = self._generate([r.prompt_ids for r in records], params, release=release)
             texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
             return out, texts, None, [None] * len(out.response_ids)
         from rljob_worker.rollout.agent_loop import agent_output, merge_loop_results, run_agent_loop
@@ -621,7 +622,8 @@ class GRPOTrainer(RunLoop):
                     lambda ids, p: self._generate(ids, p, release=False), prompt_ids, params, tools=a.tools,
                     contexts=contexts, open_stream=self._row_streams(), **loop)
         finally:
-            self._release_engine()
+            if release:
+                self._release_engine()
         outcomes = tool_metrics.pop("outcomes")
         if self.is_main:
             self.telemetry.record_tool_calls(outcomes)
@@ -906,7 +908,9 @@ class GRPOTrainer(RunLoop):
         spec, records = self.spec, self.val_set.records
         params = SamplingParams(n=spec.rollout.val_n, temperature=spec.rollout.val_temperature,
                                 top_p=spec.rollout.top_p, max_new_tokens=spec.data.max_response_length, seed=12345)
-        _, texts, trajectories, _ = self._rollout(records, params)
+        # vLLM stays awake: the next rollout wants it so, and a level-2 sleep would drop weights that no sync refills
+        # before that rollout (the step's sync comes after its update)
+        _, texts, trajectories, _ = self._rollout(records, params, release=not self.engine_is_vllm)
         if not self.is_main:
             return None
         prompts = [r for r in records for _ in range(spec.rollout.val_n)]
