@@ -207,6 +207,14 @@ def test_an_empty_file_is_an_error(tmp_path):
         load_datasets(spec(str(path)), char_tokenizer(), seed=0)
 
 
+def test_an_empty_validation_file_names_val_files(tmp_path):
+    train = write(tmp_path, [verl_row("1+2=", "3", 0)])
+    empty = tmp_path / "empty-val.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    with pytest.raises(DataError, match=r"^spec\.data\.valFiles \[.*empty-val\.parquet'\]: no rows \(remove valFiles"):
+        load_datasets(spec(str(train), val_files=[str(empty)]), char_tokenizer(), seed=0)
+
+
 def test_synthetic_data_needs_no_files():
     from rljob_api.models import SyntheticDataSpec
 

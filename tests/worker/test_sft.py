@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -179,6 +181,17 @@ def test_tokenized_rows_and_length_policy():
     spec.sft.format = SFTDataFormat.PROMPT_RESPONSE
     with pytest.raises(DataError, match="spec.sft.responseKey 'response' is not a column"):
         build_sft_dataset([{"prompt": "1", "answer": "2"}], spec, tok, "t")
+
+
+@pytest.mark.parametrize("field", ["trainFiles", "valFiles"])
+def test_an_empty_file_names_its_field(tmp_path, field):
+    full, empty = tmp_path / "full.parquet", tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1="], "response": ["2"]}), full)
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "response": pa.array([], pa.string())}), empty)
+    files = {"data.trainFiles": [str(empty if field == "trainFiles" else full)],
+             "data.valFiles": [str(empty)] if field == "valFiles" else []}
+    with pytest.raises(DataError, match=rf"^spec\.data\.{field} \[.*empty\.parquet'\]: no rows"):
+        load_sft_datasets(_spec(**{"data.synthetic": None, **files}), tokenizer(), seed=1)
 
 
 def test_synthetic_data_and_collate():

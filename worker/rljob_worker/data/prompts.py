@@ -164,6 +164,9 @@ def load_datasets(spec: DataSpec, tokenizer, seed: int, fetch=None,
     val = None
     if spec.val_files:
         val_rows = _read_files(spec.val_files, "valFiles", fetch, reward)
+        if not val_rows:
+            raise DataError(f"spec.data.valFiles {spec.val_files}: no rows (remove valFiles to train without "
+                            "validation)")
         val = build_dataset(val_rows, spec, tokenizer, ",".join(spec.val_files))
     return train, val
 

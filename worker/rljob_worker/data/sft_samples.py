@@ -233,10 +233,14 @@ def load_sft_datasets(spec: RLJobSpec, tokenizer, seed: int,
         val = build_sft_dataset(val_rows, spec, tokenizer, "synthetic-val") if val_rows else None
         return train, val
     train_rows = [r for i, f in enumerate(d.train_files) for r in read_parquet_rows(f, fetch, f"spec.data.trainFiles[{i}]")]
+    if not train_rows:
+        raise DataError(f"spec.data.trainFiles {d.train_files}: no rows")
     train = build_sft_dataset(train_rows, spec, tokenizer, ",".join(d.train_files))
     val = None
     if d.val_files:
         val_rows = [r for i, f in enumerate(d.val_files) for r in read_parquet_rows(f, fetch, f"spec.data.valFiles[{i}]")]
+        if not val_rows:
+            raise DataError(f"spec.data.valFiles {d.val_files}: no rows (remove valFiles to train without validation)")
         val = build_sft_dataset(val_rows, spec, tokenizer, ",".join(d.val_files))
     return train, val
 
