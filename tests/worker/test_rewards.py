@@ -290,3 +290,20 @@ def test_score_all_inline_a_reward_that_beats_the_alarm_still_fails_as_timed_out
     with pytest.raises(RewardError, match=words):
         score_all(fn, *batch(["fast", "slow", "fast"], sleep=1.2), timeout_s=0.5)
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_by_source_route_no_row_uses_is_named_with_the_sources_there_are():
+    """A bySource key that is no row's data_source (a typo, 'math' for 'lighteval/MATH') silently left those rows to
+    spec.reward; the trainer now logs this line at start-up. Keys that match stay unnamed."""
+    from rljob_api.models import RewardSpec
+    from rljob_worker.rewards import RewardRouter
+
+    router = RewardRouter(RewardSpec.model_validate({"function": "gsm8k", "bySource": {
+        "openai/gsm8k": {"function": "gsm8k"}, "math": {"function": "math-boxed"}, "Math": {"function": "format"}}}),
+        environ={})
+    line = router.unused_routes_warning({"openai/gsm8k", "lighteval/MATH"})
+    assert line.startswith("spec.reward.bySource 'Math', 'math': no row of data.trainFiles / valFiles"), line
+    assert "scored by spec.reward" in line and "the data's sources are 'lighteval/MATH', 'openai/gsm8k'" in line, line
+    assert "'openai/gsm8k'," not in line.split(":")[0]
+    assert router.unused_routes_warning({"openai/gsm8k", "math", "Math", "other"}) is None
+    assert RewardRouter(RewardSpec.model_validate({"function": "gsm8k"}), environ={}).unused_routes_warning(set()) is None

@@ -111,6 +111,17 @@ class RewardRouter:
         self.overlap = bool(remotes) and all(r.remote.spec.overlap for r in remotes)
         self._background = ThreadPoolExecutor(len(remotes), thread_name_prefix="rljob-reward-route") if remotes else None
 
+    def unused_routes_warning(self, data_sources: set[str]) -> str | None:
+        """One line naming the spec.reward.bySource keys that match no row's data_source (a typo, or the data's
+        sources are spelt otherwise: those rows are scored by spec.reward instead, silently); None when all match."""
+        unused = sorted(k for k in self.routes if k != DEFAULT_ROUTE and k not in data_sources)
+        if not unused:
+            return None
+        present = ", ".join(repr(s) for s in sorted(data_sources)[:8]) + (", ..." if len(data_sources) > 8 else "")
+        return (f"spec.reward.bySource {', '.join(repr(k) for k in unused)}: no row of data.trainFiles / valFiles "
+                f"(or data.synthetic) has that data_source, so the route is never used and those rows are scored by "
+                f"spec.reward; the data's sources are {present or 'none'}: rename the key to one of them")
+
     def route_of(self, data_source: str) -> str:
         return data_source if data_source in self.routes and data_source != DEFAULT_ROUTE else DEFAULT_ROUTE
 

@@ -134,6 +134,11 @@ class GRPOTrainer(RunLoop):
         self.train_set, self.val_set = load_datasets(spec.data, self.tokenizer, spec.training.seed,
                                                      fetch=self._fetcher(),
                                                      reward=None if spec.reward.remote else spec.reward.function)
+        if self.is_main and spec.reward.by_source:
+            warning = self.rewards.unused_routes_warning(
+                {r.data_source for ds in (self.train_set, self.val_set) if ds is not None for r in ds.records})
+            if warning:
+                log.warning("%s", warning)
         self.agent = _build_agent(spec, self.tokenizer) if spec.rollout.agent is not None else None
         self.prompts_per_step = spec.training.train_batch_size_per_node * spec.nnodes
         self.sampler = EpochSampler(len(self.train_set), self.prompts_per_step, spec.training.seed, spec.data.shuffle)
