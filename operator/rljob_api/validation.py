@@ -872,12 +872,15 @@ def sizes_of(pp: int, vpp: int | None) -> str:
     return f"PP x VPP = {pp}x{vpp}" if vpp else f"PP {pp}"
 
 
-def builtin_shape_errors(name: str, m: MegatronSpec, prefix: str) -> list[FieldError]:
+def builtin_shape_errors(name: str, m: MegatronSpec, prefix: str, layers: int | None = None) -> list[FieldError]:
     """The megatron sizes a built-in model cannot be split by, which the worker refuses at start-up (megatron/
     model_config.check_hf_config: TP divides the attention and KV heads; engine_config.check_layer_split: PP x VPP
     divides the layers; moe.check_moe_hf_config: EP divides the experts, and a dense model takes EP 1;
-    model_config.recompute_kwargs: full recompute's recomputeNumLayers fits the layers of a pipeline chunk). Pure."""
+    model_config.recompute_kwargs: full recompute's recomputeNumLayers fits the layers of a pipeline chunk).
+    ``layers``: the layers built when fewer than the model's (a critic cut at outputLayerIndex). Pure."""
     s, errs = BUILTIN_MODEL_SHAPES[name], []
+    if layers is not None:
+        s = s._replace(layers=layers)
     tp, pp, ep = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size
     vpp = m.virtual_pipeline_model_parallel_size if pp > 1 else None  # VPP without PP: megatron_errors says so
     if s.attention_heads % tp or s.kv_heads % tp:
@@ -907,8 +910,9 @@ def builtin_shape_errors(name: str, m: MegatronSpec, prefix: str) -> list[FieldE
             what = f"groups of {n} layers" if uniform else f"{n} layers of each stage"
             errs.append(FieldError(f"{prefix}.recomputeNumLayers", (
                 f"{n}: full recompute with recomputeMethod {m.recompute_method.value} recomputes {what}, and "
-                f"builtin://{name} has {per_chunk} layer{'s' if per_chunk > 1 else ''} per pipeline "
-                f"{'chunk' if vpp else 'stage'} ({s.layers} layers / {sizes_of(pp, vpp)}): set it to "
+                f"builtin://{name}" + (f" cut at outputLayerIndex {layers}" if layers is not None else "")
+                + f" has {per_chunk} layer{'s' if per_chunk > 1 else ''} per pipeline {'chunk' if vpp else 'stage'} "
+                f"({s.layers} layer{'s' if s.layers > 1 else ''} / {sizes_of(pp, vpp)}): set it to "
                 + ("a divisor of" if uniform else "at most") + f" {per_chunk}")))
     if ep > 1 and not s.experts:
         errs.append(FieldError(f"{prefix}.expertModelParallelSize", (
@@ -956,7 +960,7 @@ def builtin_model_errors(spec: RLJobSpec) -> list[FieldError]:
     for where, path, megatron, prefix in models:
         if not path or not path.startswith("builtin://"):
             continue
-        name = path[len("builtin://"):]
+        name, layers = path[len("builtin://"):], None
         if name not in BUILTIN_MODEL_SHAPES:
             if where == "spec.critic.model.path" and spec.critic.model.path is None:
                 continue  # the actor's path, reported above
@@ -964,7 +968,14 @@ def builtin_model_errors(spec: RLJobSpec) -> list[FieldError]:
                                    + ", ".join(f"builtin://{n}" for n in BUILTIN_MODEL_NAMES)
                                    + ", or give an s3:// or local Hugging Face folder"))
             continue
-        errs.extend(builtin_shape_errors(name, megatron, prefix))
+        cut = spec.critic.output_layer_index if prefix == "spec.critic.megatron" else None
+        if cut is not None and cut > BUILTIN_MODEL_SHAPES[name].layers:
+            most = BUILTIN_MODEL_SHAPES[name].layers
+            errs.append(FieldError("spec.critic.outputLayerIndex", f"{cut} is past {path}'s {most} decoder layers: pick "
+                                   f"1..{most} (or unset it for the last layer)"))
+        elif cut is not None:
+            layers = cut  # the critic is built from the first outputLayerIndex layers
+        errs.extend(builtin_shape_errors(name, megatron, prefix, layers))
         if prefix == "spec.megatron":
             errs.extend(builtin_rollout_errors(name, spec))
     return errs

@@ -448,6 +448,13 @@ BUILTIN_SHAPE_INVALID = [
      {R + "tensorModelParallelSize": ["rollout.engine auto (vllm at rollout TP > 1)", "at least 64"]}),
     ("vllm-rollout-tp4-over-heads", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 4},
      {R + "tensorModelParallelSize": ["builtin://tiny-qwen2-hd64 has 2 attention heads", "divides 2"]}),
+    # the critic cut at outputLayerIndex: within the builtin's layers, and its recompute over the layers it keeps
+    ("critic-output-layer-past-the-builtins-layers", {**Q2, **GAE, "spec.critic": {"outputLayerIndex": 3}},
+     {C + "outputLayerIndex": ["3 is past builtin://tiny-qwen2's 2 decoder layers", "pick 1..2"]}),
+    ("critic-recompute-over-its-cut-layers", {**Q2, **GAE, "spec.critic": {"outputLayerIndex": 1, "megatron": {
+        "recomputeGranularity": "full", "recomputeNumLayers": 2}}},
+     {C + "megatron.recomputeNumLayers": ["cut at outputLayerIndex 1 has 1 layer per pipeline stage",
+                                          "a divisor of 1"]}),
     # multi-turn rollouts stop a turn on </tool_call> as one token of the builtin's tokenizer
     ("agent-on-a-builtin-without-tool-tags", {**Q2, R + "agent": {}, "spec.tools": [PY_TOOL]},
      {"spec.model.path": ["builtin://tiny-qwen2's tokenizer has no <tool_call> tags", "builtin://tiny-qwen2-tools",
@@ -471,6 +478,8 @@ BUILTIN_SHAPE_VALID = [
     ("moe-ep4", {**MOE, M + "expertModelParallelSize": 4}),
     ("hd64-vllm-rollout-tp2", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 2}),
     ("critic-tp2", {**Q2, **GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 2}}}),
+    ("critic-output-layer-last", {**Q2, **GAE, "spec.critic": {"outputLayerIndex": 2, "megatron": {
+        "recomputeGranularity": "full", "recomputeNumLayers": 2}}}),
     ("agent-on-the-tools-builtin", {"spec.model.path": "builtin://tiny-qwen2-tools", R + "agent": {},
                                     "spec.tools": [PY_TOOL]}),
     ("agent-on-a-builtin-with-a-tokenizer-of-its-own", {**Q2, "spec.model.tokenizerPath": "/models/qwen-tokenizer",

@@ -110,3 +110,24 @@ def test_the_api_tool_models_are_those_whose_tokenizer_has_the_end_tag_as_one_to
     tokenizer = AutoTokenizer.from_pretrained(materialize_builtin(name, tmp_path / name))
     one_token = len(tokenizer("</tool_call>", add_special_tokens=False)["input_ids"]) == 1
     assert one_token == (name in BUILTIN_TOOL_MODEL_NAMES)
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_MODELS))
+def test_validation_refuses_exactly_the_critic_output_layers_the_worker_refuses(name):
+    """megatron/critic.critic_hf_config against builtin_model_errors' spec.critic.outputLayerIndex."""
+    from rljob_api.validation import builtin_model_errors
+    from rljob_worker.megatron.critic import critic_hf_config
+
+    disagreements = []
+    for index in range(1, BUILTIN_MODELS[name]["num_hidden_layers"] + 3):
+        try:
+            critic_hf_config(SimpleNamespace(**BUILTIN_MODELS[name]), index)
+            worker = None
+        except ValueError as exc:
+            worker = str(exc)
+        spec = RLJobSpec.model_validate({"model": {"path": f"builtin://{name}"}, "algorithm": {
+            "advantageEstimator": "gae"}, "critic": {"outputLayerIndex": index}})
+        api = [e for e in builtin_model_errors(spec) if e.path == "spec.critic.outputLayerIndex"]
+        if bool(api) != bool(worker):
+            disagreements.append((index, worker, [str(e) for e in api]))
+    assert not disagreements, disagreements[:3]
