@@ -876,7 +876,8 @@ def builtin_shape_errors(name: str, m: MegatronSpec, prefix: str, layers: int | 
     """The megatron sizes a built-in model cannot be split by, which the worker refuses at start-up (megatron/
     model_config.check_hf_config: TP divides the attention and KV heads; engine_config.check_layer_split: PP x VPP
     divides the layers; moe.check_moe_hf_config: EP divides the experts, and a dense model takes EP 1;
-    model_config.recompute_kwargs: full recompute's recomputeNumLayers fits the layers of a pipeline chunk).
+    model_config.recompute_kwargs: full recompute's recomputeNumLayers fits the layers of a pipeline chunk;
+    moe.check_training_layout: an MoE model trains at TP > 1 only with sequence parallelism).
     ``layers``: the layers built when fewer than the model's (a critic cut at outputLayerIndex). Pure."""
     s, errs = BUILTIN_MODEL_SHAPES[name], []
     if layers is not None:
@@ -914,6 +915,10 @@ def builtin_shape_errors(name: str, m: MegatronSpec, prefix: str, layers: int | 
                 + f" has {per_chunk} layer{'s' if per_chunk > 1 else ''} per pipeline {'chunk' if vpp else 'stage'} "
                 f"({s.layers} layer{'s' if s.layers > 1 else ''} / {sizes_of(pp, vpp)}): set it to "
                 + ("a divisor of" if uniform else "at most") + f" {per_chunk}")))
+    if s.experts and tp > 1 and not m.sequence_parallel:
+        errs.append(FieldError(f"{prefix}.sequenceParallel", (
+            f"must be true to train builtin://{name}, a mixture-of-experts model, at tensorModelParallelSize {tp} "
+            "(megatron's MoE layer requires it): set it, or use TP 1 with expertModelParallelSize for the experts")))
     if ep > 1 and not s.experts:
         errs.append(FieldError(f"{prefix}.expertModelParallelSize", (
             f"builtin://{name} is dense (no experts to spread): set it to 1"

@@ -448,6 +448,13 @@ BUILTIN_SHAPE_INVALID = [
      {R + "tensorModelParallelSize": ["rollout.engine auto (vllm at rollout TP > 1)", "at least 64"]}),
     ("vllm-rollout-tp4-over-heads", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 4},
      {R + "tensorModelParallelSize": ["builtin://tiny-qwen2-hd64 has 2 attention heads", "divides 2"]}),
+    # megatron's MoE layer trains under TP only with sequence parallelism
+    ("moe-tp2-without-sequence-parallel", {**MOE, M + "tensorModelParallelSize": 2},
+     {M + "sequenceParallel": ["must be true to train builtin://tiny-qwen3-moe", "at tensorModelParallelSize 2",
+                               "use TP 1 with expertModelParallelSize"]}),
+    ("moe-critic-tp2-without-sequence-parallel", {**MOE, **GAE, "spec.critic": {"megatron": {
+        "tensorModelParallelSize": 2}}},
+     {C + "megatron.sequenceParallel": ["must be true to train builtin://tiny-qwen3-moe"]}),
     # the critic cut at outputLayerIndex: within the builtin's layers, and its recompute over the layers it keeps
     ("critic-output-layer-past-the-builtins-layers", {**Q2, **GAE, "spec.critic": {"outputLayerIndex": 3}},
      {C + "outputLayerIndex": ["3 is past builtin://tiny-qwen2's 2 decoder layers", "pick 1..2"]}),
@@ -478,6 +485,7 @@ BUILTIN_SHAPE_VALID = [
     ("moe-ep4", {**MOE, M + "expertModelParallelSize": 4}),
     ("hd64-vllm-rollout-tp2", {**HD64, R + "engine": "vllm", R + "tensorModelParallelSize": 2}),
     ("critic-tp2", {**Q2, **GAE, "spec.critic": {"megatron": {"tensorModelParallelSize": 2}}}),
+    ("moe-tp2-sequence-parallel", {**MOE, M + "tensorModelParallelSize": 2, M + "sequenceParallel": True}),
     ("critic-output-layer-last", {**Q2, **GAE, "spec.critic": {"outputLayerIndex": 2, "megatron": {
         "recomputeGranularity": "full", "recomputeNumLayers": 2}}}),
     ("agent-on-the-tools-builtin", {"spec.model.path": "builtin://tiny-qwen2-tools", R + "agent": {},

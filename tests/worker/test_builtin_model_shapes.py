@@ -39,25 +39,31 @@ LAYOUTS = [(tp, pp, vpp, ep) for tp, pp, vpp, ep in itertools.product([1, 2, 4, 
 
 @pytest.mark.parametrize("name", list(BUILTIN_MODELS))
 def test_validation_refuses_exactly_the_layouts_the_worker_refuses(name):
-    """The worker's start-up checks (check_hf_config: heads, KV heads, FFN and experts; check_layer_split: layers)
-    against builtin_shape_errors over a grid of TP x PP x VPP x EP."""
+    """The worker's start-up checks (check_hf_config: heads, KV heads, FFN and experts; check_layer_split: layers;
+    check_training_layout: MoE under TP needs sequence parallelism) against builtin_shape_errors over a grid of
+    TP x PP x VPP x EP x SP."""
     from rljob_worker.megatron.engine_config import ParallelConfig, check_layer_split
     from rljob_worker.megatron.model_config import check_hf_config
+    from rljob_worker.megatron.moe import check_training_layout
 
     config = SimpleNamespace(**BUILTIN_MODELS[name])
     disagreements = []
-    for tp, pp, vpp, ep in LAYOUTS:
+    for (tp, pp, vpp, ep), sp in itertools.product(LAYOUTS, [False, True]):
+        if sp and tp == 1:
+            continue  # SP without TP: a rule of its own (megatron_errors)
         try:
             check_hf_config(config, tp, ep)
             check_layer_split(config.num_hidden_layers, ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep))
+            check_training_layout(config, tp, sp)
             worker = None
         except ValueError as exc:
             worker = str(exc)
         m = MegatronSpec.model_validate({"tensorModelParallelSize": tp, "pipelineModelParallelSize": pp,
-                                         "virtualPipelineModelParallelSize": vpp, "expertModelParallelSize": ep})
+                                         "virtualPipelineModelParallelSize": vpp, "expertModelParallelSize": ep,
+                                         "sequenceParallel": sp})
         api = builtin_shape_errors(name, m, "spec.megatron")
         if bool(api) != bool(worker):
-            disagreements.append((tp, pp, vpp, ep, worker, [str(e) for e in api]))
+            disagreements.append((tp, pp, vpp, ep, sp, worker, [str(e) for e in api]))
     assert not disagreements, disagreements[:3]
 
 
