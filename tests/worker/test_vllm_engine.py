@@ -8,6 +8,8 @@ sampled token, so the mapping to RolloutOutput is checked for real.
 from __future__ import annotations
 
 import importlib.machinery
+import json
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -305,6 +307,30 @@ def test_a_made_engine_drops_its_weights_asleep_unless_told_to_keep_a_host_copy(
                          pad_token_id=0)
     engine.sleep()
     assert engine.sleep_level == level and FakeLLM.instances[-1].log == [f"sleep({level})"]
+
+
+def test_a_validation_leaves_a_level_two_engine_awake_and_every_step_samples_synced_weights(tmp_path):
+    """The trainer with the real VLLMEngine over the stand-in, weights dropped while asleep: a validation before each
+    step, then the step. The validation keeps the engine awake (a sleep there would drop weights that no sync
+    refills before the step's rollout: the step's generate then fails), and each step's sleep is followed by the
+    weights, their sync and the KV cache, in that order, before anything samples again."""
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).parents[2] / "examples" / "quickstart.yaml").read_text())["spec"]
+    spec["training"].update(totalTrainingSteps=2, testFreq=1)
+    spec["checkpoint"].update(uri=f"file://{tmp_path}/ckpt", saveFreq=-1, exportHf=False)
+    spec["metrics"] = {"enabled": False}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_validation_probe.py")),
+                           str(tmp_path / "spec.json"), str(tmp_path), str(out)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = [entry for entry in json.loads(out.read_text())["log"] if entry not in ("load_weights",
+                                                                                 "reset_prefix_cache")]
+    step = ["generate", "sleep(2)", "wake_up(weights)", "wake_up(kv_cache)"]  # rollout, update, sync
+    assert log == ["generate", *step, "generate", *step]  # validation, step 1, validation, step 2
+    assert "load_weights" in json.loads(out.read_text())["log"]
 
 
 def test_a_sleep_level_typo_is_refused_by_name(fake_vllm, model_dir, monkeypatch):
