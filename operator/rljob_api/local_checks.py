@@ -87,6 +87,11 @@ def local_problems(spec: RLJobSpec, checkpoint_uri: str | None = None) -> tuple[
         problem = _writable_problem("spec.metrics.tensorboardDir", spec.metrics.tensorboard_dir)
         if problem:
             problems.append(problem)
+    last_port = spec.metrics.port + spec.nnodes - 1  # `rljob run` serves pod i's metrics on port + i
+    if spec.metrics.enabled and last_port > 65535:
+        problems.append(f"spec.metrics.port: {spec.metrics.port}: `rljob run` serves pod i's metrics on port + i, and "
+                        f"pod {spec.nnodes - 1} would get {last_port}, past 65535; lower it to at most "
+                        f"{65536 - spec.nnodes}")
     if ":" in spec.reward.function:
         unchecked.append(f"spec.reward.function {spec.reward.function} (imported by the worker at start-up)")
     return problems, unchecked

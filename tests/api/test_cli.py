@@ -390,6 +390,24 @@ def test_run_refuses_a_missing_local_data_file_before_starting(tmp_path):
     assert not (tmp_path / "work").exists(), "the check runs before the run starts (it makes the workdir)"
 
 
+def test_run_refuses_a_metrics_port_whose_last_pod_would_pass_65535(tmp_path):
+    """`rljob run` gives pod i the metrics port + i: pod 1 of 65535 died of an OverflowError traceback, and pod 0
+    waited for it in distributed init. Now refused before anything starts (and by validate --local)."""
+    job = _local_job(tmp_path, **{"metrics.port": 65535, "training.microBatchSizePerGpu": 8})
+    job["spec"]["nnodes"] = 2
+    path = write(tmp_path, "j.yaml", job)
+    code, out = rljob("run", path, "--workdir", tmp_path / "work")
+    assert code == 2, out
+    assert ("rljob: spec.metrics.port: 65535: `rljob run` serves pod i's metrics on port + i, and pod 1 would get "
+            "65536, past 65535; lower it to at most 65534") in out, out
+    assert not (tmp_path / "work").exists()
+    code, out = rljob("validate", "--local", path)
+    assert code == 1 and "NOT RUNNABLE here: spec.metrics.port: 65535" in out, out
+    job["spec"]["metrics"]["port"] = 65534
+    code, out = rljob("validate", "--local", write(tmp_path, "ok.yaml", job))
+    assert code == 0, out
+
+
 def test_validate_local_names_a_folder_this_user_cannot_write(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()

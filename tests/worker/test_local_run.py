@@ -267,3 +267,68 @@ def test_a_seed_at_the_last_step_says_to_raise_the_steps_not_to_delete_the_jobs_
     out = run("from-seed", resumeMode="uri", resumeFrom=seed).stdout
     assert f"nothing to train: spec.checkpoint.resumeFrom {seed} is at step 1 and this run stops at step 1" in out, out
     assert "raise training.totalTrainingSteps above 1" in out and "delete that checkpoint folder" not in out, out
+
+
+def test_a_pod_that_fails_at_start_up_stops_its_peers_and_the_run_says_why(tmp_path):
+    """Two pods; pod 1's metrics port (port + 1 under `rljob run`) is taken, so pod 1 stops at start-up (exit 2).
+    Pod 0 then waited for it in distributed init until torch's 30-minute timeout and `rljob run` with it; now the
+    run stops its peers, exits 2 within seconds, and prints pod 1's line (which is in pod-1.log, not above)."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    port = busy.getsockname()[1] - 1
+    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    job["spec"]["nnodes"] = 2
+    job["spec"]["metrics"]["port"] = port
+    job["spec"]["training"]["microBatchSizePerGpu"] = 8
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    work = tmp_path / "run" / "work"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC", "RLJOB_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "rljob_cli.main", "run", str(path), "--workdir", str(tmp_path / "run"),
+                             "--checkpoint-uri", f"file://{tmp_path / 'ckpt'}"], env={**env, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its guard ends the pods
+        out = proc.communicate()[0]
+        pytest.fail(f"rljob run still waiting 180 s after pod 1 failed:\n{out[-3000:]}")
+    finally:
+        busy.close()
+        deadline = time.monotonic() + 20
+        while processes_with_env("RLJOB_WORKDIR", str(work)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in processes_with_env("RLJOB_WORKDIR", str(work)):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 2, out[-3000:]
+    line = next((x for x in out.splitlines() if x.startswith("rljob: pod 1 failed first")), out[-3000:])
+    assert "(exit code 2; the others were stopped)" in line and f"spec.metrics.port {port + 1}" in line, line
+    assert "finished with exit code 2" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_wait_pods_stops_the_peers_of_a_failed_pod_unless_the_run_is_stopping(stopping):
+    """A failed pod's peers get SIGTERM, then SIGKILL after the grace (one ignoring SIGTERM here); while the user
+    stops the run (stopping) every pod is left to finish, however long its save takes."""
+    from rljob_worker.runtime.launcher import wait_pods
+
+    script = ["sh", "-c", "exit 2"], ["sh", "-c", "trap '' TERM; sleep 2; exit 143"], ["sleep", "2"]
+    pods = [subprocess.Popen(argv, start_new_session=True) for argv in script]
+    time.sleep(0.3)  # the second has set its trap (sh reads its script first)
+    try:
+        start = time.monotonic()
+        codes, first = wait_pods(pods, grace_s=0.5, poll_s=0.05, stopping=lambda: stopping)
+        seconds = time.monotonic() - start
+    finally:
+        for pod in pods:
+            if pod.poll() is None:
+                pod.kill()
+                pod.wait()
+    assert first == 0
+    if stopping:
+        assert codes == [2, 143, 0] and seconds >= 1.2, (codes, seconds)
+    else:
+        assert codes == [2, -signal.SIGKILL, -signal.SIGTERM] and seconds < 1.5, (codes, seconds)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from rljob_api.models import RLJob
@@ -192,6 +193,36 @@ def clear_previous_run(job: RLJob, root: Path, checkpoint_uri: str) -> None:
           flush=True)
 
 
+PEER_GONE_GRACE_S = 30.0  # after SIGTERM, how long the pods left behind by a failed one get to stop
+
+
+def wait_pods(pods: list[subprocess.Popen], grace_s: float = PEER_GONE_GRACE_S, poll_s: float = 0.2,
+              stopping: Callable[[], bool] = lambda: False) -> tuple[list[int], int | None]:
+    """(each pod's exit code, the index of the first pod that failed or None). A pod that fails (a start-up error
+    of its own, a crash) leaves the others waiting for it in distributed init or their next collective until
+    torch's 30-minute timeout, so they get SIGTERM (they save if they still can and exit 143) and SIGKILL after
+    ``grace_s``. Not while ``stopping()`` (the user stopped the run: every pod saves, however long it takes)."""
+    failed: list[int] = []  # pods in the order they were seen failing
+    failed_at = None
+    while True:
+        codes = [pod.poll() for pod in pods]
+        failed += [i for i, c in enumerate(codes) if c not in (None, 0) and i not in failed]
+        if all(c is not None for c in codes):
+            return codes, (failed[0] if failed else None)
+        if failed and not stopping():
+            if failed_at is None:
+                failed_at, sig = time.monotonic(), signal.SIGTERM
+            else:
+                sig = signal.SIGKILL if time.monotonic() - failed_at > grace_s else None
+            for pod in pods:
+                if sig is not None and pod.poll() is None:
+                    try:
+                        os.killpg(pod.pid, sig)
+                    except ProcessLookupError:  # it ended since the poll
+                        pass
+        time.sleep(poll_s)
+
+
 def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None = None,
               steps: int | None = None, fresh: bool = False) -> int:
     spec = job.spec
@@ -245,8 +276,10 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
     extra[RUN_ID_VAR] = run_id  # every process of the run inherits it; the guard ends them all
     guard = start_guard(run_id)
     pods: list[subprocess.Popen] = []
+    stopping: list[int] = []
 
     def forward(signum, _frame):  # SIGTERM, Ctrl-C, a closed terminal: the pods save and stop
+        stopping.append(signum)
         for pod in pods:
             if pod.poll() is None:
                 os.killpg(pod.pid, signal.SIGTERM)
@@ -256,7 +289,7 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
     try:
         pods.extend(start_pod(job, rank, master_port, spec_path, extra,
                               log_path=None if rank == 0 else root / f"pod-{rank}.log") for rank in range(spec.nnodes))
-        codes = [pod.wait() for pod in pods]
+        codes, first_failed = wait_pods(pods, stopping=lambda: bool(stopping))
     finally:
         # Helpers that outlived their worker (reward pools, checkpoint writers) go now, not never.
         kill_run(run_id, grace_s=5.0)
@@ -267,7 +300,12 @@ def run_local(job: RLJob, workdir: str | None = None, checkpoint_uri: str | None
         new_top = {n for n in ("output.log", *(f"pod-{r}.log" for r in range(1, spec.nnodes)))
                    if (root / n).exists() and n not in top_before}
         record_written(job, root, new_top | (files_under(root / "work", root) - work_before))
-    code = next((c for c in codes if c != 0), 0)
+    code = codes[first_failed] if first_failed is not None else 0  # the pod that failed, not the peers it stopped
+    if first_failed and not stopping:  # its output is in its log file, not above: say what it said
+        log = root / f"pod-{first_failed}.log"
+        said = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("rljob")]
+        print(f"rljob: pod {first_failed} failed first (exit code {code}; the others were stopped); its output is in "
+              f"{log}" + (f", ending: {said[-1]}" if said else ""), file=sys.stderr, flush=True)
     print(f"rljob: {job.metadata.name} finished with exit code {code} in {time.monotonic() - started:.0f}s; "
           f"outputs in {root}", flush=True)
     return code
