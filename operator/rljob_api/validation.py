@@ -572,9 +572,14 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.rollout.tensorModelParallelSize", (
             f"{r.tensor_model_parallel_size} with rollout.engine {via}: the hf engines keep the whole model on each "
             "sampling GPU and are not sharded; set it to 1" + (", or use engine: vllm" if spec.device == "gpu" else ""))))
-    if not sft and r.engine == RolloutEngine.VLLM and r.ranks == RolloutRanks.RANK0:
-        errs.append(FieldError("spec.rollout.ranks", "rank0 is for the hf engines; the vllm engine samples on every "
-                               "rollout tensor-parallel group: use auto or every-rank, or rollout.engine: hf"))
+    # engine auto on GPUs picks vllm at rollout TP > 1 or with more than one process (rollout/factory.py)
+    auto_vllm = (r.engine == RolloutEngine.AUTO and spec.device == "gpu" and not rollout_in_own_pool(spec)
+                 and (r.tensor_model_parallel_size > 1 or (spec.critic is None and spec.nnodes * spec.gpus_per_node > 1)))
+    if not sft and (r.engine == RolloutEngine.VLLM or auto_vllm) and r.ranks == RolloutRanks.RANK0:
+        via = "the vllm engine" if r.engine == RolloutEngine.VLLM else (
+            "rollout.engine auto, which picks vllm on GPUs at rollout TP > 1 or with more than one GPU process,")
+        errs.append(FieldError("spec.rollout.ranks", f"rank0 is for the hf engines; {via} samples on every rollout "
+                               "tensor-parallel group: use auto or every-rank, or rollout.engine: hf"))
     if (not sft and r.temperature == 0 and r.samples_per_prompt >= 2
             and a.advantage_estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO)):
         errs.append(FieldError("spec.rollout.temperature", f"0 samples greedily, so the samplesPerPrompt="

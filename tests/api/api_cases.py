@@ -291,6 +291,8 @@ CROSS_INVALID = [
     # vllm samples on every rollout TP group (the hf engines' rollout TP: ENGINE_LAYOUT_INVALID)
     ("vllm-rank0", {R + "engine": "vllm", R + "ranks": "rank0"},
      {R + "ranks": ["rank0 is for the hf engines", "use auto or every-rank"]}),
+    ("auto-engine-on-8-gpus-rank0", {R + "ranks": "rank0"},
+     {R + "ranks": ["rollout.engine auto, which picks vllm on GPUs", "or rollout.engine: hf"]}),
     # DAPO's overlong penalty zone lies inside the response
     ("overlong-buffer-beyond-response", {"spec.algorithm.overlongBuffer": {"enable": True, "length": 2049}},
      {"spec.algorithm.overlongBuffer.length": ["2049 is longer than data.maxResponseLength=2048",
@@ -345,6 +347,8 @@ CROSS_VALID = [
     ("sft-synthetic", {**SYNTHETIC, "spec.algorithm.name": "sft", "spec.sft": {}}),
     ("prompt-key-with-files", {"spec.data.promptKey": "question"}),
     ("hf-engine-rank0", {R + "engine": "hf", R + "ranks": "rank0"}),
+    ("auto-engine-on-one-gpu-rank0", {"spec.gpusPerNode": 1, R + "ranks": "rank0", T + "microBatchSizePerGpu": 4}),
+    ("auto-engine-on-cpu-rank0", {"spec.device": "cpu", R + "ranks": "rank0"}),
     ("overlong-buffer-whole-response", {"spec.algorithm.overlongBuffer": {"enable": True, "length": 2048}}),
     ("overlong-buffer-off-beyond-response", {"spec.algorithm.overlongBuffer": {"length": 4096}}),
     ("synthetic-with-empty-train-files", {"spec.data.trainFiles": [], "spec.data.synthetic": {"task": "digit-sum"}}),
