@@ -272,3 +272,23 @@ def test_a_job_whose_saved_progress_no_longer_loads_is_a_configuration_error():
     from rljob_worker.startup_errors import is_configuration_error
 
     assert is_configuration_error(ProgressLost("none of it loads"))
+
+
+def test_the_error_line_is_one_write_so_ranks_do_not_interleave(monkeypatch):
+    """Under `python -u` print wrote the text and its newline in two writes: two ranks refusing the same setting
+    printed 'rljob worker: A...rljob worker: A...' on one line. The line and its newline now go out in one write."""
+    import rljob_worker.__main__ as worker_main
+
+    writes: list[str] = []
+
+    class Unbuffered:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Unbuffered())
+    worker_main._say("spec.megatron.sequenceParallel must be true")
+    assert writes == ["rljob worker: spec.megatron.sequenceParallel must be true\n"]

@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = parse_spec(json.loads(Path(args.spec).read_text()))
     except (OSError, json.JSONDecodeError) as exc:
-        print(f"rljob worker: cannot read --spec {args.spec}: {exc}", file=sys.stderr)
+        _say(f"cannot read --spec {args.spec}: {exc}")
         return 2
     except RLJobValidationError as exc:
-        print(f"rljob worker: invalid spec: {exc}", file=sys.stderr)  # one line: errors joined by '; '
+        _say(f"invalid spec: {exc}")  # one line: errors joined by '; '
         return 2
 
     if rank == "0":
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     problem = _metrics_port_problem(spec)
     if problem:
-        print(f"rljob worker: {problem}", file=sys.stderr)
+        _say(problem)
         return 2
 
     job_doc = Path(args.spec).with_name("job.json")  # the operator's ConfigMap: the RLJob's uid
@@ -136,19 +136,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_job(spec, ctx)
     except RunFailed as exc:  # training cannot learn: say why in one line, fail (not retryable)
-        print(f"rljob worker: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 1
     except Exception as exc:  # start-up errors are configuration errors: one clear line, no traceback wall
         from rljob_worker.startup_errors import disk_full_message, is_configuration_error
 
         full = disk_full_message(exc)
         if full:  # a full disk during a save: the path and the free space, not 65 lines of traceback
-            print(f"rljob worker: {full}", file=sys.stderr)
+            _say(full)
             return 1
         if is_configuration_error(exc):
-            print(f"rljob worker: {exc}", file=sys.stderr)
+            _say(str(exc))
             return 2
         raise
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write: the worker runs unbuffered (python -u), where print writes the text and
+    its newline apart, and the ranks of a pod that all refuse a setting wrote into each other's lines."""
+    sys.stderr.write(f"rljob worker: {line}\n")
+    sys.stderr.flush()
 
 
 def _die_with_torchrun() -> None:
