@@ -607,7 +607,8 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
 
 def synthetic_errors(spec: RLJobSpec) -> list[FieldError]:
     """data.synthetic's generated rows as the worker reads them at start-up: columns prompt (and response, for
-    sft), and at least one training batch of them (its sampler refuses fewer: data/prompts.EpochSampler). Pure."""
+    sft), at least one training batch of them (its sampler refuses fewer: data/prompts.EpochSampler), and its own
+    validation prompts (valFiles are not read beside it). Pure."""
     syn, d, errs = spec.data.synthetic, spec.data, []
     if syn is None:
         return errs
@@ -619,6 +620,10 @@ def synthetic_errors(spec: RLJobSpec) -> list[FieldError]:
             f"{syn.num_prompts} is fewer than one training batch of {batch} {rows} (training.trainBatchSizePerNode "
             f"{spec.training.train_batch_size_per_node} x nnodes {spec.nnodes}); raise it to at least {batch} or "
             "lower trainBatchSizePerNode")))
+    if d.val_files:
+        errs.append(FieldError("spec.data.valFiles", "is not read with data.synthetic, which generates its own "
+                               "validation prompts (synthetic.numValPrompts); remove valFiles, or give trainFiles "
+                               "instead of synthetic"))
     if d.prompt_key != "prompt":
         errs.append(FieldError("spec.data.promptKey", f"{d.prompt_key!r}: data.synthetic writes the prompt under "
                                "'prompt'; remove promptKey (or give trainFiles with that column)"))
