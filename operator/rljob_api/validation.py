@@ -460,6 +460,9 @@ def cross_field_errors(spec: RLJobSpec) -> list[FieldError]:
             if actor_gpus != spec.gpus_per_node else "")
     dp = megatron_errors(m, spec.nnodes * actor_gpus, "spec.megatron", errs, pool)
     sft = a.name == AlgorithmName.SFT
+    if spec.lora is not None and spec.lora.export_merged and not spec.checkpoint.export_hf:
+        errs.append(FieldError("spec.lora.exportMerged", "writes the merged model beside the final export, which "
+                               "checkpoint.exportHf false turns off: set exportHf: true, or remove exportMerged"))
     if spec.checkpoint.export_critic and spec.critic is None:
         errs.append(FieldError("spec.checkpoint.exportCritic", "exports the PPO critic, and this job has no "
                                "spec.critic; set it false (or add a critic with algorithm.advantageEstimator gae)"))

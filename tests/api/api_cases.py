@@ -298,6 +298,9 @@ CROSS_INVALID = [
      {R + "ranks": ["rank0 is for the hf engines", "use auto or every-rank"]}),
     ("auto-engine-on-8-gpus-rank0", {R + "ranks": "rank0"},
      {R + "ranks": ["rollout.engine auto, which picks vllm on GPUs", "or rollout.engine: hf"]}),
+    # the merged LoRA model is written with the final export
+    ("lora-merged-without-export", {"spec.lora": {"exportMerged": True}, "spec.checkpoint.exportHf": False},
+     {"spec.lora.exportMerged": ["checkpoint.exportHf false turns off", "set exportHf: true, or remove exportMerged"]}),
     # DAPO's overlong penalty zone lies inside the response
     ("overlong-buffer-beyond-response", {"spec.algorithm.overlongBuffer": {"enable": True, "length": 2049}},
      {"spec.algorithm.overlongBuffer.length": ["2049 is longer than data.maxResponseLength=2048",
@@ -354,6 +357,8 @@ CROSS_VALID = [
     ("hf-engine-rank0", {R + "engine": "hf", R + "ranks": "rank0"}),
     ("auto-engine-on-one-gpu-rank0", {"spec.gpusPerNode": 1, R + "ranks": "rank0", T + "microBatchSizePerGpu": 4}),
     ("auto-engine-on-cpu-rank0", {"spec.device": "cpu", R + "ranks": "rank0"}),
+    ("lora-merged-with-export", {"spec.lora": {"exportMerged": True}}),
+    ("lora-without-export", {"spec.lora": {}, "spec.checkpoint.exportHf": False}),
     ("overlong-buffer-whole-response", {"spec.algorithm.overlongBuffer": {"enable": True, "length": 2048}}),
     ("overlong-buffer-off-beyond-response", {"spec.algorithm.overlongBuffer": {"length": 4096}}),
     ("synthetic-with-empty-train-files", {"spec.data.trainFiles": [], "spec.data.synthetic": {"task": "digit-sum"}}),
