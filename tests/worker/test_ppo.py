@@ -177,3 +177,20 @@ def test_kl_in_the_reward_reaches_the_returns(tmp_path):
     penalties = [r["reward/kl_penalty_mean"] for r in records]
     assert penalties[0] == 0.0  # step 1: the policy is the reference
     assert all(abs(p) > 1e-6 for p in penalties[1:])
+
+
+@pytest.mark.parametrize(("critic", "actor", "tokenizer", "refused"), [
+    (16, 20, 20, True),  # another family's smaller vocabulary: refused
+    (151936, 152064, 151665, False),  # Qwen2.5-0.5B critic for Qwen2.5-7B: fewer padding rows, same tokenizer
+    (16, 16, 17, False),  # a tokenizer reporting an unused extra token (the builtin's unk) beyond the embedding
+])
+def test_a_critic_must_embed_the_actors_token_ids(critic, actor, tokenizer, refused):
+    from rljob_worker.startup_errors import StartupError
+    from rljob_worker.trainers.ppo import check_critic_vocabulary
+
+    if refused:
+        with pytest.raises(StartupError, match=r"spec\.critic\.model\.path /m: its vocabulary has 16 entries and the "
+                                               r"actor's token ids reach 19"):
+            check_critic_vocabulary(critic, actor, tokenizer, "/m")
+    else:
+        check_critic_vocabulary(critic, actor, tokenizer, "/m")

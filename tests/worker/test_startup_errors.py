@@ -94,6 +94,8 @@ def build_cases(tmp: Path, s3_server, bucket: str, busy_port: int) -> dict[str, 
     bad_tool = {**secret_tool, "tools": [{**secret_tool["tools"][0], "function": "no_such_tool_module:run"}]}
     plain_tokenizer = materialize_builtin("tiny-qwen2", tmp / "plain-tokenizer")  # no <tool_call> tags
     untagged = {**secret_tool, "model": {**secret_tool["model"], "tokenizerPath": str(plain_tokenizer)}}
+    small_critic = {**secret_tool, "algorithm": {**secret_tool["algorithm"], "advantageEstimator": "gae"},
+                    "critic": {"model": {"path": "builtin://tiny-qwen2"}}}  # 16 embeddings, the actor's ids reach 19
     (tmp / "garbage.json").write_text("{not json")
     broken_config = damaged_model(tmp, "broken-config", lambda m: (m / "config.json").write_text('{"model_type": '))
 
@@ -138,6 +140,8 @@ def build_cases(tmp: Path, s3_server, bucket: str, busy_port: int) -> dict[str, 
         "tool does not import": Case(bad_tool, "spec.tools[0].function", also="no_such_tool_module"),
         "tool-call end tag not one token": Case(untagged, "spec.rollout.agent.toolCallFormat",
                                                 also="'</tool_call>' is 0 tokens in this tokenizer"),
+        "critic of another vocabulary": Case(small_critic, "spec.critic.model.path builtin://tiny-qwen2",
+                                             also="its vocabulary has 16 entries and the actor's token ids reach 19"),
         "spec file missing": Case(None, "--spec", spec_file="no-such-spec.json", also="No such file"),
         "spec file not JSON": Case(None, "--spec", spec_file="garbage.json"),
         "TP 3 on 1 GPU": Case(bad_tp, "spec.megatron.tensorModelParallelSize", also="not divisible"),
@@ -213,6 +217,7 @@ CASE_NAMES = [
     "reward does not import",
     "tool does not import",
     "tool-call end tag not one token",
+    "critic of another vocabulary",
     "spec file missing",
     "spec file not JSON",
     "TP 3 on 1 GPU",

@@ -42,10 +42,24 @@ from rljob_worker.algorithms import gae
 from rljob_worker.data.batching import slice_batch, split_batch, trim_padding
 from rljob_worker.run_loop import Preempted
 from rljob_worker.runtime.distributed import all_gather_rows, broadcast_object
+from rljob_worker.startup_errors import StartupError
 from rljob_worker.trainers.critic_step import update_critic
 from rljob_worker.trainers.grpo import GRPOTrainer, _mean_dicts
 
 log = logging.getLogger("rljob.ppo")
+
+
+def check_critic_vocabulary(critic_vocab: int, actor_vocab: int, tokenizer_len: int, critic_path: str) -> None:
+    """The critic reads the actor's token ids, which both the actor's model and its tokenizer produce: a critic
+    model with fewer embeddings than either (a model of another family) failed its first forward pass with an
+    IndexError. (A smaller model of the actor's family may have fewer padding rows than the actor, and passes.)
+    StartupError naming spec.critic.model.path."""
+    needed = min(actor_vocab, tokenizer_len)
+    if critic_vocab < needed:
+        raise StartupError(
+            f"spec.critic.model.path {critic_path}: its vocabulary has {critic_vocab} entries and the actor's token "
+            f"ids reach {needed - 1}; the critic reads the actor's token ids, so it needs the actor's tokenizer: "
+            "use a critic of spec.model.path's model family, or unset critic.model.path to start it from the actor")
 
 
 class PPOTrainer(GRPOTrainer):
@@ -72,6 +86,10 @@ class PPOTrainer(GRPOTrainer):
 
             critic_dir = resolve_model_dir(spec.model_copy(update={"model": spec.model.model_copy(
                 update={"path": c.model.path})}), self.ctx.workdir / "critic-model", local_rank=self.env.local_rank)
+            from rljob_worker.megatron.hf_weights import load_hf_config
+
+            check_critic_vocabulary(load_hf_config(critic_dir).vocab_size, load_hf_config(self.model_dir).vocab_size,
+                                    len(self.tokenizer), c.model.path)
         if self.split:  # the critic pool builds its critic while this pool builds the actor
             from rljob_worker.trainers.critic_pool import CriticPoolClient
 
