@@ -69,7 +69,31 @@ class OperatorHandle:
         server = self.api_server
         wait_until(lambda: server.call(server.server.watch_count) >= 1, timeout=30, interval=0.1,
                    what="the operator's first watch", on_timeout=lambda: self.logs()[-4000:])
+        from realserver import real
+
+        if real():
+            self._first_reconcile()
         return self
+
+    def _first_reconcile(self) -> None:
+        """A real server just started opens its controllers' watches for a while after the test connected, so
+        the watch count above can be theirs: the first test then created its RLJob before the operator watched
+        and waited out its 8 s (2 of 3 runs once). An RLJob in a namespace of its own, reconciled (it has
+        conditions), proves the operator's watches are open; its namespace is deleted after."""
+        import opschema
+        import yaml
+        from cluster import NAMESPACES, RLJOBS, KubeClient, wait_until
+
+        kube = KubeClient(self.api_server.url)
+        namespace = f"rlj-ready-{uuid.uuid4().hex[:8]}"
+        kube.create_namespace(namespace)
+        doc = yaml.safe_load((opschema.REPO / "examples" / "quickstart.yaml").read_text())
+        doc["metadata"] = {"name": "ready"}
+        doc["spec"]["suspend"] = True  # nothing runs
+        kube.create(RLJOBS, namespace, doc)
+        wait_until(lambda: (kube.get(RLJOBS, namespace, "ready").get("status") or {}).get("conditions"), timeout=60,
+                   interval=0.2, what="the operator's first reconcile", on_timeout=lambda: self.logs()[-4000:])
+        kube.delete(NAMESPACES, None, namespace)
 
     def restart(self, *, kill: bool = True):
         if kill:
