@@ -326,11 +326,12 @@ def test_a_validation_leaves_a_level_two_engine_awake_and_every_step_samples_syn
                            str(tmp_path / "spec.json"), str(tmp_path), str(out)], capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    log = [entry for entry in json.loads(out.read_text())["log"] if entry not in ("load_weights",
-                                                                                 "reset_prefix_cache")]
-    step = ["generate", "sleep(2)", "wake_up(weights)", "wake_up(kv_cache)"]  # rollout, update, sync
+    log = []  # one entry per run of load_weights (a bucket each)
+    for entry in json.loads(out.read_text())["log"]:
+        if entry != "reset_prefix_cache" and not (entry == "load_weights" and log and log[-1] == entry):
+            log.append(entry)
+    step = ["generate", "sleep(2)", "wake_up(weights)", "load_weights", "wake_up(kv_cache)"]  # rollout, update, sync
     assert log == ["generate", *step, "generate", *step]  # validation, step 1, validation, step 2
-    assert "load_weights" in json.loads(out.read_text())["log"]
 
 
 def test_a_sleep_level_typo_is_refused_by_name(fake_vllm, model_dir, monkeypatch):
